@@ -1,0 +1,80 @@
+"""Block keys: the identity of a block in the radix tree (WIRE.md section 2).
+
+- root key  = sha256(scope.to_bytes())
+- block key = sha256(parent_key || each token as 4-byte little-endian)
+
+Blocks are consecutive ``tokens_per_block`` chunks; the last one may be partial and is hashed
+over its actual tokens (no padding, no length). Keys are 32 bytes and never truncated.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections.abc import Iterable, Sequence
+from hashlib import sha256
+from typing import Final, NewType
+
+from kvcache.scope import ReuseScope
+
+BlockKey = NewType("BlockKey", bytes)
+
+TOKEN_LIMIT: Final = 1 << 31
+_BIG_ENDIAN: Final = sys.byteorder == "big"
+
+
+def token_array(tokens: Iterable[int]) -> array[int]:
+    """Validate token ids and pack them as 32-bit ints (one pass, done once per request).
+
+    Raises ``TypeError`` for non-integers and ``ValueError`` for ids outside [0, 2**31).
+    """
+    if isinstance(tokens, (str, bytes)):
+        raise TypeError(f"tokens must be a sequence of ints, got {type(tokens).__name__}")
+    try:
+        arr = tokens if isinstance(tokens, array) and tokens.typecode == "i" else array("i", tokens)
+    except OverflowError:
+        bad = next(
+            (t for t in tokens if isinstance(t, int) and not 0 <= t < TOKEN_LIMIT), "out of range"
+        )
+        raise ValueError(f"token ids must be in [0, 2**31), got {bad}") from None
+    except TypeError:
+        bad_t = next((t for t in tokens if not isinstance(t, int)), None)
+        raise TypeError(f"token ids must be ints, got {type(bad_t).__name__} {bad_t!r}") from None
+    if arr and min(arr) < 0:
+        raise ValueError(f"token ids must be in [0, 2**31), got {min(arr)}")
+    return arr
+
+
+def tokens_to_bytes(tokens: array[int]) -> bytes:
+    """Little-endian 4-byte encoding of an already validated token array."""
+    if _BIG_ENDIAN:
+        swapped = array("i", tokens)
+        swapped.byteswap()
+        return swapped.tobytes()
+    return tokens.tobytes()
+
+
+def root_key(scope: ReuseScope) -> BlockKey:
+    """The key of a scope's root: ``sha256(scope.to_bytes())``."""
+    return BlockKey(sha256(scope.to_bytes()).digest())
+
+
+def block_key(parent_key: bytes, tokens: Sequence[int]) -> BlockKey:
+    """The chained key of one block: ``sha256(parent_key || tokens as 4-byte LE)``."""
+    return BlockKey(sha256(parent_key + tokens_to_bytes(token_array(tokens))).digest())
+
+
+def blockchain_keys(
+    scope: ReuseScope, tokens: Sequence[int], tokens_per_block: int
+) -> list[BlockKey]:
+    """One key per block of ``tokens`` under ``scope``; the last one may be partial."""
+    if tokens_per_block < 1:
+        raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
+    data = tokens_to_bytes(token_array(tokens))
+    step = 4 * tokens_per_block
+    keys: list[BlockKey] = []
+    parent: bytes = root_key(scope)
+    for start in range(0, len(data), step):
+        parent = sha256(parent + data[start : start + step]).digest()
+        keys.append(BlockKey(parent))
+    return keys

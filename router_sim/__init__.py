@@ -1,0 +1,1 @@
+"""router_sim: a KV-aware router rebuilt from KV events, routing policies and a simulator."""

@@ -1,0 +1,28 @@
+"""Builds the optional native V1 hash extension; the pure-Python reference is the fallback."""
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+
+class OptionalBuildExt(build_ext):
+    """A failed compile must not fail the install: events.hashing falls back to pure Python."""
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except Exception as exc:  # noqa: BLE001
+            print(f"warning: native hash extension not built ({exc}); using pure Python")
+
+    def build_extension(self, ext: Extension) -> None:
+        try:
+            super().build_extension(ext)
+        except Exception as exc:  # noqa: BLE001
+            print(f"warning: {ext.name} not built ({exc}); using pure Python")
+
+
+setup(
+    ext_modules=[
+        Extension("events._v1hash", sources=["events/_v1hash.c"], extra_compile_args=["-O3"], optional=True)
+    ],
+    cmdclass={"build_ext": OptionalBuildExt},
+)
