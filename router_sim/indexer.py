@@ -1,0 +1,379 @@
+"""The router's picture of every worker's KV cache, rebuilt from KV cache events alone.
+
+Layout (chosen for memory and for a matching loop that runs in C)::
+
+    _device[h]   -> bitmask of workers holding block h on the device tier (cache_level 0)
+    _slower[h]   -> bitmask of workers holding block h on any slower tier (cache_level >= 1)
+    _held[w][h]  -> bitmask of the cache levels at which worker w holds block h
+
+``_held`` is the source of truth (it makes ``reset_worker`` O(that worker's blocks) and lets
+removals and moves be checked); the two global maps are derived from it so that matching a
+request touches one or two dict lookups per block whatever the number of workers. Each worker
+gets a bit; bits are recycled when a worker is removed.
+
+Matching exploits that a prefix-AND of worker bitmasks is numerically non-increasing (a
+subset of a set of bits is never a larger integer): ``accumulate(masks, and_)`` gives, at
+position i, the workers holding every block up to i, ``takewhile`` stops when nobody is left,
+and a bisection finds where each worker drops out.
+
+Anomalies (removal of an unknown block, a block size other than the router's, a stored chain
+whose parent the worker does not hold, a move of an unknown block) are counted per kind and
+per worker and never abort the rest of a batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from bisect import bisect_right
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate, repeat, takewhile
+from operator import and_, neg, or_
+from typing import Final
+
+from events.model import (
+    AllBlocksCleared,
+    BlockHash,
+    Created,
+    DecodedBatch,
+    KVCacheEvent,
+    Removed,
+    Stored,
+    Updated,
+)
+
+log = logging.getLogger(__name__)
+
+#: anomaly kinds (keys of :attr:`KvIndexer.anomalies`)
+UNKNOWN_REMOVAL: Final = "unknown_removal"
+BLOCK_SIZE_MISMATCH: Final = "block_size_mismatch"
+UNKNOWN_PARENT: Final = "unknown_parent"
+UNKNOWN_UPDATE: Final = "unknown_update"
+ANOMALY_KINDS: Final[tuple[str, ...]] = (
+    UNKNOWN_REMOVAL,
+    BLOCK_SIZE_MISMATCH,
+    UNKNOWN_PARENT,
+    UNKNOWN_UPDATE,
+)
+
+_ZEROS: Final = repeat(0)
+
+
+@dataclass(frozen=True, slots=True)
+class MatchDetail:
+    """How much of a request's block chain one worker holds.
+
+    ``matched_blocks``: longest run of the request's blocks from the first that the worker
+    holds on any tier. ``device_run``: the same run counted on the device tier only.
+    ``device_blocks`` / ``slower_blocks``: within the ``matched_blocks`` run, blocks whose
+    fastest copy is on the device tier / on a slower tier (they sum to ``matched_blocks``).
+    """
+
+    matched_blocks: int
+    device_run: int
+    device_blocks: int
+    slower_blocks: int
+
+
+class KvIndexer:
+    """Block hash -> workers (with tier), fed by decoded event batches per worker."""
+
+    def __init__(self, tokens_per_block: int) -> None:
+        if tokens_per_block <= 0:
+            raise ValueError(f"tokens_per_block must be > 0, got {tokens_per_block}")
+        self.tokens_per_block: Final = tokens_per_block
+        self._device: dict[BlockHash, int] = {}
+        self._slower: dict[BlockHash, int] = {}
+        self._held: dict[int, dict[BlockHash, int]] = {}
+        self._bit_of: dict[int, int] = {}
+        self._worker_of_bit: dict[int, int] = {}
+        self._free_bits: list[int] = []
+        self._anomalies: dict[str, int] = dict.fromkeys(ANOMALY_KINDS, 0)
+        self._worker_anomalies: dict[int, dict[str, int]] = {}
+        self._flagged: dict[int, int] = {}  # worker -> the block size it announced
+        self.batches_applied = 0
+        self.events_applied = 0
+
+    # ------------------------------------------------------------------ workers
+
+    def _bit(self, worker: int) -> int:
+        bit = self._bit_of.get(worker)
+        if bit is None:
+            bit = self._free_bits.pop() if self._free_bits else len(self._bit_of)
+            self._bit_of[worker] = bit
+            self._worker_of_bit[bit] = worker
+            self._held[worker] = {}
+        return bit
+
+    @property
+    def workers(self) -> list[int]:
+        """Workers that have sent at least one batch and were not removed since."""
+        return list(self._bit_of)
+
+    def block_count(self, worker: int) -> int:
+        """Distinct blocks ``worker`` holds on any tier (0 for an unknown worker)."""
+        held = self._held.get(worker)
+        return 0 if held is None else len(held)
+
+    def total_entries(self) -> int:
+        """(block, worker) pairs indexed: the unit of the memory budget."""
+        return sum(len(h) for h in self._held.values())
+
+    def reset_worker(self, worker: int) -> None:
+        """Forget everything ``worker`` holds (after lost events), keeping it known.
+
+        O(that worker's blocks). Later batches rebuild its view from scratch.
+        """
+        held = self._held.get(worker)
+        if not held:
+            return
+        keep = ~(1 << self._bit_of[worker])
+        device, slower = self._device, self._slower
+        for h, levels in held.items():
+            if levels & 1:
+                m = device[h] & keep
+                if m:
+                    device[h] = m
+                else:
+                    del device[h]
+            if levels >> 1:
+                m = slower[h] & keep
+                if m:
+                    slower[h] = m
+                else:
+                    del slower[h]
+        held.clear()
+
+    def remove_worker(self, worker: int) -> None:
+        """Drop ``worker`` and all it holds; its bit is recycled. O(that worker's blocks)."""
+        if worker not in self._bit_of:
+            return
+        self.reset_worker(worker)
+        bit = self._bit_of.pop(worker)
+        del self._worker_of_bit[bit]
+        del self._held[worker]
+        self._free_bits.append(bit)
+        self._flagged.pop(worker, None)
+
+    # ---------------------------------------------------------------- anomalies
+
+    @property
+    def anomalies(self) -> dict[str, int]:
+        """Anomaly counts by kind, over all workers (a copy)."""
+        return dict(self._anomalies)
+
+    def worker_anomalies(self, worker: int) -> dict[str, int]:
+        """Anomaly counts by kind for one worker (a copy; zeros for a clean worker)."""
+        counts = dict.fromkeys(ANOMALY_KINDS, 0)
+        counts.update(self._worker_anomalies.get(worker, {}))
+        return counts
+
+    @property
+    def flagged_workers(self) -> dict[int, int]:
+        """Workers whose events carry another block size -> the size they announced.
+
+        Their blocks never match the router's request hashes: fix the worker's or the
+        router's ``tokens_per_block``.
+        """
+        return dict(self._flagged)
+
+    def _anomaly(self, worker: int, kind: str, count: int = 1) -> None:
+        self._anomalies[kind] += count
+        per = self._worker_anomalies.setdefault(worker, {})
+        per[kind] = per.get(kind, 0) + count
+
+    # ------------------------------------------------------------------ updates
+
+    def apply_batch(self, worker: int, batch: DecodedBatch) -> None:
+        """Apply one decoded batch from ``worker``, in order. Never raises on odd content."""
+        self.apply_events(worker, batch.events)
+        self.batches_applied += 1
+
+    def apply_events(self, worker: int, events: Sequence[KVCacheEvent]) -> None:
+        """Apply events from ``worker`` in order (what :meth:`apply_batch` does)."""
+        bit = 1 << self._bit(worker)
+        held = self._held[worker]
+        for event in events:
+            data = event.data
+            if isinstance(data, Stored):
+                self._stored(worker, bit, held, data)
+            elif isinstance(data, Removed):
+                self._removed(worker, bit, held, data)
+            elif isinstance(data, Updated):
+                self._updated(worker, bit, held, data)
+            elif isinstance(data, AllBlocksCleared):
+                self.reset_worker(worker)
+            elif isinstance(data, Created):
+                pass  # capacity announcement: nothing cached yet
+            self.events_applied += 1
+
+    def _check_block_size(self, worker: int, data: Stored) -> None:
+        size = data.block_size
+        if size is None:
+            # Without an announced size, only a chain of several blocks, or one too long,
+            # proves a different size (a lone short block may be a partial trailing block).
+            first = len(data.blocks[0].tokens)
+            if first > self.tokens_per_block or (
+                len(data.blocks) > 1 and first not in (0, self.tokens_per_block)
+            ):
+                size = first
+        if size is None or size == self.tokens_per_block:
+            return
+        self._anomaly(worker, BLOCK_SIZE_MISMATCH)
+        if worker not in self._flagged:
+            self._flagged[worker] = size
+            log.warning(
+                "worker %d sends blocks of %d tokens but this router hashes requests in blocks "
+                "of %d tokens: none of its blocks can ever match; configure both with the same "
+                "tokens_per_block",
+                worker,
+                size,
+                self.tokens_per_block,
+            )
+
+    def _stored(self, worker: int, bit: int, held: dict[BlockHash, int], data: Stored) -> None:
+        if not data.blocks:
+            return
+        self._check_block_size(worker, data)
+        parent = data.parent_hash
+        if parent is not None and parent not in held:
+            self._anomaly(worker, UNKNOWN_PARENT)
+        device, slower = self._device, self._slower
+        for block in data.blocks:
+            h = block.block_hash
+            level = block.cache_level
+            lbit = 1 << level if level >= 0 else 1
+            old = held.get(h, 0)
+            if old & lbit:
+                continue
+            held[h] = old | lbit
+            if lbit == 1:
+                device[h] = device.get(h, 0) | bit
+            elif not old >> 1:
+                slower[h] = slower.get(h, 0) | bit
+
+    def _drop_levels(
+        self, bit: int, held: dict[BlockHash, int], h: BlockHash, old: int, gone: int
+    ) -> None:
+        """Clear level bits ``gone`` (a subset of ``old``) of block ``h`` for one worker."""
+        new = old & ~gone
+        if new:
+            held[h] = new
+        else:
+            del held[h]
+        if gone & 1:
+            m = self._device[h] & ~bit
+            if m:
+                self._device[h] = m
+            else:
+                del self._device[h]
+        if old >> 1 and not new >> 1:
+            m = self._slower[h] & ~bit
+            if m:
+                self._slower[h] = m
+            else:
+                del self._slower[h]
+
+    def _removed(self, worker: int, bit: int, held: dict[BlockHash, int], data: Removed) -> None:
+        # A removal without a level drops every copy; with a level, only that tier's copy
+        # (a GPU -> CPU offload travels as Removed(GPU) + Stored(CPU)).
+        mask = -1 if data.cache_level is None else 1 << max(0, data.cache_level)
+        unknown = 0
+        for h in data.block_hashes:
+            old = held.get(h, 0)
+            gone = old & mask
+            if not gone:
+                unknown += 1
+                continue
+            self._drop_levels(bit, held, h, old, gone)
+        if unknown:
+            self._anomaly(worker, UNKNOWN_REMOVAL, unknown)
+
+    def _updated(self, worker: int, bit: int, held: dict[BlockHash, int], data: Updated) -> None:
+        diff = data.cache_level
+        if diff is None:
+            return  # a priority change does not affect routing
+        h = data.block_hash
+        old = held.get(h, 0)
+        if not old:
+            self._anomaly(worker, UNKNOWN_UPDATE)
+            return
+        old_bit = 1 << max(0, diff.old_value)
+        new_bit = 1 << max(0, diff.new_value)
+        if old_bit & old and old_bit != new_bit:
+            self._drop_levels(bit, held, h, old, old_bit)
+            old = held.get(h, 0)
+        if not old & new_bit:
+            held[h] = old | new_bit
+            if new_bit == 1:
+                self._device[h] = self._device.get(h, 0) | bit
+            elif not old >> 1:
+                self._slower[h] = self._slower.get(h, 0) | bit
+
+    # ----------------------------------------------------------------- matching
+
+    def _prefix_masks(self, block_hashes: Sequence[BlockHash], device_only: bool) -> list[int]:
+        """Prefix-AND of worker masks, cut where it becomes empty (non-increasing ints)."""
+        device = self._device
+        if device_only or not self._slower:
+            masks = map(device.get, block_hashes, _ZEROS)
+        else:
+            masks = map(
+                or_,
+                map(device.get, block_hashes, _ZEROS),
+                map(self._slower.get, block_hashes, _ZEROS),
+            )
+        return list(takewhile(bool, accumulate(masks, and_)))
+
+    def _run_lengths(self, prefix: list[int]) -> dict[int, int]:
+        result: dict[int, int] = {}
+        n = len(prefix)
+        i = 0
+        worker_of_bit = self._worker_of_bit
+        while i < n:
+            v = prefix[i]
+            # First position whose mask is smaller: workers in v but not there stop at j.
+            j = bisect_right(prefix, -v, lo=i, key=neg)
+            lost = v & ~prefix[j] if j < n else v
+            while lost:
+                low = lost & -lost
+                result[worker_of_bit[low.bit_length() - 1]] = j
+                lost ^= low
+            i = j
+        return result
+
+    def find_matches(self, block_hashes: Sequence[BlockHash]) -> dict[int, int]:
+        """Per worker holding the request's first block (any tier), the length of the longest
+        run of the request's blocks from the first that it holds. Workers with no match are
+        absent."""
+        if not block_hashes:
+            return {}
+        return self._run_lengths(self._prefix_masks(block_hashes, device_only=False))
+
+    def find_matches_detailed(self, block_hashes: Sequence[BlockHash]) -> dict[int, MatchDetail]:
+        """Like :meth:`find_matches` with the device-tier run and per-tier counts."""
+        if not block_hashes:
+            return {}
+        any_runs = self._run_lengths(self._prefix_masks(block_hashes, device_only=False))
+        if not self._slower:
+            return {w: MatchDetail(n, n, n, 0) for w, n in any_runs.items()}
+        dev_runs = self._run_lengths(self._prefix_masks(block_hashes, device_only=True))
+        result: dict[int, MatchDetail] = {}
+        dev_masks: list[int] | None = None
+        for w, n in any_runs.items():
+            d = dev_runs.get(w, 0)
+            on_device = d
+            if n > d:
+                # Past the device run the chain mixes tiers: count device copies one by one.
+                if dev_masks is None:
+                    longest = max(any_runs.values())
+                    dev_masks = list(map(self._device.get, block_hashes[:longest], _ZEROS))
+                bit = 1 << self._bit_of[w]
+                on_device += sum(1 for m in dev_masks[d:n] if m & bit)
+            result[w] = MatchDetail(n, d, on_device, n - on_device)
+        return result
+
+    def holds(self, worker: int, block_hash: BlockHash) -> tuple[int, ...]:
+        """The cache levels at which ``worker`` holds ``block_hash`` (empty if none)."""
+        levels = self._held.get(worker, {}).get(block_hash, 0)
+        return tuple(i for i in range(levels.bit_length()) if levels >> i & 1)
