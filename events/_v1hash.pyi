@@ -1,0 +1,9 @@
+"""Type stub of the native V1 block hash extension (built from _v1hash.c)."""
+
+def block_hash(tokens: object, parent_hash: int, lora_id: int | None, salt_id: int | None) -> int:
+    """V1 hash of one block of packed native-endian int32 token ids."""
+
+def chain(
+    tokens: object, tokens_per_block: int, lora_id: int | None, salt_id: int | None
+) -> list[int]:
+    """V1 hashes of every full block of packed native-endian int32 token ids."""

@@ -1,0 +1,240 @@
+"""Event block hashes: what a worker announces and what a router recomputes (WIRE.md section 3).
+
+Three algorithms (:class:`HashAlgo`):
+
+- ``v1_block_key`` (default): TensorRT-LLM's V1 ``BlockKeyHasher``, a 64-bit chained hash of a
+  block's tokens, its parent's hash and the scope (salt on the first block only, LoRA id on
+  every block). The readable pure-Python reference is :func:`v1_block_hash_py` /
+  :func:`v1_chain_py`; the optional native extension ``events._v1hash`` computes the same
+  values about a hundred times faster and is used when it imports (:data:`NATIVE`).
+- ``v2_sha256``: the 32-byte block key of ``kvcache.keys`` as 64 lowercase hex characters.
+- ``v2_sha256_64``: the first 8 bytes of that key as a big-endian unsigned integer.
+
+Routers call :func:`chain_hashes` on a request's tokens and scope; workers derive the same
+values block by block, so both sides share one definition.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from enum import Enum
+from typing import Final, TypeAlias
+
+from events.model import BlockHash
+from kvcache.keys import blockchain_keys, token_array
+from kvcache.scope import DEFAULT_SCOPE, U64_LIMIT, ReuseScope
+
+try:  # the extension is optional: a failed compile at install leaves the pure reference
+    from events import _v1hash as _native
+except ImportError:  # pragma: no cover - depends on the install
+    _native = None  # type: ignore[assignment]
+
+NATIVE: Final[bool] = _native is not None
+"""True when the native V1 hash extension is loaded."""
+
+Tokens: TypeAlias = Sequence[int] | memoryview
+"""Token ids: a sequence of ints, or packed native-endian int32s (``array('i')``, or the
+``bytes`` / ``memoryview`` of ``kvcache.keys.token_array(...)``)."""
+
+# Constants of TensorRT-LLM's BlockKeyHasher (kvCacheManager.cpp), also given in WIRE.md 3.
+_M1: Final = 0xBF58476D1CE4E5B9
+_M2: Final = 0x94D049BB133111EB
+_C32: Final = 0x45D9F3B
+_G: Final = 0x9E3779B9
+_MASK32: Final = 0xFFFFFFFF
+_MASK64: Final = 0xFFFFFFFFFFFFFFFF
+
+
+class HashAlgo(str, Enum):
+    """The ``hash_algo`` of an event stream."""
+
+    V1_BLOCK_KEY = "v1_block_key"
+    V2_SHA256 = "v2_sha256"
+    V2_SHA256_64 = "v2_sha256_64"
+
+    @classmethod
+    def parse(cls, value: HashAlgo | str) -> HashAlgo:
+        """The algorithm named ``value``; raises ``ValueError`` listing the valid names."""
+        try:
+            return cls(value)
+        except ValueError:
+            names = ", ".join(a.value for a in cls)
+            raise ValueError(f"unknown hash_algo {value!r}; expected one of {names}") from None
+
+
+def _check_u64(name: str, value: object, *, optional: bool) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int in [0, 2**64), got {type(value).__name__}")
+    if not 0 <= value < U64_LIMIT:
+        raise ValueError(f"{name} must be in [0, 2**64), got {value}")
+
+
+# --- pure reference ---------------------------------------------------------------------------
+
+
+def _mix32(a: int, seed: int) -> int:
+    a &= _MASK32
+    a = (((a >> 16) ^ a) * _C32) & _MASK32
+    a = (((a >> 16) ^ a) * _C32) & _MASK32
+    a = (a >> 16) ^ a
+    # a + G wraps at 32 bits before it is widened; the seed terms wrap at 64 bits.
+    return (seed ^ (((a + _G) & _MASK32) + (seed << 6) + (seed >> 2))) & _MASK64
+
+
+def _mix64(b: int, seed: int) -> int:
+    b = ((b ^ (b >> 30)) * _M1) & _MASK64
+    b = ((b ^ (b >> 27)) * _M2) & _MASK64
+    b = b ^ (b >> 31)
+    return (seed ^ (b + _G + (seed << 6) + (seed >> 2))) & _MASK64
+
+
+def v1_block_hash_py(
+    tokens: Sequence[int],
+    parent_hash: int = 0,
+    lora_id: int | None = None,
+    salt_id: int | None = None,
+) -> int:
+    """Pure-Python V1 hash of one block (the reference the native code is tested against)."""
+    seed = (len(tokens) ^ (parent_hash * _M1)) & _MASK64
+    # TensorRT-LLM mixes the salt whenever the parent hash is 0, which is the first block.
+    if parent_hash == 0 and salt_id is not None:
+        seed = _mix64(salt_id, seed)
+    for tok in tokens:
+        seed = _mix32(tok, seed)
+    if lora_id is not None:
+        seed = _mix64(lora_id, seed)
+    return seed
+
+
+def v1_chain_py(tokens: Sequence[int], tokens_per_block: int, scope: ReuseScope) -> list[int]:
+    """Pure-Python V1 hashes of the full blocks of ``tokens`` under ``scope``."""
+    hashes: list[int] = []
+    parent = 0
+    for start in range(0, len(tokens) - tokens_per_block + 1, tokens_per_block):
+        parent = v1_block_hash_py(
+            tokens[start : start + tokens_per_block], parent, scope.lora_id, scope.salt
+        )
+        hashes.append(parent)
+    return hashes
+
+
+# --- public API -------------------------------------------------------------------------------
+
+
+_PACKED_TYPES: Final = (bytes, bytearray, memoryview)
+
+
+def _as_array(tokens: Tokens) -> array[int]:
+    """Validated int32 token ids (``kvcache.keys.token_array``), unpacking bytes-like input."""
+    if isinstance(tokens, _PACKED_TYPES):
+        raw = memoryview(tokens).cast("B")
+        if len(raw) % 4:
+            raise ValueError(f"packed tokens must be whole 4-byte int32s, got {len(raw)} bytes")
+        unpacked: array[int] = array("i")
+        unpacked.frombytes(raw)
+        return token_array(unpacked)
+    return token_array(tokens)
+
+
+def _int32s(tokens: Tokens) -> array[int] | bytes | bytearray | memoryview:
+    """Tokens as packed int32s for the hash functions.
+
+    With the native extension, an ``array('i')`` or a bytes-like object goes through as is:
+    the native code checks the length and rejects negative ids itself, which spares a
+    Python-level pass over a long prompt.
+    """
+    if _native is not None and (
+        isinstance(tokens, _PACKED_TYPES) or (isinstance(tokens, array) and tokens.typecode == "i")
+    ):
+        return tokens
+    return _as_array(tokens)
+
+
+def v1_block_hash(
+    tokens: Tokens,
+    parent_hash: int = 0,
+    lora_id: int | None = None,
+    salt_id: int | None = None,
+) -> int:
+    """The V1 hash of one block: ``tokens`` chained to ``parent_hash`` (0 for a first block).
+
+    Raises ``TypeError`` / ``ValueError`` for token ids outside [0, 2**31) or hash, LoRA and salt
+    values outside [0, 2**64).
+    """
+    _check_u64("parent_hash", parent_hash, optional=False)
+    _check_u64("lora_id", lora_id, optional=True)
+    _check_u64("salt_id", salt_id, optional=True)
+    packed = _int32s(tokens)
+    if _native is not None:
+        return int(_native.block_hash(packed, parent_hash, lora_id, salt_id))
+    return v1_block_hash_py(packed, parent_hash, lora_id, salt_id)
+
+
+def v1_chain(tokens: Tokens, tokens_per_block: int, scope: ReuseScope | None = None) -> list[int]:
+    """V1 hashes of the full blocks of ``tokens`` under ``scope`` (a trailing partial block
+    has no hash). ``tokens`` may be a list of ids or packed int32s (see :data:`Tokens`); one
+    native call hashes the whole sequence."""
+    if isinstance(tokens_per_block, bool) or not isinstance(tokens_per_block, int):
+        raise TypeError(f"tokens_per_block must be an int, got {type(tokens_per_block).__name__}")
+    if tokens_per_block < 1:
+        raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
+    scope = DEFAULT_SCOPE if scope is None else scope
+    packed = _int32s(tokens)
+    if _native is not None:
+        return list(_native.chain(packed, tokens_per_block, scope.lora_id, scope.salt))
+    return v1_chain_py(packed, tokens_per_block, scope)
+
+
+def hash_from_key(algo: HashAlgo | str, key: bytes) -> BlockHash:
+    """The event hash of a 32-byte block key under a ``v2_*`` algorithm.
+
+    ``v1_block_key`` is not derived from keys (it chains its own 64-bit values): use
+    :func:`v1_block_hash` for it.
+    """
+    parsed = HashAlgo.parse(algo)
+    if len(key) != 32:
+        raise ValueError(f"block keys are 32 bytes (SHA-256), got {len(key)}")
+    if parsed is HashAlgo.V2_SHA256:
+        return bytes(key).hex()
+    if parsed is HashAlgo.V2_SHA256_64:
+        return int.from_bytes(key[:8], "big")
+    raise ValueError("v1_block_key hashes chain over tokens, not keys: use v1_block_hash")
+
+
+def chain_hashes(
+    tokens: Tokens,
+    tokens_per_block: int,
+    scope: ReuseScope | None = None,
+    algo: HashAlgo | str = HashAlgo.V1_BLOCK_KEY,
+) -> list[BlockHash]:
+    """The event hashes of the full blocks of a request's ``tokens`` under ``scope``.
+
+    This is what a router computes to look a request up in its index; it equals what the
+    worker's event manager announces for the same tokens, scope and ``tokens_per_block``.
+    """
+    parsed = HashAlgo.parse(algo)
+    scope = DEFAULT_SCOPE if scope is None else scope
+    if parsed is HashAlgo.V1_BLOCK_KEY:
+        return list(v1_chain(tokens, tokens_per_block, scope))
+    if tokens_per_block < 1:
+        raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
+    arr = _as_array(tokens)
+    full = len(arr) - len(arr) % tokens_per_block
+    return [
+        hash_from_key(parsed, key) for key in blockchain_keys(scope, arr[:full], tokens_per_block)
+    ]
+
+
+__all__ = [
+    "NATIVE",
+    "HashAlgo",
+    "chain_hashes",
+    "hash_from_key",
+    "v1_block_hash",
+    "v1_block_hash_py",
+    "v1_chain",
+    "v1_chain_py",
+]
