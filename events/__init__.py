@@ -1,5 +1,9 @@
-"""events: scope-derived block hashes, KV cache events, wire codecs and ZeroMQ transport."""
+"""events: scope-derived block hashes, KV cache events, wire codecs and ZeroMQ transport.
 
+Importing the package does not import ZeroMQ; the publisher and subscriber modules do.
+"""
+
+from events.manager import KVCacheEventManager
 from events.model import (
     AllBlocksCleared,
     BlockHash,
@@ -20,6 +24,7 @@ __all__ = [
     "DecodedBatch",
     "EventDiff",
     "KVCacheEvent",
+    "KVCacheEventManager",
     "Removed",
     "Stored",
     "StoredBlock",

@@ -1,0 +1,373 @@
+"""The KV cache event manager: kvcache's event sink, producing KV cache events.
+
+``KVCacheEventManager`` turns the cache's sink calls (stored, removed, moved, cleared) into
+:class:`~events.model.KVCacheEvent` records a publisher can send and a router can replay:
+
+- each block gets an event hash derived from its tokens, its parent's event hash and the scope of
+  its root (``hash_algo``, WIRE.md section 3); the hash is cached per block key and forgotten on
+  removal, so a removal names exactly what was announced;
+- events accumulate per iteration; :meth:`KVCacheEventManager.flush` ends the iteration,
+  coalesces the pending events and moves them into a bounded buffer (oldest dropped first, every
+  drop counted) with monotonically increasing event ids;
+- :meth:`KVCacheEventManager.get_latest_events` drains that buffer, optionally waiting for events.
+
+The manager does no I/O and reads no clock; it is safe to call from several threads.
+
+Coalescing rules (order between events is always preserved)::
+
+    Stored(p, [A]) + Stored(A, [B])      -> Stored(p, [A, B])   same level, LoRA, salt, priority
+    Removed([X], lvl) + Removed([Y], lvl) -> Removed([X, Y], lvl)
+    Removed([X]) + Stored(...)            -> kept as two events, in that order
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+from events.hashing import HashAlgo, hash_from_key, v1_block_hash
+from events.model import (
+    AllBlocksCleared,
+    BlockHash,
+    Created,
+    EventData,
+    EventDiff,
+    KVCacheEvent,
+    Removed,
+    Stored,
+    StoredBlock,
+    Updated,
+)
+from kvcache.keys import BlockKey
+from kvcache.sink import BlockView
+
+MovesAs = Literal["updated", "removed_stored"]
+_MOVES_AS: Final[tuple[str, ...]] = ("updated", "removed_stored")
+
+# A frozen dataclass's __init__ routes every field through object.__setattr__, which costs about
+# a microsecond per StoredBlock; the per-block path writes the slots through their descriptors
+# instead (same object, same equality, tested against the regular constructor).
+_new_object = object.__new__
+
+
+def _slot_setter(name: str) -> Callable[[object, object], None]:
+    descriptor: Any = vars(StoredBlock)[name]
+    setter: Callable[[object, object], None] = descriptor.__set__
+    return setter
+
+
+_set_hash = _slot_setter("block_hash")
+_set_tokens = _slot_setter("tokens")
+_set_lora = _slot_setter("lora_id")
+_set_level = _slot_setter("cache_level")
+_set_priority = _slot_setter("priority")
+_set_salt = _slot_setter("cache_salt_id")
+
+
+def _stored_block(
+    block_hash: BlockHash,
+    tokens: list[int],
+    lora_id: int | None,
+    cache_level: int,
+    priority: int,
+    cache_salt_id: int | None,
+) -> StoredBlock:
+    """``StoredBlock(...)`` without the frozen-dataclass construction overhead."""
+    sb: StoredBlock = _new_object(StoredBlock)
+    _set_hash(sb, block_hash)
+    _set_tokens(sb, tokens)
+    _set_lora(sb, lora_id)
+    _set_level(sb, cache_level)
+    _set_priority(sb, priority)
+    _set_salt(sb, cache_salt_id)
+    return sb
+
+
+@dataclass(slots=True)
+class _PendingStored:
+    """A Stored event still open for extension within the current iteration."""
+
+    parent_hash: BlockHash | None
+    blocks: list[StoredBlock]
+
+
+@dataclass(slots=True)
+class _PendingRemoved:
+    """A Removed event still open for merging within the current iteration."""
+
+    block_hashes: list[BlockHash]
+    cache_level: int
+
+
+_Pending = _PendingStored | _PendingRemoved | EventData
+
+
+class KVCacheEventManager:
+    """kvcache's :class:`~kvcache.sink.EventSink` that produces KV cache events.
+
+    Args:
+        hash_algo: ``"v1_block_key"`` (default, TensorRT-LLM V1 64-bit hashes), ``"v2_sha256"``
+            (hex of the block key) or ``"v2_sha256_64"`` (first 8 bytes of the key, big-endian).
+        max_entries: capacity of the event buffer; on overflow the oldest events are dropped
+            and counted in :attr:`dropped_events`.
+        window_size: the attention window stamped on every event (0: full attention).
+        dp_rank: the attention data-parallel rank stamped on every event.
+        announce_partial: also announce blocks holding fewer than ``tokens_per_block`` tokens.
+        moves_as: ``"updated"`` turns a tier move into ``Updated(cache_level=EventDiff(old,
+            new))``; ``"removed_stored"`` into ``Removed(old level)`` + ``Stored(new level)``
+            with the same hash, tokens and parent (what the wire format expects).
+        tokens_per_block: the cache's block size, stamped on Stored events as ``block_size``;
+            when omitted it is learned from the first full block.
+    """
+
+    def __init__(
+        self,
+        hash_algo: HashAlgo | str = HashAlgo.V1_BLOCK_KEY,
+        max_entries: int = 10000,
+        window_size: int = 0,
+        dp_rank: int | None = None,
+        announce_partial: bool = False,
+        moves_as: MovesAs = "updated",
+        tokens_per_block: int | None = None,
+    ) -> None:
+        try:
+            algo = HashAlgo(hash_algo)
+        except ValueError:
+            names = ", ".join(a.value for a in HashAlgo)
+            raise ValueError(f"unknown hash_algo {hash_algo!r}; use one of: {names}") from None
+        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
+            raise ValueError(f"max_entries must be an int >= 1, got {max_entries!r}")
+        if moves_as not in _MOVES_AS:
+            raise ValueError(f"moves_as must be one of {_MOVES_AS}, got {moves_as!r}")
+        if tokens_per_block is not None and tokens_per_block < 1:
+            raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
+        self.hash_algo: Final[HashAlgo] = algo
+        self.max_entries: Final[int] = max_entries
+        self.window_size: Final[int] = window_size
+        self.dp_rank: Final[int | None] = dp_rank
+        self.announce_partial: Final[bool] = announce_partial
+        self.moves_as: Final[MovesAs] = moves_as
+        self._algo_name: str = algo.value
+        self._v1 = algo is HashAlgo.V1_BLOCK_KEY
+        self._block_size = tokens_per_block
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self._hashes: dict[BlockKey, BlockHash] = {}
+        self._pending: list[_Pending] = []
+        self._buffer: deque[KVCacheEvent] = deque(maxlen=max_entries)
+        self._next_id = 0
+        self.dropped_events = 0
+        """Events dropped from the buffer because it was full (oldest first)."""
+        self.duplicate_stores = 0
+        """Stored calls for blocks already announced (ignored; a cache bug if ever non-zero)."""
+
+    # ----------------------------------------------------------------------------- hashing
+
+    def _hash_block(self, block: BlockView, parent_hash: BlockHash | None) -> BlockHash:
+        if self._v1:
+            scope = block.scope
+            return v1_block_hash(
+                block.tokens,
+                0 if parent_hash is None else int(parent_hash),
+                lora_id=scope.lora_id,
+                salt_id=scope.salt,
+            )
+        return hash_from_key(self.hash_algo, block.key)
+
+    def _parent_hash(self, block: BlockView) -> BlockHash | None:
+        """The event hash of ``block``'s parent; None for a first block.
+
+        A parent that was never announced (the sink was attached after it was stored) is hashed
+        from its own chain, without caching it: its removal must not be announced either.
+        """
+        parent = block.parent
+        if parent is None:
+            return None
+        known = self._hashes.get(parent.key)
+        if known is not None:
+            return known
+        chain: list[BlockView] = []
+        node: BlockView | None = parent
+        h: BlockHash | None = None
+        while node is not None:
+            known = self._hashes.get(node.key)
+            if known is not None:
+                h = known
+                break
+            chain.append(node)
+            node = node.parent
+        for missing in reversed(chain):
+            h = self._hash_block(missing, h)
+        return h
+
+    def hash_of(self, block: BlockView) -> BlockHash | None:
+        """The event hash announced for ``block``, or None if it is not announced now."""
+        with self._lock:
+            return self._hashes.get(block.key)
+
+    @property
+    def num_announced(self) -> int:
+        """Blocks announced as stored and not removed since."""
+        with self._lock:
+            return len(self._hashes)
+
+    # ------------------------------------------------------------------------- sink calls
+
+    def _append_stored(
+        self, parent_hash: BlockHash | None, sb: StoredBlock, pending: list[_Pending]
+    ) -> None:
+        """Extend the last pending Stored when ``sb`` continues its chain, else open a new one."""
+        if pending:
+            last = pending[-1]
+            if isinstance(last, _PendingStored):
+                tail = last.blocks[-1]
+                if (
+                    parent_hash is not None
+                    and tail.block_hash == parent_hash
+                    and tail.cache_level == sb.cache_level
+                    and tail.lora_id == sb.lora_id
+                    and tail.cache_salt_id == sb.cache_salt_id
+                    and tail.priority == sb.priority
+                ):
+                    last.blocks.append(sb)
+                    return
+        pending.append(_PendingStored(parent_hash, [sb]))
+
+    def _append_removed(self, h: BlockHash, cache_level: int, pending: list[_Pending]) -> None:
+        if pending:
+            last = pending[-1]
+            if isinstance(last, _PendingRemoved) and last.cache_level == cache_level:
+                last.block_hashes.append(h)
+                return
+        pending.append(_PendingRemoved([h], cache_level))
+
+    def on_stored(self, blocks: Sequence[BlockView]) -> None:
+        """Announce blocks that joined the tree (partial ones only with ``announce_partial``)."""
+        with self._lock:
+            hashes = self._hashes
+            pending = self._pending
+            for block in blocks:
+                if not block.is_full:
+                    if not self.announce_partial:
+                        continue
+                elif self._block_size is None:
+                    self._block_size = len(block.tokens)
+                key = block.key
+                if key in hashes:
+                    self.duplicate_stores += 1
+                    continue
+                parent_hash = self._parent_hash(block)
+                h = self._hash_block(block, parent_hash)
+                hashes[key] = h
+                scope = block.scope
+                sb = _stored_block(
+                    h, list(block.tokens), scope.lora_id, block.tier, block.priority, scope.salt
+                )
+                self._append_stored(parent_hash, sb, pending)
+
+    def on_removed(self, blocks: Sequence[BlockView]) -> None:
+        """Announce blocks that left the tree; blocks never announced stay silent."""
+        with self._lock:
+            hashes = self._hashes
+            pending = self._pending
+            for block in blocks:
+                h = hashes.pop(block.key, None)
+                if h is not None:
+                    self._append_removed(h, block.tier, pending)
+
+    def on_moved(self, blocks: Sequence[BlockView], old_tier: int, new_tier: int) -> None:
+        """Announce a tier move as Updated events or as a Removed + Stored pair (``moves_as``)."""
+        with self._lock:
+            hashes = self._hashes
+            pending = self._pending
+            moved = [(b, hashes[b.key]) for b in blocks if b.key in hashes]
+            if not moved:
+                return
+            if self.moves_as == "updated":
+                diff = EventDiff(old_tier, new_tier)
+                for _, h in moved:
+                    pending.append(Updated(h, cache_level=diff))
+                return
+            for _, h in moved:
+                self._append_removed(h, old_tier, pending)
+            for block, h in moved:
+                scope = block.scope
+                sb = _stored_block(
+                    h, list(block.tokens), scope.lora_id, new_tier, block.priority, scope.salt
+                )
+                self._append_stored(self._parent_hash(block), sb, pending)
+
+    def on_cleared(self) -> None:
+        """Announce that every reusable block was dropped, and forget all hashes."""
+        with self._lock:
+            self._hashes.clear()
+            self._pending.append(AllBlocksCleared())
+
+    def created(self, num_blocks_per_level: Sequence[int]) -> None:
+        """Queue a Created event announcing the cache's capacity per cache level."""
+        with self._lock:
+            self._pending.append(Created(list(num_blocks_per_level)))
+
+    # ------------------------------------------------------------------- buffer and drain
+
+    def flush(self) -> int:
+        """End the current iteration: move its coalesced events into the buffer.
+
+        Returns the number of events produced. When the buffer overflows, the oldest events are
+        dropped and counted in :attr:`dropped_events`; their event ids are not reused.
+        """
+        with self._lock:
+            pending = self._pending
+            if not pending:
+                return 0
+            self._pending = []
+            block_size = self._block_size
+            ready: list[KVCacheEvent] = []
+            event_id = self._next_id
+            for item in pending:
+                data: EventData
+                if isinstance(item, _PendingStored):
+                    data = Stored(item.parent_hash, item.blocks, block_size)
+                elif isinstance(item, _PendingRemoved):
+                    data = Removed(item.block_hashes, item.cache_level)
+                else:
+                    data = item
+                ready.append(
+                    KVCacheEvent(event_id, data, self.window_size, self._algo_name, self.dp_rank)
+                )
+                event_id += 1
+            self._next_id = event_id
+            overflow = len(self._buffer) + len(ready) - self.max_entries
+            if overflow > 0:
+                self.dropped_events += overflow
+            self._buffer.extend(ready)  # the deque's maxlen discards the oldest
+            self._ready.notify_all()
+            return len(ready)
+
+    def get_latest_events(self, timeout_ms: float = 0) -> list[KVCacheEvent]:
+        """Drain the buffer, oldest first.
+
+        With ``timeout_ms > 0`` and an empty buffer, wait until :meth:`flush` produces events or
+        the timeout passes (then return an empty list).
+        """
+        with self._ready:
+            if not self._buffer and timeout_ms > 0:
+                self._ready.wait_for(lambda: bool(self._buffer), timeout_ms / 1000.0)
+            events = list(self._buffer)
+            self._buffer.clear()
+            return events
+
+    @property
+    def num_pending(self) -> int:
+        """Events of the current iteration, before coalescing is final (not yet flushed)."""
+        with self._lock:
+            return len(self._pending)
+
+    @property
+    def next_event_id(self) -> int:
+        """The id the next flushed event will get."""
+        with self._lock:
+            return self._next_id
