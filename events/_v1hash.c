@@ -1,0 +1,230 @@
+/*
+ * Native V1 block hashes (WIRE.md section 3): TensorRT-LLM's V1 BlockKeyHasher, 64-bit.
+ *
+ * events/hashing.py keeps the readable pure-Python reference; this file computes the same
+ * values for packed native-endian int32 token ids (array('i'), or its bytes), so a router can
+ * hash a whole prompt in one call. Tests check both agree.
+ *
+ *   block_hash(tokens, parent_hash, lora_id, salt_id) -> int
+ *   chain(tokens, tokens_per_block, lora_id, salt_id) -> list[int]   (full blocks only)
+ *
+ * lora_id / salt_id are ints in [0, 2**64) or None. Token ids must lie in [0, 2**31).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <string.h>
+
+#define M1 UINT64_C(0xbf58476d1ce4e5b9)
+#define M2 UINT64_C(0x94d049bb133111eb)
+#define C32 UINT32_C(0x45d9f3b)
+#define G UINT32_C(0x9e3779b9)
+
+/* Above this many tokens the chain is hashed without the GIL (other threads keep running). */
+#define RELEASE_GIL_TOKENS 65536
+
+static inline uint64_t mix32(uint32_t a, uint64_t seed) {
+    a = ((a >> 16) ^ a) * C32;
+    a = ((a >> 16) ^ a) * C32;
+    a = (a >> 16) ^ a;
+    /* a + G wraps at 32 bits before it is widened */
+    return seed ^ ((uint64_t)(uint32_t)(a + G) + (seed << 6) + (seed >> 2));
+}
+
+static inline uint64_t mix64(uint64_t b, uint64_t seed) {
+    b = (b ^ (b >> 30)) * M1;
+    b = (b ^ (b >> 27)) * M2;
+    b = b ^ (b >> 31);
+    return seed ^ (b + (uint64_t)G + (seed << 6) + (seed >> 2));
+}
+
+typedef struct {
+    int has_lora;
+    uint64_t lora;
+    int has_salt;
+    uint64_t salt;
+} scope_t;
+
+/* Hashes n tokens starting at p (possibly unaligned). ORs every token into *sign so the caller
+ * can reject negative ids after the fact instead of scanning twice. */
+static inline uint64_t hash_block(const unsigned char *p, Py_ssize_t n, uint64_t parent,
+                                  const scope_t *scope, uint32_t *sign) {
+    uint64_t seed = (uint64_t)n ^ (parent * M1);
+    uint32_t acc = 0;
+    /* TensorRT-LLM mixes the salt whenever the parent hash is 0 (a sequence's first block). */
+    if (parent == 0 && scope->has_salt) {
+        seed = mix64(scope->salt, seed);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t tok;
+        memcpy(&tok, p + 4 * i, 4);
+        acc |= tok;
+        seed = mix32(tok, seed);
+    }
+    if (scope->has_lora) {
+        seed = mix64(scope->lora, seed);
+    }
+    *sign |= acc;
+    return seed;
+}
+
+/* Reads an optional u64 (None -> absent). Returns 0 on success, -1 with an exception set. */
+static int parse_optional_u64(PyObject *obj, const char *name, int *present, uint64_t *out) {
+    if (obj == Py_None) {
+        *present = 0;
+        *out = 0;
+        return 0;
+    }
+    if (!PyLong_Check(obj) || PyBool_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s must be an int in [0, 2**64) or None, got %s", name,
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    unsigned long long v = PyLong_AsUnsignedLongLong(obj);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%s must be in [0, 2**64), got %R", name, obj);
+        return -1;
+    }
+    *present = 1;
+    *out = (uint64_t)v;
+    return 0;
+}
+
+static int parse_scope(PyObject *lora, PyObject *salt, scope_t *scope) {
+    if (parse_optional_u64(lora, "lora_id", &scope->has_lora, &scope->lora) < 0) {
+        return -1;
+    }
+    return parse_optional_u64(salt, "salt_id", &scope->has_salt, &scope->salt);
+}
+
+/* Checks the buffer holds whole int32s; returns the token count or -1 with an exception set. */
+static Py_ssize_t token_count(const Py_buffer *buf) {
+    if (buf->len % 4 != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "packed tokens must be whole 4-byte int32s, got %zd bytes", buf->len);
+        return -1;
+    }
+    return buf->len / 4;
+}
+
+static PyObject *negative_token_error(void) {
+    PyErr_SetString(PyExc_ValueError,
+                    "token ids must be in [0, 2**31), got a negative id in the packed tokens");
+    return NULL;
+}
+
+static PyObject *v1_block_hash(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer buf;
+    PyObject *parent_obj, *lora, *salt;
+    scope_t scope;
+    if (!PyArg_ParseTuple(args, "y*OOO:block_hash", &buf, &parent_obj, &lora, &salt)) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    int has_parent;
+    uint64_t parent;
+    Py_ssize_t n = token_count(&buf);
+    if (n < 0 || parse_optional_u64(parent_obj, "parent_hash", &has_parent, &parent) < 0 ||
+        parse_scope(lora, salt, &scope) < 0) {
+        goto done;
+    }
+    if (!has_parent) {
+        PyErr_SetString(PyExc_TypeError, "parent_hash must be an int (0 for a first block)");
+        goto done;
+    }
+    uint32_t sign = 0;
+    uint64_t h = hash_block((const unsigned char *)buf.buf, n, parent, &scope, &sign);
+    if (sign & UINT32_C(0x80000000)) {
+        negative_token_error();
+        goto done;
+    }
+    result = PyLong_FromUnsignedLongLong(h);
+done:
+    PyBuffer_Release(&buf);
+    return result;
+}
+
+static PyObject *v1_chain(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer buf;
+    Py_ssize_t tpb;
+    PyObject *lora, *salt;
+    scope_t scope;
+    if (!PyArg_ParseTuple(args, "y*nOO:chain", &buf, &tpb, &lora, &salt)) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    uint64_t *hashes = NULL;
+    Py_ssize_t n = token_count(&buf);
+    if (n < 0 || parse_scope(lora, salt, &scope) < 0) {
+        goto done;
+    }
+    if (tpb < 1) {
+        PyErr_Format(PyExc_ValueError, "tokens_per_block must be >= 1, got %zd", tpb);
+        goto done;
+    }
+    Py_ssize_t nblocks = n / tpb;
+    hashes = PyMem_Malloc(sizeof(uint64_t) * (size_t)(nblocks > 0 ? nblocks : 1));
+    if (hashes == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const unsigned char *p = (const unsigned char *)buf.buf;
+    uint32_t sign = 0;
+    uint64_t parent = 0;
+    /* The buffer export keeps the array from being resized while the GIL is released. */
+    PyThreadState *released = n >= RELEASE_GIL_TOKENS ? PyEval_SaveThread() : NULL;
+    for (Py_ssize_t b = 0; b < nblocks; b++) {
+        parent = hash_block(p + 4 * b * tpb, tpb, parent, &scope, &sign);
+        hashes[b] = parent;
+    }
+    if (released != NULL) {
+        PyEval_RestoreThread(released);
+    }
+    /* The tail beyond the last full block is not hashed but its ids must still be valid. */
+    for (Py_ssize_t i = nblocks * tpb; i < n; i++) {
+        uint32_t tok;
+        memcpy(&tok, p + 4 * i, 4);
+        sign |= tok;
+    }
+    if (sign & UINT32_C(0x80000000)) {
+        negative_token_error();
+        goto done;
+    }
+    result = PyList_New(nblocks);
+    if (result == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t b = 0; b < nblocks; b++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(hashes[b]);
+        if (v == NULL) {
+            Py_CLEAR(result);
+            goto done;
+        }
+        PyList_SET_ITEM(result, b, v);
+    }
+done:
+    PyMem_Free(hashes);
+    PyBuffer_Release(&buf);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"block_hash", v1_block_hash, METH_VARARGS,
+     "block_hash(tokens, parent_hash, lora_id, salt_id) -> int: V1 hash of one block of packed "
+     "int32 token ids."},
+    {"chain", v1_chain, METH_VARARGS,
+     "chain(tokens, tokens_per_block, lora_id, salt_id) -> list[int]: V1 hashes of every full "
+     "block of packed int32 token ids."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_v1hash", "Native V1 block hashes (see events.hashing).", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__v1hash(void) { return PyModule_Create(&module); }
