@@ -23,12 +23,13 @@ Coalescing rules (order between events is always preserved)::
 from __future__ import annotations
 
 import threading
+from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from events.hashing import HashAlgo, hash_from_key, v1_block_hash
+from events.hashing import HashAlgo, v1_block_hash
 from events.model import (
     AllBlocksCleared,
     BlockHash,
@@ -43,6 +44,13 @@ from events.model import (
 )
 from kvcache.keys import BlockKey
 from kvcache.sink import BlockView
+
+_NativeHash = Callable[[object, int, int | None, int | None], int]
+_native_v1_block_hash: _NativeHash | None
+try:  # the optional native V1 hash (see events.hashing); absent, v1_block_hash is the fallback
+    from events._v1hash import block_hash as _native_v1_block_hash
+except ImportError:  # pragma: no cover - depends on the install
+    _native_v1_block_hash = None
 
 MovesAs = Literal["updated", "removed_stored"]
 _MOVES_AS: Final[tuple[str, ...]] = ("updated", "removed_stored")
@@ -84,6 +92,22 @@ def _stored_block(
     _set_priority(sb, priority)
     _set_salt(sb, cache_salt_id)
     return sb
+
+
+def _token_list(tokens: Sequence[int]) -> list[int]:
+    return tokens.tolist() if type(tokens) is array else list(tokens)
+
+
+def _no_key_hash(key: bytes) -> BlockHash:
+    raise AssertionError("v1_block_key is computed from tokens, not keys")
+
+
+# hash_from_key's definitions, bound once: its per-call argument checks would cost more than
+# the hash itself on the per-block path (agreement is tested).
+_KEY_HASHES: Final[dict[HashAlgo, Callable[[bytes], BlockHash]]] = {
+    HashAlgo.V2_SHA256: bytes.hex,
+    HashAlgo.V2_SHA256_64: lambda key: int.from_bytes(key[:8], "big"),
+}
 
 
 @dataclass(slots=True)
@@ -152,6 +176,7 @@ class KVCacheEventManager:
         self.moves_as: Final[MovesAs] = moves_as
         self._algo_name: str = algo.value
         self._v1 = algo is HashAlgo.V1_BLOCK_KEY
+        self._key_hash = _KEY_HASHES.get(algo, _no_key_hash)
         self._block_size = tokens_per_block
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
@@ -169,13 +194,19 @@ class KVCacheEventManager:
     def _hash_block(self, block: BlockView, parent_hash: BlockHash | None) -> BlockHash:
         if self._v1:
             scope = block.scope
-            return v1_block_hash(
-                block.tokens,
-                0 if parent_hash is None else int(parent_hash),
-                lora_id=scope.lora_id,
-                salt_id=scope.salt,
-            )
-        return hash_from_key(self.hash_algo, block.key)
+            tokens = block.tokens
+            parent = 0 if parent_hash is None else int(parent_hash)
+            # Blocks in the tree hold token ids kvcache validated on entry, packed as int32s,
+            # and parent hashes are values computed here: the native hash can take them as
+            # they are, skipping v1_block_hash's per-call checks (they would triple the cost).
+            if (
+                _native_v1_block_hash is not None
+                and type(tokens) is array
+                and tokens.typecode == "i"
+            ):
+                return int(_native_v1_block_hash(tokens, parent, scope.lora_id, scope.salt))
+            return v1_block_hash(tokens, parent, lora_id=scope.lora_id, salt_id=scope.salt)
+        return self._key_hash(block.key)
 
     def _parent_hash(self, block: BlockView) -> BlockHash | None:
         """The event hash of ``block``'s parent; None for a first block.
@@ -264,7 +295,12 @@ class KVCacheEventManager:
                 hashes[key] = h
                 scope = block.scope
                 sb = _stored_block(
-                    h, list(block.tokens), scope.lora_id, block.tier, block.priority, scope.salt
+                    h,
+                    _token_list(block.tokens),
+                    scope.lora_id,
+                    block.tier,
+                    block.priority,
+                    scope.salt,
                 )
                 self._append_stored(parent_hash, sb, pending)
 
@@ -296,7 +332,12 @@ class KVCacheEventManager:
             for block, h in moved:
                 scope = block.scope
                 sb = _stored_block(
-                    h, list(block.tokens), scope.lora_id, new_tier, block.priority, scope.salt
+                    h,
+                    _token_list(block.tokens),
+                    scope.lora_id,
+                    new_tier,
+                    block.priority,
+                    scope.salt,
                 )
                 self._append_stored(self._parent_hash(block), sb, pending)
 

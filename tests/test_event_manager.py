@@ -7,11 +7,13 @@ not trust the hashing code it exercises.
 from __future__ import annotations
 
 import threading
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pytest
 
+from events.hashing import hash_from_key
 from events.manager import KVCacheEventManager, _stored_block
 from events.model import (
     AllBlocksCleared,
@@ -45,7 +47,7 @@ class FakeBlock:
     """A BlockView as the radix tree would present it."""
 
     key: BlockKey
-    tokens: tuple[int, ...]
+    tokens: Sequence[int]
     parent: FakeBlock | None
     scope: ReuseScope
     tier: int = 0
@@ -59,8 +61,10 @@ def chain(
     scope: ReuseScope | None = None,
     parent: FakeBlock | None = None,
     priority: int = 35,
+    packed: bool = False,
 ) -> list[FakeBlock]:
-    """The blocks of ``tokens`` under ``scope`` (continuing after ``parent`` when given)."""
+    """The blocks of ``tokens`` under ``scope`` (continuing after ``parent`` when given); with
+    ``packed`` their tokens are int32 arrays, as the radix tree keeps them."""
     scope = scope or ReuseScope()
     prefix: list[int] = []
     node = parent
@@ -72,7 +76,8 @@ def chain(
     prev = parent
     for i, key in enumerate(keys):
         toks = tuple(tokens[i * tpb : (i + 1) * tpb])
-        prev = FakeBlock(key, toks, prev, scope, priority=priority, is_full=len(toks) == tpb)
+        held: Sequence[int] = array("i", toks) if packed else toks
+        prev = FakeBlock(key, held, prev, scope, priority=priority, is_full=len(toks) == tpb)
         blocks.append(prev)
     return blocks
 
@@ -94,9 +99,10 @@ def stored_hashes(event_data: object) -> list[BlockHash]:
 # ------------------------------------------------------------------------------ hashing
 
 
-def test_first_chain_is_one_stored_event_with_golden_hashes() -> None:
+@pytest.mark.parametrize("packed", [False, True])
+def test_first_chain_is_one_stored_event_with_golden_hashes(packed: bool) -> None:
     mgr = KVCacheEventManager()
-    mgr.on_stored(chain(range(8)))
+    mgr.on_stored(chain(range(8), packed=packed))
     (event,) = drain(mgr)
     assert event.event_id == 0
     assert event.hash_algo == "v1_block_key"
@@ -110,9 +116,10 @@ def test_first_chain_is_one_stored_event_with_golden_hashes() -> None:
     )
 
 
-def test_scope_enters_hashes_and_blocks() -> None:
+@pytest.mark.parametrize("packed", [False, True])
+def test_scope_enters_hashes_and_blocks(packed: bool) -> None:
     mgr = KVCacheEventManager()
-    mgr.on_stored(chain(range(8), scope=ReuseScope(7, 11)))
+    mgr.on_stored(chain(range(8), scope=ReuseScope(7, 11), packed=packed))
     (data,) = datas(mgr)
     assert isinstance(data, Stored)
     assert stored_hashes(data) == CHAIN_0_7_SCOPED
@@ -142,6 +149,8 @@ def test_v2_algorithms_hash_the_block_key() -> None:
     assert hex_event.hash_algo == "v2_sha256"
     assert stored_hashes(hex_event.data) == [b.key.hex() for b in blocks]
     assert stored_hashes(int_event.data) == [int.from_bytes(b.key[:8], "big") for b in blocks]
+    assert stored_hashes(hex_event.data) == [hash_from_key("v2_sha256", b.key) for b in blocks]
+    assert stored_hashes(int_event.data) == [hash_from_key("v2_sha256_64", b.key) for b in blocks]
     assert isinstance(int_event.data, Stored) and isinstance(hex_event.data, Stored)
     assert int_event.data.parent_hash is None
 
@@ -169,8 +178,9 @@ def test_partial_blocks_are_silent_by_default() -> None:
     assert datas(mgr) == []
 
 
-def test_partial_blocks_announced_on_request() -> None:
-    full, partial = chain([1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize("packed", [False, True])
+def test_partial_blocks_announced_on_request(packed: bool) -> None:
+    full, partial = chain([1, 2, 3, 4, 5, 6], packed=packed)
     mgr = KVCacheEventManager(announce_partial=True)
     mgr.on_stored([full, partial])
     (data,) = datas(mgr)
