@@ -1,0 +1,75 @@
+"""Routing policies behind one protocol, built by name with :func:`make_policy`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Final
+
+from router_sim.policies.approximate import ApproximatePolicy
+from router_sim.policies.base import (
+    NoWorkersError,
+    PolicyChoice,
+    RouteRequest,
+    RoutingError,
+    RoutingPolicy,
+)
+from router_sim.policies.cache_aware import CacheAwarePolicy
+from router_sim.policies.overlap import (
+    CacheOracle,
+    KvOverlapPolicy,
+    OraclePolicy,
+    PredictedTtftPolicy,
+    overlap_cost,
+)
+from router_sim.policies.simple import LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy
+
+POLICIES: Final[dict[str, Callable[..., RoutingPolicy]]] = {
+    "round_robin": RoundRobinPolicy,
+    "random": RandomPolicy,
+    "least_loaded": LeastLoadedPolicy,
+    "kv_overlap": KvOverlapPolicy,
+    "cache_aware": CacheAwarePolicy,
+    "approximate": ApproximatePolicy,
+    "predicted_ttft": PredictedTtftPolicy,
+    "oracle": OraclePolicy,
+}
+
+#: policies that need no KV events (the router may skip the index for them)
+EVENT_FREE: Final = frozenset({"round_robin", "random", "least_loaded", "approximate", "oracle"})
+
+
+def make_policy(name: str, **options: Any) -> RoutingPolicy:
+    """Build the policy called ``name`` with its keyword options.
+
+    Raises ``ValueError`` for an unknown name and ``TypeError`` for an option the policy
+    does not take (the message names both).
+    """
+    factory = POLICIES.get(name)
+    if factory is None:
+        raise ValueError(f"unknown routing policy {name!r}; choose one of {sorted(POLICIES)}")
+    try:
+        return factory(**options)
+    except TypeError as exc:
+        raise TypeError(f"bad options {sorted(options)} for policy {name!r}: {exc}") from exc
+
+
+__all__ = [
+    "EVENT_FREE",
+    "POLICIES",
+    "ApproximatePolicy",
+    "CacheAwarePolicy",
+    "CacheOracle",
+    "KvOverlapPolicy",
+    "LeastLoadedPolicy",
+    "NoWorkersError",
+    "OraclePolicy",
+    "PolicyChoice",
+    "PredictedTtftPolicy",
+    "RandomPolicy",
+    "RoundRobinPolicy",
+    "RouteRequest",
+    "RoutingError",
+    "RoutingPolicy",
+    "make_policy",
+    "overlap_cost",
+]

@@ -1,0 +1,125 @@
+"""What every routing policy sees and returns, and the helpers they share.
+
+A policy is a small object with a ``choose(request) -> PolicyChoice`` method. The router
+builds the :class:`RouteRequest` (the request's block hashes, what the index says each worker
+holds, each candidate's load, and the current time, injected) and the policy picks one of the
+candidate workers. Policies read no clock and no global random state: time comes in the
+request and randomness from a ``random.Random(seed)`` of their own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from events.model import BlockHash
+from router_sim.indexer import MatchDetail
+from router_sim.load import WorkerLoad
+
+
+class RoutingError(RuntimeError):
+    """A routing decision could not be made."""
+
+
+class NoWorkersError(RoutingError):
+    """The load source offered no worker to route to."""
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """One request as a policy sees it.
+
+    ``block_hashes``: the hashes of the request's full blocks, first block first.
+    ``num_tokens``: prompt length (the last partial block is not in ``block_hashes``).
+    ``matches``: per worker what the event-fed index says it holds of the chain (absent: none).
+    ``loads``: the candidate workers and their load. ``now_ms``: the injected current time.
+    """
+
+    block_hashes: Sequence[BlockHash]
+    num_tokens: int
+    tokens_per_block: int
+    matches: Mapping[int, MatchDetail]
+    loads: Mapping[int, WorkerLoad]
+    now_ms: float = 0.0
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks the prompt occupies, a trailing partial block included."""
+        return -(-self.num_tokens // self.tokens_per_block)
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyChoice:
+    """A policy's pick and why: ``costs`` (lower is better; empty when the policy does not
+    score workers) and ``predicted_overlap`` (the cached blocks the policy credited each
+    worker with, from whatever source it trusts)."""
+
+    worker: int
+    reason: str
+    costs: dict[int, float] = field(default_factory=dict)
+    predicted_overlap: dict[int, float] = field(default_factory=dict)
+
+
+@runtime_checkable
+class RoutingPolicy(Protocol):
+    """Chooses a worker for a request."""
+
+    name: str
+
+    def choose(self, request: RouteRequest) -> PolicyChoice:
+        """Pick one of ``request.loads``' workers. Raises :class:`NoWorkersError` if empty."""
+        ...
+
+
+def load_key(worker: int, load: WorkerLoad) -> tuple[int, int, int, int]:
+    """Sort key of 'least loaded first', ties broken by worker id for determinism."""
+    return (load.active_requests, load.pending_prefill_tokens, load.decode_blocks, worker)
+
+
+def candidates(request: RouteRequest) -> list[int]:
+    """The request's candidate workers in a stable order; raises if there are none."""
+    if not request.loads:
+        raise NoWorkersError("no worker to route to: the load source offered an empty list")
+    return sorted(request.loads)
+
+
+def credited_blocks(
+    detail: MatchDetail | None, device_credit: float, slower_credit: float
+) -> float:
+    """Cached blocks of the chain, a slower-tier block counting as partly cached."""
+    if detail is None:
+        return 0.0
+    return detail.device_blocks * device_credit + detail.slower_blocks * slower_credit
+
+
+def lowest_cost(costs: Mapping[int, float], loads: Mapping[int, WorkerLoad]) -> int:
+    """The worker of lowest cost; equal costs go to the least loaded."""
+    best = min(costs.values())
+    tied = [w for w, c in costs.items() if math.isclose(c, best, rel_tol=1e-12, abs_tol=1e-9)]
+    return min(tied, key=lambda w: load_key(w, loads[w]))
+
+
+def softmax_sample(
+    costs: Mapping[int, float], temperature: float, uniform: float
+) -> tuple[int, dict[int, float]]:
+    """Sample a worker with probability proportional to exp(-normalized cost / temperature).
+
+    Costs are normalized by the largest one so that ``temperature`` means the same thing for
+    short and long prompts. ``uniform`` is one draw in [0, 1) from the caller's seeded RNG.
+    Returns the worker and the probabilities (for explanations and tests).
+    """
+    workers = sorted(costs)
+    top = max(abs(c) for c in costs.values()) or 1.0
+    logits = [-costs[w] / top / temperature for w in workers]
+    shift = max(logits)
+    weights = [math.exp(x - shift) for x in logits]
+    total = sum(weights)
+    probs = {w: wt / total for w, wt in zip(workers, weights, strict=True)}
+    acc = 0.0
+    for w in workers:
+        acc += probs[w]
+        if uniform < acc:
+            return w, probs
+    return workers[-1], probs

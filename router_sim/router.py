@@ -1,0 +1,238 @@
+"""The router: event subscriber -> index -> policy, with an explanation per decision.
+
+``Router.route(tokens, scope)`` hashes the prompt with ``events.hashing.chain_hashes`` (the
+very function the workers' event manager uses, so scope, algorithm and block size agree by
+construction), asks the index which workers hold how much of the chain, reads each candidate's
+load from the :class:`~router_sim.load.LoadSource`, and lets the policy choose. The returned
+:class:`RoutingDecision` says why.
+
+Time is injected: pass ``now_ms`` to ``route`` or a ``clock`` (returning milliseconds) to the
+constructor; without either the router's time stands still at 0 (policies with a TTL then never
+expire anything). The only clock the router reads itself is ``time.perf_counter``, to measure
+its own decision time.
+
+Live use::
+
+    sub = ZmqEventSubscriber()
+    sub.add_worker(0, "tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558")
+    router = Router(16, "kv_overlap", my_load_source, subscriber=sub)
+    router.poll_events(timeout_ms=10)           # call regularly (or from a loop)
+    decision = router.route(prompt_tokens, lora_id=None, cache_salt="tenant-a")
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from statistics import median
+from typing import Protocol
+
+from events.hashing import HashAlgo, chain_hashes
+from events.model import BlockHash, DecodedBatch
+from kvcache.scope import ReuseScope
+from router_sim.indexer import KvIndexer, MatchDetail
+from router_sim.load import LoadSource
+from router_sim.policies import RouteRequest, RoutingPolicy, make_policy
+
+
+class EventSource(Protocol):
+    """What the router needs of ``events.subscriber.ZmqEventSubscriber``."""
+
+    def poll(self, timeout_ms: int = 0) -> Sequence[object]:
+        """Messages in order per worker: deliveries (``worker``, ``seq``, ``batch``) and
+        resync signals (``worker``, ``reason``)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingDecision:
+    """A routing decision and its explanation.
+
+    ``overlaps`` / ``device_overlaps``: per candidate, leading request blocks the index says
+    it holds on any tier / on the device tier (0 when none). ``costs``: the policy's scores
+    (lower is better; empty for cache-blind policies). ``best_overlap``: the most any candidate
+    holds per the index; ``chosen_overlap``: what the chosen one holds; their difference is the
+    locality this decision gave up (for load balance, or because the policy does not look).
+    """
+
+    worker: int
+    policy: str
+    reason: str
+    num_tokens: int
+    block_hashes: list[BlockHash]
+    overlaps: dict[int, int]
+    device_overlaps: dict[int, int]
+    costs: dict[int, float]
+    predicted_overlap: dict[int, float]
+    best_overlap: int
+    chosen_overlap: int
+    decision_us: float
+
+    @property
+    def locality_given_up(self) -> int:
+        return self.best_overlap - self.chosen_overlap
+
+
+@dataclass(slots=True)
+class RouterStats:
+    """Counters of a router's life. Decision times are wall-clock microseconds."""
+
+    decisions: int = 0
+    decision_us_total: float = 0.0
+    recent_decision_us: deque[float] = field(default_factory=lambda: deque(maxlen=100_000))
+    locality_given_up_blocks: int = 0
+    decisions_below_best: int = 0
+    chosen: Counter[int] = field(default_factory=Counter)
+    batches_applied: int = 0
+    resyncs: int = 0
+    resyncs_by_worker: Counter[int] = field(default_factory=Counter)
+
+    def decision_us_p50(self) -> float:
+        """Median decision time over the recent decisions (0 before any)."""
+        return median(self.recent_decision_us) if self.recent_decision_us else 0.0
+
+    def decision_us_mean(self) -> float:
+        return self.decision_us_total / self.decisions if self.decisions else 0.0
+
+
+class Router:
+    """Routes requests by prefix overlap and load; see the module docstring."""
+
+    def __init__(
+        self,
+        tokens_per_block: int,
+        policy: RoutingPolicy | str,
+        load_source: LoadSource,
+        hash_algo: HashAlgo | str = "v1_block_key",
+        subscriber: EventSource | None = None,
+        indexer: KvIndexer | None = None,
+        *,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        if tokens_per_block <= 0:
+            raise ValueError(f"tokens_per_block must be > 0, got {tokens_per_block}")
+        if indexer is not None and indexer.tokens_per_block != tokens_per_block:
+            raise ValueError(
+                f"the indexer counts {indexer.tokens_per_block} tokens per block but the router "
+                f"{tokens_per_block}: build both with the same tokens_per_block"
+            )
+        self.tokens_per_block = tokens_per_block
+        self.policy: RoutingPolicy = make_policy(policy) if isinstance(policy, str) else policy
+        self.load_source = load_source
+        self.hash_algo = HashAlgo.parse(hash_algo)
+        self.subscriber = subscriber
+        self.indexer = KvIndexer(tokens_per_block) if indexer is None else indexer
+        self.clock = clock
+        self.stats = RouterStats()
+
+    # ------------------------------------------------------------------ events
+
+    def apply(self, worker: int, batch: DecodedBatch) -> None:
+        """Apply one decoded event batch from ``worker`` to the index."""
+        self.indexer.apply_batch(worker, batch)
+        self.stats.batches_applied += 1
+
+    def reset_worker(self, worker: int) -> None:
+        """Forget ``worker``'s cache contents (its events were lost); later batches rebuild."""
+        self.indexer.reset_worker(worker)
+        self.stats.resyncs += 1
+        self.stats.resyncs_by_worker[worker] += 1
+
+    def remove_worker(self, worker: int) -> None:
+        """Forget ``worker`` entirely (it left the fleet)."""
+        self.indexer.remove_worker(worker)
+        forget = getattr(self.policy, "forget_worker", None)
+        if callable(forget):
+            forget(worker)
+
+    def poll_events(self, timeout_ms: int = 0) -> int:
+        """Pull what the subscriber has (waiting at most ``timeout_ms``), apply deliveries and
+        reset workers that need a resync. Returns the number of messages handled."""
+        if self.subscriber is None:
+            return 0
+        handled = 0
+        for msg in self.subscriber.poll(timeout_ms):
+            worker = getattr(msg, "worker", None)
+            if not isinstance(worker, int):
+                continue
+            batch = getattr(msg, "batch", None)
+            if isinstance(batch, DecodedBatch):
+                self.apply(worker, batch)
+            elif hasattr(msg, "reason"):
+                self.reset_worker(worker)
+            else:
+                continue
+            handled += 1
+        return handled
+
+    # ----------------------------------------------------------------- routing
+
+    def hash_request(
+        self,
+        tokens: Sequence[int],
+        scope: ReuseScope | None = None,
+        *,
+        lora_id: int | None = None,
+        cache_salt: str | None = None,
+    ) -> list[BlockHash]:
+        """The request's full-block hashes, as its worker will announce them."""
+        if scope is not None and (lora_id is not None or cache_salt is not None):
+            raise ValueError(
+                "give either a ReuseScope or lora_id/cache_salt, not both (the scope already "
+                "holds the LoRA id and salt)"
+            )
+        if scope is None:
+            scope = ReuseScope.for_request(lora_id=lora_id, cache_salt=cache_salt)
+        return chain_hashes(tokens, self.tokens_per_block, scope, self.hash_algo)
+
+    def route(
+        self,
+        tokens: Sequence[int],
+        scope: ReuseScope | None = None,
+        *,
+        lora_id: int | None = None,
+        cache_salt: str | None = None,
+        now_ms: float | None = None,
+    ) -> RoutingDecision:
+        """Choose a worker for a prompt under a scope (or a LoRA id + cache salt string).
+
+        Raises ``router_sim.policies.NoWorkersError`` when the load source offers no worker.
+        """
+        start = time.perf_counter()
+        hashes = self.hash_request(tokens, scope, lora_id=lora_id, cache_salt=cache_salt)
+        if now_ms is None:
+            now_ms = self.clock() if self.clock is not None else 0.0
+        source = self.load_source
+        loads = {w: source.load(w) for w in source.workers()}
+        matches: dict[int, MatchDetail] = self.indexer.find_matches_detailed(hashes)
+        request = RouteRequest(hashes, len(tokens), self.tokens_per_block, matches, loads, now_ms)
+        choice = self.policy.choose(request)
+        overlaps = {w: (matches[w].matched_blocks if w in matches else 0) for w in loads}
+        device = {w: (matches[w].device_run if w in matches else 0) for w in loads}
+        best = max(overlaps.values(), default=0)
+        chosen_overlap = overlaps.get(choice.worker, 0)
+        elapsed_us = (time.perf_counter() - start) * 1e6
+        stats = self.stats
+        stats.decisions += 1
+        stats.decision_us_total += elapsed_us
+        stats.recent_decision_us.append(elapsed_us)
+        stats.chosen[choice.worker] += 1
+        if chosen_overlap < best:
+            stats.decisions_below_best += 1
+            stats.locality_given_up_blocks += best - chosen_overlap
+        return RoutingDecision(
+            worker=choice.worker,
+            policy=self.policy.name,
+            reason=choice.reason,
+            num_tokens=len(tokens),
+            block_hashes=hashes,
+            overlaps=overlaps,
+            device_overlaps=device,
+            costs=choice.costs,
+            predicted_overlap=choice.predicted_overlap,
+            best_overlap=best,
+            chosen_overlap=chosen_overlap,
+            decision_us=elapsed_us,
+        )
