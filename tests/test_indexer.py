@@ -1,0 +1,312 @@
+"""KvIndexer: scenarios with exact expectations, and a property test against a naive model."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from events.model import (
+    AllBlocksCleared,
+    BlockHash,
+    Created,
+    DecodedBatch,
+    EventDiff,
+    KVCacheEvent,
+    Removed,
+    Stored,
+    StoredBlock,
+    Updated,
+)
+from router_sim.indexer import KvIndexer, MatchDetail
+
+TPB = 4
+
+
+def stored(
+    hashes: list[BlockHash],
+    parent: BlockHash | None = None,
+    level: int = 0,
+    block_size: int | None = TPB,
+) -> KVCacheEvent:
+    blocks = [StoredBlock(h, [1] * TPB, cache_level=level) for h in hashes]
+    return KVCacheEvent(0, Stored(parent, blocks, block_size))
+
+
+def removed(hashes: list[BlockHash], level: int | None = None) -> KVCacheEvent:
+    return KVCacheEvent(0, Removed(hashes, level))
+
+
+def moved(h: BlockHash, old: int, new: int) -> KVCacheEvent:
+    return KVCacheEvent(0, Updated(h, cache_level=EventDiff(old, new)))
+
+
+def batch(*events: KVCacheEvent) -> DecodedBatch:
+    return DecodedBatch(0.0, list(events))
+
+
+def test_longest_run_from_first_block_per_worker() -> None:
+    ix = KvIndexer(TPB)
+    ix.apply_batch(0, batch(stored([1, 2, 3, 4])))
+    ix.apply_batch(1, batch(stored([1, 2]), stored([4], parent=3)))  # hole at block 3
+    ix.apply_batch(2, batch(stored([2, 3, 4], parent=1)))  # lacks the first block
+    assert ix.find_matches([1, 2, 3, 4, 5]) == {0: 4, 1: 2}
+    assert ix.find_matches([1, 2]) == {0: 2, 1: 2}
+    assert ix.find_matches([9, 1]) == {}
+    assert ix.find_matches([]) == {}
+    assert ix.block_count(0) == 4 and ix.block_count(1) == 3 and ix.block_count(2) == 3
+
+
+def test_offload_as_removed_then_stored_keeps_match_on_slower_tier() -> None:
+    ix = KvIndexer(TPB)
+    ix.apply_batch(0, batch(stored([1, 2, 3, 4])))
+    # GPU -> CPU move of the two tail blocks, as the wire carries it
+    ix.apply_batch(0, batch(removed([3, 4], level=0), stored([3, 4], parent=2, level=1)))
+    assert ix.find_matches([1, 2, 3, 4]) == {0: 4}
+    assert ix.find_matches_detailed([1, 2, 3, 4]) == {0: MatchDetail(4, 2, 2, 2)}
+    assert ix.holds(0, 3) == (1,)
+    assert ix.anomalies["unknown_removal"] == 0
+    # the slower copy dropped too: the run stops at block 2
+    ix.apply_batch(0, batch(removed([3], level=1)))
+    assert ix.find_matches([1, 2, 3, 4]) == {0: 2}
+
+
+def test_detailed_counts_device_copies_past_the_device_run() -> None:
+    ix = KvIndexer(TPB)
+    ix.apply_batch(0, batch(stored([1]), stored([2], parent=1, level=1), stored([3], parent=2)))
+    ix.apply_batch(1, batch(stored([1, 2, 3])))
+    detail = ix.find_matches_detailed([1, 2, 3])
+    assert detail[0] == MatchDetail(3, device_run=1, device_blocks=2, slower_blocks=1)
+    assert detail[1] == MatchDetail(3, 3, 3, 0)
+
+
+def test_updated_moves_between_tiers() -> None:
+    ix = KvIndexer(TPB)
+    ix.apply_batch(0, batch(stored([1, 2])))
+    ix.apply_batch(0, batch(moved(2, 0, 1)))
+    assert ix.holds(0, 2) == (1,)
+    assert ix.find_matches_detailed([1, 2])[0] == MatchDetail(2, 1, 1, 1)
+    ix.apply_batch(0, batch(moved(2, 1, 0)))
+    assert ix.find_matches_detailed([1, 2])[0] == MatchDetail(2, 2, 2, 0)
+    ix.apply_batch(0, batch(moved(99, 0, 1)))
+    assert ix.worker_anomalies(0)["unknown_update"] == 1
+    assert ix.holds(0, 99) == ()
+
+
+def test_removal_without_level_drops_every_copy() -> None:
+    ix = KvIndexer(TPB)
+    ix.apply_batch(0, batch(stored([1]), stored([1], level=1)))
+    assert ix.holds(0, 1) == (0, 1)
+    ix.apply_batch(0, batch(removed([1])))
+    assert ix.holds(0, 1) == () and ix.block_count(0) == 0
+    assert ix.find_matches([1]) == {}
+
+
+def test_cleared_and_reset_touch_one_worker_only() -> None:
+    ix = KvIndexer(TPB)
+    ix.apply_batch(0, batch(stored([1, 2])))
+    ix.apply_batch(1, batch(stored([1, 2, 3])))
+    ix.apply_batch(0, batch(KVCacheEvent(0, AllBlocksCleared())))
+    assert ix.find_matches([1, 2, 3]) == {1: 3}
+    ix.reset_worker(1)
+    assert ix.find_matches([1, 2, 3]) == {}
+    assert ix.total_entries() == 0
+    # both still known; events after the reset rebuild the view
+    assert sorted(ix.workers) == [0, 1]
+    ix.apply_batch(1, batch(stored([1])))
+    assert ix.find_matches([1, 2]) == {1: 1}
+
+
+def test_removed_worker_bit_is_recycled_without_leaking_its_blocks() -> None:
+    ix = KvIndexer(TPB)
+    ix.apply_batch(5, batch(stored([1, 2])))
+    ix.apply_batch(6, batch(stored([1])))
+    ix.remove_worker(5)
+    assert ix.workers == [6]
+    ix.apply_batch(7, batch(stored([3])))  # takes worker 5's old bit
+    assert ix.find_matches([1, 2]) == {6: 1}
+    assert ix.find_matches([3]) == {7: 1}
+    assert ix.block_count(5) == 0
+
+
+def test_anomalies_are_counted_and_never_abort_the_batch(caplog: pytest.LogCaptureFixture) -> None:
+    ix = KvIndexer(TPB)
+    with caplog.at_level(logging.WARNING, logger="router_sim.indexer"):
+        ix.apply_batch(
+            3,
+            batch(
+                removed([42, 43]),  # unknown
+                stored([1], parent=77),  # unknown parent
+                stored([8], block_size=16),  # another block size
+                stored([9], block_size=16),
+                KVCacheEvent(0, Created([10, 10])),
+                stored([2], parent=1),  # still applied after all of the above
+            ),
+        )
+    assert ix.anomalies == {
+        "unknown_removal": 2,
+        "block_size_mismatch": 2,
+        "unknown_parent": 1,
+        "unknown_update": 0,
+    }
+    assert ix.worker_anomalies(3)["unknown_removal"] == 2
+    assert ix.worker_anomalies(4)["unknown_removal"] == 0
+    assert ix.flagged_workers == {3: 16}
+    warnings = [r for r in caplog.records if "blocks of 16 tokens" in r.getMessage()]
+    assert len(warnings) == 1  # loud, but once per worker
+    assert ix.find_matches([1, 2]) == {3: 2}
+    assert ix.events_applied == 6 and ix.batches_applied == 1
+
+
+def test_block_size_inferred_from_tokens_when_not_announced() -> None:
+    ix = KvIndexer(TPB)
+    blocks = [StoredBlock(h, [0] * 8) for h in (1, 2)]
+    ix.apply_batch(0, batch(KVCacheEvent(0, Stored(None, blocks, None))))
+    assert ix.flagged_workers == {0: 8}
+    # a lone partial trailing block is not a mismatch
+    ix.apply_batch(1, batch(KVCacheEvent(0, Stored(None, [StoredBlock(5, [0, 1])], None))))
+    assert 1 not in ix.flagged_workers
+
+
+def test_string_hashes_of_v2_sha256() -> None:
+    ix = KvIndexer(TPB)
+    a, b = "ab" * 32, "cd" * 32
+    ix.apply_batch(0, batch(stored([a, b])))
+    assert ix.find_matches([a, b]) == {0: 2}
+
+
+# --------------------------------------------------------------------- property test
+
+WORKERS = [0, 1, 2, 3]
+HASHES = st.integers(0, 11)
+LEVELS = st.integers(0, 1)
+
+op = st.one_of(
+    st.tuples(
+        st.just("stored"),
+        st.sampled_from(WORKERS),
+        st.lists(HASHES, min_size=1, max_size=5),
+        st.one_of(st.none(), HASHES),
+        LEVELS,
+    ),
+    st.tuples(
+        st.just("removed"),
+        st.sampled_from(WORKERS),
+        st.lists(HASHES, min_size=1, max_size=5),
+        st.one_of(st.none(), LEVELS),
+    ),
+    st.tuples(st.just("updated"), st.sampled_from(WORKERS), HASHES, LEVELS, LEVELS),
+    st.tuples(st.just("cleared"), st.sampled_from(WORKERS)),
+    st.tuples(st.just("reset"), st.sampled_from(WORKERS)),
+    st.tuples(st.just("remove_worker"), st.sampled_from(WORKERS)),
+)
+
+
+class NaiveIndex:
+    """Per worker, a dict block -> set of levels; everything by brute force."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, dict[int, set[int]]] = {}
+        self.unknown_removals = 0
+
+    def apply(self, o: tuple[object, ...]) -> None:
+        kind, w = o[0], o[1]
+        assert isinstance(w, int)
+        held = self.held.setdefault(w, {})
+        if kind == "stored":
+            hashes, _parent, level = o[2], o[3], o[4]
+            assert isinstance(hashes, list) and isinstance(level, int)
+            for h in hashes:
+                held.setdefault(h, set()).add(level)
+        elif kind == "removed":
+            hashes, level = o[2], o[3]
+            assert isinstance(hashes, list)
+            for h in hashes:
+                levels = held.get(h, set())
+                gone = set(levels) if level is None else levels & {level}
+                if not gone:
+                    self.unknown_removals += 1
+                    continue
+                levels -= gone
+                if not levels:
+                    del held[h]
+        elif kind == "updated":
+            h, old, new = o[2], o[3], o[4]
+            assert isinstance(h, int)
+            if h in held:
+                held[h].discard(old)
+                held[h].add(new)
+        elif kind in ("cleared", "reset"):
+            held.clear()
+        elif kind == "remove_worker":
+            del self.held[w]
+
+    def detail(self, query: list[int]) -> dict[int, MatchDetail]:
+        out: dict[int, MatchDetail] = {}
+        for w, held in self.held.items():
+            n = 0
+            while n < len(query) and query[n] in held:
+                n += 1
+            d = 0
+            while d < len(query) and 0 in held.get(query[d], set()):
+                d += 1
+            on_device = sum(1 for h in query[:n] if 0 in held[h])
+            if n:
+                out[w] = MatchDetail(n, d, on_device, n - on_device)
+        return out
+
+
+def apply_op(ix: KvIndexer, o: tuple[object, ...]) -> None:
+    kind, w = o[0], o[1]
+    assert isinstance(w, int)
+    if kind == "stored":
+        hashes, parent, level = o[2], o[3], o[4]
+        assert isinstance(hashes, list) and isinstance(level, int)
+        assert parent is None or isinstance(parent, int)
+        ix.apply_batch(w, batch(stored(hashes, parent=parent, level=level)))
+    elif kind == "removed":
+        hashes, level = o[2], o[3]
+        assert isinstance(hashes, list) and (level is None or isinstance(level, int))
+        ix.apply_batch(w, batch(removed(hashes, level)))
+    elif kind == "updated":
+        h, old, new = o[2], o[3], o[4]
+        assert isinstance(h, int) and isinstance(old, int) and isinstance(new, int)
+        ix.apply_batch(w, batch(moved(h, old, new)))
+    elif kind == "cleared":
+        ix.apply_batch(w, batch(KVCacheEvent(0, AllBlocksCleared())))
+    elif kind == "reset":
+        ix.reset_worker(w)
+    elif kind == "remove_worker":
+        ix.remove_worker(w)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ops=st.lists(op, max_size=40),
+    queries=st.lists(st.lists(HASHES, min_size=1, max_size=8), min_size=1, max_size=6),
+)
+def test_indexer_agrees_with_naive_model(
+    ops: list[tuple[object, ...]], queries: list[list[int]]
+) -> None:
+    ix = KvIndexer(TPB)
+    naive = NaiveIndex()
+    for o in ops:
+        if o[0] == "remove_worker" and o[1] not in naive.held:
+            continue
+        if o[0] == "reset" and o[1] not in naive.held:
+            continue
+        apply_op(ix, o)
+        naive.apply(o)
+    for q in [*queries, list(range(12))]:
+        expected = naive.detail(q)
+        assert ix.find_matches_detailed(q) == expected
+        assert ix.find_matches(q) == {w: d.matched_blocks for w, d in expected.items()}
+    for w in WORKERS:
+        assert ix.block_count(w) == len(naive.held.get(w, {}))
+        assert {h: ix.holds(w, h) for h in range(12) if ix.holds(w, h)} == {
+            h: tuple(sorted(levels)) for h, levels in naive.held.get(w, {}).items()
+        }
+    assert ix.anomalies["unknown_removal"] == naive.unknown_removals
+    assert ix.total_entries() == sum(len(h) for h in naive.held.values())
