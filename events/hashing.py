@@ -21,8 +21,10 @@ from collections.abc import Sequence
 from enum import Enum
 from typing import Final, TypeAlias
 
+import xxhash
+
 from events.model import BlockHash
-from kvcache.keys import blockchain_keys, token_array
+from kvcache.keys import blockchain_keys, token_array, tokens_to_bytes
 from kvcache.scope import DEFAULT_SCOPE, U64_LIMIT, ReuseScope
 
 try:  # the extension is optional: a failed compile at install leaves the pure reference
@@ -228,8 +230,22 @@ def chain_hashes(
     ]
 
 
+XXH3_SEED: Final = 1337
+"""Seed of the router-side content hash (the value ai-dynamo's KV router uses)."""
+
+
+def xxh3_content_hash(tokens: Tokens, seed: int = XXH3_SEED) -> int:
+    """Router-side content hash of one block: xxh3_64 of its tokens as 4-byte LE, seeded.
+
+    Some routers re-key blocks by content instead of trusting the engine's chained hash; this
+    is not chained and ignores the scope, so it is only for that optional mode (WIRE.md 3).
+    """
+    return int(xxhash.xxh3_64_intdigest(tokens_to_bytes(_as_array(tokens)), seed=seed))
+
+
 __all__ = [
     "NATIVE",
+    "XXH3_SEED",
     "HashAlgo",
     "chain_hashes",
     "hash_from_key",
@@ -237,4 +253,5 @@ __all__ = [
     "v1_block_hash_py",
     "v1_chain",
     "v1_chain_py",
+    "xxh3_content_hash",
 ]
