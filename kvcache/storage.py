@@ -274,7 +274,9 @@ class TorchPageStorage:
             return
         if src.device == dst.device:
             self._cpu_barrier(src)
-        if src.device == dst.device and not overlap:
+        # One tensor cannot be both the input and the output of an indexed op, even when the
+        # pages differ: a same-tier batch goes through the staging buffer.
+        if src.device == dst.device and src_tier != dst_tier:
             if d0 is not None:
                 idx = self._index(src_pages, src.device)
                 torch.index_select(src, 0, idx, out=dst[d0 : d0 + n])
@@ -362,3 +364,103 @@ def _copy_stream_scope(stream: torch.cuda.Stream) -> Iterator[None]:
         yield
     # Whatever the engine queues next on its stream runs after the copies.
     caller.wait_stream(stream)
+
+
+# --- Engine access through a sequence's block table -------------------------------------------
+
+
+class _HasStorage(Protocol):
+    @property
+    def storage(self) -> object | None: ...
+
+
+class _BlockTable(Protocol):
+    @property
+    def num_tokens(self) -> int: ...
+    def page_indices(self) -> list[int]: ...
+
+
+def storage_of(manager: _HasStorage) -> TorchPageStorage:
+    """The manager's :class:`TorchPageStorage`; raises when it was built without a KVLayout."""
+    storage = manager.storage
+    if not isinstance(storage, TorchPageStorage):
+        raise ValueError(
+            "this manager holds no KV tensors; set KVCacheManagerConfig.kv_layout to get them"
+        )
+    return storage
+
+
+def _slots(
+    storage: TorchPageStorage, cache: _BlockTable, start_pos: int, end_pos: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(page, offset) index tensors on the device tier for token positions [start, end)."""
+    pages = cache.page_indices()
+    tpb = storage.tokens_per_block
+    capacity = len(pages) * tpb
+    if not 0 <= start_pos <= end_pos <= capacity:
+        raise ValueError(
+            f"positions [{start_pos}, {end_pos}) are outside the sequence's {capacity} allocated "
+            "token slots; call cache.resize(end_pos) before writing past its capacity"
+        )
+    device = storage.tensors[0].device
+    positions = torch.arange(start_pos, end_pos, device=device)
+    table = torch.tensor(pages, dtype=torch.long, device=device)
+    return table[positions // tpb], positions % tpb
+
+
+def _check_layer(storage: TorchPageStorage, layer: int) -> None:
+    if not 0 <= layer < storage.num_layers:
+        raise IndexError(f"layer {layer} does not exist; layers are 0..{storage.num_layers - 1}")
+
+
+def write_kv(
+    manager: _HasStorage,
+    cache: _BlockTable,
+    layer: int,
+    start_pos: int,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """Write K and V (each ``[n, num_kv_heads, head_dim]``) of one layer at positions
+    ``[start_pos, start_pos + n)`` of ``cache``, through its device-tier block table.
+
+    Only positions at or after ``cache.num_tokens`` may be written: earlier ones are committed,
+    and their pages may be shared with other sequences (a reused block is never written).
+    """
+    storage = storage_of(manager)
+    _check_layer(storage, layer)
+    expected = (storage.num_kv_heads, storage.head_dim)
+    if k.dim() != 3 or tuple(k.shape[1:]) != expected or k.shape != v.shape:
+        raise ValueError(
+            f"k and v must both have shape [n, {expected[0]}, {expected[1]}], "
+            f"got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if start_pos < cache.num_tokens:
+        raise ValueError(
+            f"position {start_pos} is already committed (the sequence holds {cache.num_tokens} "
+            "tokens) and its page may be shared; write from cache.num_tokens onwards"
+        )
+    pages, offsets = _slots(storage, cache, start_pos, start_pos + k.shape[0])
+    tensor = storage.tensors[0]
+    tensor[pages, layer, 0, offsets] = k.to(device=tensor.device, dtype=tensor.dtype)
+    tensor[pages, layer, 1, offsets] = v.to(device=tensor.device, dtype=tensor.dtype)
+
+
+def read_kv(
+    manager: _HasStorage, cache: _BlockTable, layer: int, start_pos: int, end_pos: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V (each ``[end_pos - start_pos, num_kv_heads, head_dim]``, a copy) of one layer at
+    positions ``[start_pos, end_pos)`` of ``cache``."""
+    storage = storage_of(manager)
+    _check_layer(storage, layer)
+    pages, offsets = _slots(storage, cache, start_pos, end_pos)
+    tensor = storage.tensors[0]
+    return tensor[pages, layer, 0, offsets], tensor[pages, layer, 1, offsets]
+
+
+def gather_kv(manager: _HasStorage, cache: _BlockTable, end_pos: int | None = None) -> torch.Tensor:
+    """KV of every layer at positions ``[0, end_pos)`` (default: the committed tokens) as one
+    tensor ``[num_layers, 2, n, num_kv_heads, head_dim]`` (a copy)."""
+    storage = storage_of(manager)
+    pages, offsets = _slots(storage, cache, 0, cache.num_tokens if end_pos is None else end_pos)
+    return storage.tensors[0][pages, :, :, offsets].permute(1, 2, 0, 3, 4)
