@@ -1,0 +1,235 @@
+"""Routing policies: exact choices on constructed states, seeded sampling, TTL expiry."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+
+import pytest
+
+from events.model import BlockHash
+from router_sim.indexer import MatchDetail
+from router_sim.load import WorkerLoad
+from router_sim.policies import (
+    ApproximatePolicy,
+    CacheAwarePolicy,
+    KvOverlapPolicy,
+    NoWorkersError,
+    OraclePolicy,
+    PredictedTtftPolicy,
+    RouteRequest,
+    RoutingError,
+    make_policy,
+)
+from router_sim.timing_model import PolynomialTiming
+
+TPB = 4
+HASHES: list[BlockHash] = list(range(100, 108))  # an 8-block, 32-token prompt
+
+
+def req(
+    loads: dict[int, WorkerLoad],
+    matches: dict[int, MatchDetail] | None = None,
+    now_ms: float = 0.0,
+    hashes: list[BlockHash] | None = None,
+) -> RouteRequest:
+    hs = HASHES if hashes is None else hashes
+    return RouteRequest(hs, len(hs) * TPB, TPB, matches or {}, loads, now_ms)
+
+
+def on_device(n: int) -> MatchDetail:
+    return MatchDetail(n, n, n, 0)
+
+
+IDLE = WorkerLoad()
+
+
+def test_round_robin_cycles_and_survives_membership_changes() -> None:
+    p = make_policy("round_robin")
+    loads = {2: IDLE, 0: IDLE, 1: IDLE}
+    assert [p.choose(req(loads)).worker for _ in range(4)] == [0, 1, 2, 0]
+    del loads[1]
+    assert p.choose(req(loads)).worker == 2  # next id after 0 still present
+
+
+def test_random_is_seeded_and_covers_workers() -> None:
+    loads = {0: IDLE, 1: IDLE, 2: IDLE}
+    a = [make_policy("random", seed=7).choose(req(loads)).worker for _ in range(1)]
+    pa, pb = make_policy("random", seed=7), make_policy("random", seed=7)
+    seq_a = [pa.choose(req(loads)).worker for _ in range(50)]
+    seq_b = [pb.choose(req(loads)).worker for _ in range(50)]
+    assert seq_a == seq_b and seq_a[0] == a[0]
+    assert set(seq_a) == {0, 1, 2}
+
+
+def test_least_loaded_by_either_metric() -> None:
+    loads = {0: WorkerLoad(3, 10), 1: WorkerLoad(1, 5000), 2: WorkerLoad(2, 0)}
+    assert make_policy("least_loaded").choose(req(loads)).worker == 1
+    by_tokens = make_policy("least_loaded", metric="pending_prefill_tokens")
+    assert by_tokens.choose(req(loads)).worker == 2
+    with pytest.raises(ValueError, match="metric"):
+        make_policy("least_loaded", metric="vibes")
+
+
+def test_kv_overlap_prefers_the_cache_when_loads_are_equal() -> None:
+    loads = {0: WorkerLoad(decode_blocks=10), 1: WorkerLoad(decode_blocks=10)}
+    choice = make_policy("kv_overlap").choose(req(loads, {0: on_device(8)}))
+    assert choice.worker == 0
+    # cost = weight * blocks to prefill + decode blocks (held + the request's 8)
+    assert choice.costs == {0: 0 + 10 + 8, 1: 8 + 10 + 8}
+
+
+def test_kv_overlap_most_cached_worker_loses_to_lower_load() -> None:
+    loads = {0: WorkerLoad(active_requests=9, decode_blocks=100), 1: WorkerLoad(decode_blocks=10)}
+    choice = make_policy("kv_overlap").choose(req(loads, {0: on_device(8)}))
+    assert choice.costs == {0: 108.0, 1: 26.0}
+    assert choice.worker == 1
+    # a heavier overlap weight flips it back: prefilling 8 blocks now costs 8 * 20
+    heavy = make_policy("kv_overlap", overlap_weight=20.0).choose(req(loads, {0: on_device(8)}))
+    assert heavy.worker == 0
+
+
+def test_kv_overlap_queued_prefill_counts_as_blocks_to_prefill() -> None:
+    loads = {0: WorkerLoad(pending_prefill_tokens=40), 1: IDLE}
+    choice = make_policy("kv_overlap").choose(req(loads, {0: on_device(8)}))
+    assert choice.costs == {0: 40 / TPB + 0 + 8, 1: 8 + 8}
+    assert choice.worker == 1
+
+
+def test_kv_overlap_credits_slower_tier_blocks_partly() -> None:
+    loads = {0: IDLE, 1: IDLE}
+    matches = {0: MatchDetail(8, 4, 4, 4), 1: on_device(6)}
+    choice = make_policy("kv_overlap").choose(req(loads, matches))
+    assert choice.predicted_overlap == {0: 4 + 0.75 * 4, 1: 6.0}
+    assert choice.worker == 0  # 7 credited blocks beat 6
+    stingy = make_policy("kv_overlap", slower_credit=0.25).choose(req(loads, matches))
+    assert stingy.worker == 1  # 5 credited blocks lose to 6
+
+
+def test_kv_overlap_ties_go_to_the_least_loaded() -> None:
+    loads = {0: WorkerLoad(active_requests=3), 1: WorkerLoad(active_requests=1)}
+    choice = make_policy("kv_overlap").choose(req(loads))
+    assert choice.costs[0] == choice.costs[1]
+    assert choice.worker == 1
+
+
+def test_kv_overlap_temperature_samples_softmax_of_normalized_costs() -> None:
+    # costs 16 (worker 0: all cached) and 24 (worker 1): normalized 2/3 and 1
+    loads = {0: WorkerLoad(decode_blocks=8), 1: WorkerLoad(decode_blocks=8)}
+    matches = {0: on_device(8)}
+    t = 0.2
+    w0, w1 = math.exp(-(16 / 24) / t), math.exp(-1.0 / t)
+    expected_p0 = w0 / (w0 + w1)
+    policy = make_policy("kv_overlap", temperature=t, seed=123)
+    n = 4000
+    picks = Counter(policy.choose(req(loads, matches)).worker for _ in range(n))
+    assert abs(picks[0] / n - expected_p0) < 0.03
+    assert picks[1] > 0  # sampling, not argmin
+    again = make_policy("kv_overlap", temperature=t, seed=123)
+    first = [again.choose(req(loads, matches)).worker for _ in range(50)]
+    replay = make_policy("kv_overlap", temperature=t, seed=123)
+    assert first == [replay.choose(req(loads, matches)).worker for _ in range(50)]
+
+
+def test_cache_aware_follows_the_prefix_when_balanced() -> None:
+    policy = CacheAwarePolicy(cache_threshold=0.5, balance_abs_threshold=4, balance_rel_threshold=2)
+    loads = {0: WorkerLoad(active_requests=5), 1: WorkerLoad(active_requests=2)}
+    choice = policy.choose(req(loads, {0: on_device(6)}))
+    assert (choice.worker, choice.reason.startswith("best prefix match")) == (0, True)
+
+
+def test_cache_aware_switches_to_balance_when_both_thresholds_exceeded() -> None:
+    policy = CacheAwarePolicy(cache_threshold=0.5, balance_abs_threshold=4, balance_rel_threshold=2)
+    matches = {0: on_device(8)}
+    # 7 - 2 = 5 > 4 and 7 > 2 * 2: imbalanced, the cache is ignored
+    loads = {0: WorkerLoad(active_requests=7), 1: WorkerLoad(active_requests=2)}
+    assert policy.choose(req(loads, matches)).worker == 1
+    # absolute gap large but relative gap small (30 <= 2 * 20): balanced, cache wins
+    loads = {0: WorkerLoad(active_requests=30), 1: WorkerLoad(active_requests=20)}
+    assert policy.choose(req(loads, matches)).worker == 0
+
+
+def test_cache_aware_low_match_goes_to_most_free_cache() -> None:
+    policy = CacheAwarePolicy(cache_threshold=0.5)
+    loads = {0: WorkerLoad(kv_usage=0.9), 1: WorkerLoad(kv_usage=0.2), 2: WorkerLoad(kv_usage=0.5)}
+    choice = policy.choose(req(loads, {0: on_device(3)}))  # ratio 3/8 < 0.5
+    assert choice.worker == 1
+
+
+def test_approximate_remembers_its_decisions_until_the_ttl() -> None:
+    policy = ApproximatePolicy(ttl_ms=5000)
+    loads = {0: WorkerLoad(decode_blocks=2), 1: IDLE}
+    first = policy.choose(req(loads, now_ms=0))
+    assert first.worker == 1  # nothing predicted anywhere: the least decode load
+    loads = {0: IDLE, 1: WorkerLoad(decode_blocks=2)}
+    second = policy.choose(req(loads, now_ms=4000))  # remembered on 1, expiry now 9000
+    assert second.predicted_overlap == {0: 0.0, 1: 8.0}
+    assert second.worker == 1
+    third = policy.choose(req(loads, now_ms=9000))  # expired exactly at 9000
+    assert third.predicted_overlap == {0: 0.0, 1: 0.0}
+    assert third.worker == 0
+
+
+def test_approximate_caps_remembered_blocks_per_worker() -> None:
+    policy = ApproximatePolicy(ttl_ms=1e9, max_blocks_per_worker=5)
+    loads = {0: IDLE}
+    policy.choose(req(loads))
+    assert policy.remembered(0) == 5
+    # the oldest were forgotten first: the request's first blocks are gone
+    assert policy.choose(req(loads, now_ms=1)).predicted_overlap == {0: 0.0}
+
+
+class TableOracle:
+    def __init__(self, table: dict[int, int]) -> None:
+        self.table = table
+
+    def true_overlap(self, worker: int, block_hashes: Sequence[BlockHash]) -> int:
+        return min(self.table.get(worker, 0), len(block_hashes))
+
+
+def test_oracle_uses_true_state_not_the_index() -> None:
+    loads = {0: IDLE, 1: IDLE}
+    stale_index = {0: on_device(8)}
+    policy = make_policy("oracle", oracle=TableOracle({1: 8}))
+    assert policy.choose(req(loads, stale_index)).worker == 1
+    assert isinstance(policy, OraclePolicy)
+    with pytest.raises(RoutingError, match="CacheOracle"):
+        OraclePolicy().choose(req(loads))
+
+
+def test_predicted_ttft_adds_queue_and_uncached_prefill() -> None:
+    timing = PolynomialTiming()
+    policy = PredictedTtftPolicy(timing)
+    loads = {
+        0: WorkerLoad(active_requests=4, pending_prefill_tokens=4000, kv_usage=0.5),
+        1: WorkerLoad(active_requests=1, kv_usage=0.1),
+    }
+    request = req(loads, {0: on_device(8)})
+    choice = policy.choose(request)
+    assert choice.costs[0] == pytest.approx(timing.prefill_ms(4000) + timing.decode_ms(0.5))
+    assert choice.costs[1] == pytest.approx(timing.prefill_ms(32) + timing.decode_ms(0.1))
+    assert choice.worker == 1  # worker 0 holds the prompt but its queue is long
+    loads[0] = WorkerLoad(active_requests=4, pending_prefill_tokens=0, kv_usage=0.5)
+    assert policy.choose(req(loads, {0: on_device(8)})).worker == 0
+
+
+def test_polynomial_timing_defaults() -> None:
+    timing = PolynomialTiming()
+    assert timing.prefill_ms(0) == 0.0
+    assert timing.prefill_ms(1000) == pytest.approx(4.21e-7 * 1e6 + 15.18 + 16.5)
+    assert timing.decode_ms(0.0) == pytest.approx(5.74)
+    assert PolynomialTiming(speedup=2.0).prefill_ms(1000) == pytest.approx(
+        timing.prefill_ms(1000) / 2
+    )
+
+
+def test_errors_name_what_was_wrong() -> None:
+    with pytest.raises(ValueError, match="unknown routing policy 'nope'"):
+        make_policy("nope")
+    with pytest.raises(TypeError, match="kv_overlap"):
+        make_policy("kv_overlap", overlap_wieght=2.0)
+    with pytest.raises(NoWorkersError):
+        KvOverlapPolicy().choose(req({}))
+    with pytest.raises(ValueError, match="credit"):
+        KvOverlapPolicy(slower_credit=1.5)
