@@ -31,6 +31,7 @@ from typing import Protocol
 
 from events.hashing import HashAlgo, chain_hashes
 from events.model import BlockHash, DecodedBatch
+from events.subscriber import BatchDelivery, ResyncRequired, SubscriberMessage
 from kvcache.scope import ReuseScope
 from router_sim.indexer import KvIndexer, MatchDetail
 from router_sim.load import LoadSource
@@ -40,9 +41,8 @@ from router_sim.policies import RouteRequest, RoutingPolicy, make_policy
 class EventSource(Protocol):
     """What the router needs of ``events.subscriber.ZmqEventSubscriber``."""
 
-    def poll(self, timeout_ms: int = 0) -> Sequence[object]:
-        """Messages in order per worker: deliveries (``worker``, ``seq``, ``batch``) and
-        resync signals (``worker``, ``reason``)."""
+    def poll(self, timeout_ms: int = 0) -> list[SubscriberMessage]:
+        """Messages in order per worker: batch deliveries and resync signals."""
         ...
 
 
@@ -154,14 +154,10 @@ class Router:
             return 0
         handled = 0
         for msg in self.subscriber.poll(timeout_ms):
-            worker = getattr(msg, "worker", None)
-            if not isinstance(worker, int):
-                continue
-            batch = getattr(msg, "batch", None)
-            if isinstance(batch, DecodedBatch):
-                self.apply(worker, batch)
-            elif hasattr(msg, "reason"):
-                self.reset_worker(worker)
+            if isinstance(msg, BatchDelivery):
+                self.apply(msg.worker, msg.batch)
+            elif isinstance(msg, ResyncRequired):
+                self.reset_worker(msg.worker)
             else:
                 continue
             handled += 1
