@@ -1,0 +1,252 @@
+"""The scoped block radix tree.
+
+::
+
+    roots[scope] --key--> block 0 --key--> block 1 --key--> block 2 (full)
+        (root_key)                     \\--partials--> [7, 8] (partial, last of its chain)
+
+One :class:`ScopeRoot` per :class:`~kvcache.scope.ReuseScope`, keyed by ``root_key(scope)``.
+A child is found by its chained key ``sha256(parent_key || tokens)``, so two scopes never share
+a node. Full children live in ``children``; partial blocks (fewer than ``tokens_per_block``
+tokens, always leaves) live in ``partials`` so that a full-block walk never lands on one.
+
+The tree holds structure only. Pages, reference counts and eviction candidacy are kept on the
+same :class:`Block` objects by the manager, which is the only writer of those fields.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterator
+from hashlib import sha256
+
+from kvcache.keys import BlockKey, root_key
+from kvcache.scope import ReuseScope
+
+
+class ScopeRoot:
+    """The root of one scope: holds no tokens and no page."""
+
+    __slots__ = ("children", "key", "partials", "scope")
+
+    tier = -1  # never equal to a real tier, so roots take no part in per-tier leaf counting
+
+    def __init__(self, scope: ReuseScope) -> None:
+        self.scope = scope
+        self.key: BlockKey = root_key(scope)
+        self.children: dict[bytes, Block] | None = None
+        self.partials: dict[bytes, Block] | None = None
+
+
+class Block:
+    """One block of a chain: a tree node (``in_tree``) or a page a sequence holds privately.
+
+    Satisfies :class:`kvcache.sink.BlockView`. Fields the manager owns: ``tier``, ``page``
+    (slot in that tier's pool), ``refs`` (live sequences pinning it), ``susp`` (suspended
+    sequences holding it), ``tick`` (last release, manager's counter), ``here`` (children on the
+    same tier), ``gen`` (invalidates stale eviction-heap entries), ``uid`` (creation order).
+    """
+
+    __slots__ = (
+        "children",
+        "gen",
+        "here",
+        "in_tree",
+        "is_full",
+        "key",
+        "owner",
+        "page",
+        "parent",
+        "partials",
+        "priority",
+        "refs",
+        "scope",
+        "susp",
+        "tick",
+        "tier",
+        "tokens",
+        "uid",
+    )
+
+    def __init__(self, uid: int, scope: ReuseScope, tier: int, page: int, priority: int) -> None:
+        self.uid = uid
+        self.scope = scope
+        self.tier = tier
+        self.page = page
+        self.priority = priority
+        self.key: BlockKey = BlockKey(b"")
+        self.tokens: array[int] = array("i")
+        self.parent: Block | None = None
+        self.owner: Block | ScopeRoot | None = None
+        self.children: dict[bytes, Block] | None = None
+        self.partials: dict[bytes, Block] | None = None
+        self.is_full = False
+        self.in_tree = False
+        self.refs = 1
+        self.susp = 0
+        self.tick = 0
+        self.here = 0
+        self.gen = 0
+
+    def __repr__(self) -> str:
+        where = "tree" if self.in_tree else "private"
+        return (
+            f"Block(uid={self.uid}, {where}, key={self.key[:4].hex()}, tokens={len(self.tokens)}, "
+            f"tier={self.tier}, page={self.page}, refs={self.refs}, susp={self.susp})"
+        )
+
+    def iter_children(self) -> Iterator[Block]:
+        """Full children, then partial children."""
+        if self.children:
+            yield from self.children.values()
+        if self.partials:
+            yield from self.partials.values()
+
+
+Node = Block | ScopeRoot
+
+
+def _common_prefix(a: array[int], b: array[int], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    if a[:n] == b[:n]:
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _siblings(node: Node) -> Iterator[Block]:
+    if node.partials:
+        yield from node.partials.values()
+    if node.children:
+        yield from node.children.values()
+
+
+class RadixTree:
+    """Scope roots and the structural operations on blocks."""
+
+    __slots__ = ("num_blocks", "roots")
+
+    def __init__(self) -> None:
+        self.roots: dict[ReuseScope, ScopeRoot] = {}
+        self.num_blocks = 0
+
+    def root(self, scope: ReuseScope, create: bool = False) -> ScopeRoot | None:
+        """The root of ``scope``; created on demand when ``create``."""
+        root = self.roots.get(scope)
+        if root is None and create:
+            root = self.roots[scope] = ScopeRoot(scope)
+        return root
+
+    @staticmethod
+    def match_full(node: Node, data: bytes, max_blocks: int, step: int) -> list[Block]:
+        """The longest chain of full blocks under ``node`` whose tokens are ``data``'s blocks.
+
+        ``data`` is the packed 4-byte LE token bytes; ``step`` = 4 * tokens_per_block.
+        """
+        found: list[Block] = []
+        key: bytes = node.key
+        children = node.children
+        for start in range(0, max_blocks * step, step):
+            if not children:
+                break
+            key = sha256(key + data[start : start + step]).digest()
+            block = children.get(key)
+            if block is None:
+                break
+            found.append(block)
+            children = block.children
+        return found
+
+    @staticmethod
+    def match_partial(
+        node: Node, rest: array[int], limit: int, max_scan: int
+    ) -> tuple[Block | None, int]:
+        """The child of ``node`` sharing the longest token prefix with ``rest`` (at most
+        ``limit`` tokens), scanning at most ``max_scan`` children (partial ones first)."""
+        best: Block | None = None
+        best_len = 0
+        if limit <= 0:
+            return None, 0
+        for scanned, child in enumerate(_siblings(node)):
+            if scanned >= max_scan:
+                break
+            n = _common_prefix(child.tokens, rest, limit)
+            if n > best_len:
+                best, best_len = child, n
+                if n == limit:
+                    break
+        return best, best_len
+
+    @staticmethod
+    def lookup(node: Node, key: bytes) -> Block | None:
+        """The full child of ``node`` with ``key``."""
+        return node.children.get(key) if node.children else None
+
+    @staticmethod
+    def is_useless_partial(node: Node, tokens: array[int]) -> bool:
+        """A partial block whose tokens are a prefix of a sibling's adds nothing reusable."""
+        n = len(tokens)
+        return any(sib.tokens[:n] == tokens for sib in _siblings(node))
+
+    @staticmethod
+    def extended_partial(node: Node, tokens: array[int]) -> Block | None:
+        """The partial sibling whose tokens are a strict prefix of ``tokens``, if any."""
+        if not node.partials:
+            return None
+        for sib in node.partials.values():
+            n = len(sib.tokens)
+            if n < len(tokens) and tokens[:n] == sib.tokens:
+                return sib
+        return None
+
+    def attach(self, block: Block, node: Node) -> None:
+        """Make ``block`` (with key and tokens set) a child of ``node``."""
+        block.owner = node
+        block.parent = node if isinstance(node, Block) else None
+        block.in_tree = True
+        if block.is_full:
+            if node.children is None:
+                node.children = {}
+            node.children[block.key] = block
+        else:
+            if node.partials is None:
+                node.partials = {}
+            node.partials[block.key] = block
+        self.num_blocks += 1
+
+    def detach(self, block: Block) -> None:
+        """Take ``block`` out of its parent's children (its own children are left alone)."""
+        node = block.owner
+        assert node is not None and block.in_tree
+        table = node.children if block.is_full else node.partials
+        assert table is not None
+        del table[block.key]
+        block.in_tree = False
+        self.num_blocks -= 1
+        if isinstance(node, ScopeRoot) and not node.children and not node.partials:
+            del self.roots[node.scope]
+
+    @staticmethod
+    def subtree(block: Block) -> list[Block]:
+        """``block`` and every descendant, descendants first (post-order)."""
+        out: list[Block] = []
+        stack: list[tuple[Block, bool]] = [(block, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if expanded:
+                out.append(node)
+                continue
+            stack.append((node, True))
+            stack.extend((child, False) for child in node.iter_children())
+        return out
+
+    def iter_blocks(self) -> Iterator[Block]:
+        """Every block of every scope, parents before children."""
+        for root in list(self.roots.values()):
+            stack = list(_siblings(root))
+            while stack:
+                block = stack.pop()
+                yield block
+                stack.extend(block.iter_children())
