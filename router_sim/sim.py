@@ -1,0 +1,332 @@
+"""The discrete-event simulator: workers, ZeroMQ in between, the router on the other side.
+
+Time is simulated (milliseconds). Requests arrive in trace order; before routing a request at
+time ``t`` every worker runs the engine steps that start before ``t`` (publishing its KV events
+with the step's end time as timestamp), the subscriber is drained until every frame the workers
+sent has arrived (real ZeroMQ: a dropped frame is recovered through replay when the next frame
+reveals the gap; the simulator never sleeps, it polls with a deadline), and the router applies
+the batches whose publish time + ``event_delay_ms`` is at most ``t``. Then the router decides
+from its index and the workers' load, and the chosen worker queues the request.
+
+Determinism: workers, policies and fault injection draw from seeded generators, the order of
+operations depends only on simulated time, and delivery is gated by simulated time, not by
+when ZeroMQ happened to hand a frame over; so equal inputs and seed give equal results. Only
+the routing decision time (wall clock) differs between runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import zmq
+
+from events.model import BlockHash
+from events.subscriber import BatchDelivery, ResyncRequired, SubscriberMessage, ZmqEventSubscriber
+from router_sim.load import WorkerLoad
+from router_sim.metrics import PolicySummary, RequestRecord, WireStats
+from router_sim.policies import make_policy
+from router_sim.router import Router
+from router_sim.timing import default_step_timing
+from router_sim.timing_model import PolynomialTiming
+from router_sim.worker import SimWorker, WorkerConfig
+from router_sim.workloads import Request
+
+ALL_POLICIES: Final[tuple[str, ...]] = (
+    "round_robin",
+    "random",
+    "least_loaded",
+    "kv_overlap",
+    "cache_aware",
+    "approximate",
+    "predicted_ttft",
+    "oracle",
+)
+_SEEDED: Final = frozenset({"random", "kv_overlap"})
+_run_ids = itertools.count()
+
+
+class SimulationError(RuntimeError):
+    """The simulation cannot continue (for example the event stream stalled)."""
+
+
+@dataclass(slots=True)
+class Restart:
+    """Fault: restart ``worker`` at simulated time ``at_ms``."""
+
+    worker: int
+    at_ms: float
+
+
+@dataclass(slots=True)
+class SimConfig:
+    """Everything a simulation run needs besides the requests and the policy."""
+
+    workers: int = 4
+    tokens_per_block: int = 32
+    device_blocks: int = 4096
+    host_blocks: int = 0
+    max_batch_tokens: int = 8192
+    max_running: int = 256
+    transport: str = "inproc"
+    event_delay_ms: float = 0.0
+    seed: int = 0
+    hash_algo: str = "v1_block_key"
+    drop_rate: float = 0.0
+    """Fraction of live event frames lost (fault injection; replay recovers them)."""
+    restarts: list[Restart] = field(default_factory=list)
+    timing_speedup: float = 1.0
+    """Divides every step time (a faster engine)."""
+    policy_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    drain_timeout_s: float = 30.0
+    """Longest wall-clock wait for frames already sent (a stall means a transport bug)."""
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if self.event_delay_ms < 0:
+            raise ValueError(f"event_delay_ms must be >= 0, got {self.event_delay_ms}")
+        if not 0.0 <= self.drop_rate < 1.0:
+            raise ValueError(f"drop_rate must be in [0, 1), got {self.drop_rate}")
+
+    def worker_config(self) -> WorkerConfig:
+        return WorkerConfig(
+            tokens_per_block=self.tokens_per_block,
+            device_blocks=self.device_blocks,
+            host_blocks=self.host_blocks,
+            max_batch_tokens=self.max_batch_tokens,
+            max_running=self.max_running,
+            hash_algo=self.hash_algo,
+            transport=self.transport,
+        )
+
+
+class Fleet:
+    """The workers as the router's :class:`LoadSource` and the oracle's ``CacheOracle``."""
+
+    def __init__(self, workers: Sequence[SimWorker]) -> None:
+        self._workers = list(workers)
+        self._ids = [w.worker_id for w in workers]
+
+    def workers(self) -> list[int]:
+        return list(self._ids)
+
+    def load(self, worker: int) -> WorkerLoad:
+        return self._workers[worker].load()
+
+    def true_overlap(self, worker: int, block_hashes: Sequence[BlockHash]) -> int:
+        return self._workers[worker].true_overlap(block_hashes)
+
+
+def build_policy(name: str, config: SimConfig, fleet: Fleet) -> Any:
+    """The named policy with the run's seed, timing and oracle wired in."""
+    opts = dict(config.policy_options.get(name, {}))
+    if name in _SEEDED:
+        opts.setdefault("seed", config.seed)
+    if name == "predicted_ttft":
+        opts.setdefault("timing", PolynomialTiming(speedup=config.timing_speedup))
+    if name == "oracle":
+        opts.setdefault("oracle", fleet)
+    return make_policy(name, **opts)
+
+
+class Simulation:
+    """One policy on one workload; :func:`simulate` is the usual entry point."""
+
+    def __init__(self, policy: str, config: SimConfig) -> None:
+        self.config = config
+        self.policy_name = policy
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        tag = f"-r{next(_run_ids)}"
+        wcfg = config.worker_config()
+        timing = default_step_timing(config.timing_speedup)
+        self.workers = [
+            SimWorker(
+                i,
+                wcfg,
+                context=self._ctx,
+                timing=timing,
+                drop_rate=config.drop_rate,
+                fault_seed=config.seed,
+                run_tag=tag,
+            )
+            for i in range(config.workers)
+        ]
+        self.fleet = Fleet(self.workers)
+        self.subscriber = ZmqEventSubscriber(context=self._ctx, replay_timeout_ms=5000)
+        self.router = Router(
+            config.tokens_per_block,
+            build_policy(policy, config, self.fleet),
+            self.fleet,
+            hash_algo=config.hash_algo,
+        )
+        self._queues: list[deque[tuple[float, SubscriberMessage]]] = [
+            deque() for _ in self.workers
+        ]
+        self._delivered: list[int] = [-1] * len(self.workers)
+        self._last_due: list[float] = [0.0] * len(self.workers)
+        self._restarts = sorted(config.restarts, key=lambda r: r.at_ms)
+        self._carried = WireStats()
+        for w in self.workers:
+            self._attach(w)
+
+    # ------------------------------------------------------------------- transport
+
+    def _attach(self, w: SimWorker) -> None:
+        self.subscriber.add_worker(w.worker_id, w.endpoint, w.replay_endpoint)
+        if not w.publisher.wait_for_subscribers(1, timeout_s=self.config.drain_timeout_s):
+            raise SimulationError(f"worker {w.worker_id}: subscriber never attached")
+        self._delivered[w.worker_id] = -1
+        w.announce()
+
+    def _drain(self) -> None:
+        """Receive until every frame the workers sent live has been delivered."""
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while True:
+            behind = [
+                w for w in self.workers if w.sent_seqs and self._delivered[w.worker_id] < w.sent_seqs[-1]
+            ]
+            if not behind:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                ids = [w.worker_id for w in behind]
+                raise SimulationError(
+                    f"event stream stalled: workers {ids} sent frames that never arrived "
+                    f"within {self.config.drain_timeout_s} s"
+                )
+            for msg in self.subscriber.poll(timeout_ms=max(1, min(200, math.ceil(left * 1000)))):
+                self._enqueue(msg)
+
+    def _enqueue(self, msg: SubscriberMessage) -> None:
+        wid = msg.worker
+        if isinstance(msg, BatchDelivery):
+            self._delivered[wid] = msg.seq
+            due = msg.batch.ts * 1000.0 + self.config.event_delay_ms
+            self._last_due[wid] = max(self._last_due[wid], due)
+        else:
+            due = self._last_due[wid]  # in order: right before the next delivery
+        self._queues[wid].append((due, msg))
+
+    def _apply_due(self, now_ms: float) -> None:
+        for wid, q in enumerate(self._queues):
+            while q and q[0][0] <= now_ms:
+                _, msg = q.popleft()
+                if isinstance(msg, BatchDelivery):
+                    self.router.apply(wid, msg.batch)
+                elif isinstance(msg, ResyncRequired):
+                    self.router.reset_worker(wid)
+
+    def _advance(self, t_ms: float) -> None:
+        for w in self.workers:
+            w.run_until(t_ms)
+        self._drain()
+        self._apply_due(t_ms)
+
+    def _restart_due(self, t_ms: float) -> None:
+        while self._restarts and self._restarts[0].at_ms <= t_ms:
+            fault = self._restarts.pop(0)
+            self._advance(fault.at_ms)
+            w = self.workers[fault.worker]
+            st = self.subscriber.status(w.worker_id)  # its counters end with this connection
+            self._carried.gaps += st.gaps
+            self._carried.replayed += st.replayed
+            self._carried.resyncs += st.resyncs
+            self._carried.decode_errors += st.decode_errors
+            self.subscriber.remove_worker(w.worker_id)
+            w.restart()
+            self._attach(w)
+
+    # ------------------------------------------------------------------------- run
+
+    def run(
+        self, requests: Sequence[Request], progress: Callable[[int, int], None] | None = None
+    ) -> PolicySummary:
+        """Route and serve ``requests`` (in arrival order); returns the run's figures."""
+        started = time.perf_counter()
+        records: list[RequestRecord] = []
+        tpb = self.config.tokens_per_block
+        ordered = sorted(requests, key=lambda r: r.arrival_ms)
+        try:
+            for i, req in enumerate(ordered):
+                t = req.arrival_ms
+                self._restart_due(t)
+                self._advance(t)
+                decision = self.router.route(req.tokens(), req.scope, now_ms=t)
+                hashes = decision.block_hashes
+                true = [w.true_overlap(hashes) for w in self.workers]
+                record = RequestRecord(
+                    request_id=req.request_id,
+                    worker=decision.worker,
+                    arrival_ms=t,
+                    input_length=req.input_length,
+                    output_length=req.output_length,
+                    best_overlap_tokens=max(true) * tpb,
+                    chosen_overlap_tokens=true[decision.worker] * tpb,
+                    predicted_overlap_blocks=decision.chosen_overlap,
+                    decision_us=decision.decision_us,
+                )
+                records.append(record)
+                self.workers[decision.worker].enqueue(req, record, t)
+                if progress is not None:
+                    progress(i + 1, len(ordered))
+            self._restart_due(math.inf)
+            for w in self.workers:
+                w.run_until(math.inf)
+            self._drain()
+        finally:
+            wire = self._wire_stats()
+            self.close()
+        return PolicySummary(
+            records=records,
+            workers=len(self.workers),
+            busy_ms=[w.busy_ms for w in self.workers],
+            wire=wire,
+            wall_s=time.perf_counter() - started,
+        )
+
+    def _wire_stats(self) -> WireStats:
+        stats = WireStats(
+            gaps=self._carried.gaps,
+            replayed=self._carried.replayed,
+            resyncs=self._carried.resyncs,
+            decode_errors=self._carried.decode_errors,
+        )
+        for w in self.workers:
+            stats.batches += w.published
+            stats.events += w.events_published
+            stats.bytes += w.bytes_published
+            stats.dropped_frames += w.dropped_frames
+            stats.overflowed_events += w.events.dropped_events
+            stats.restarts += w.restarts
+            try:
+                st = self.subscriber.status(w.worker_id)
+            except Exception:  # the worker was being re-attached when the run failed
+                continue
+            stats.gaps += st.gaps
+            stats.replayed += st.replayed
+            stats.resyncs += st.resyncs
+            stats.decode_errors += st.decode_errors
+        return stats
+
+    def close(self) -> None:
+        """Close every socket and the ZeroMQ context."""
+        for w in self.workers:
+            w.close()
+        self.subscriber.close()
+        self._ctx.term()
+
+
+def simulate(
+    requests: Sequence[Request],
+    policy: str,
+    config: SimConfig,
+    progress: Callable[[int, int], None] | None = None,
+) -> PolicySummary:
+    """Run ``policy`` on ``requests`` with fresh workers and a fresh router."""
+    return Simulation(policy, config).run(requests, progress)

@@ -1,0 +1,477 @@
+"""A simulated inference worker: real KV cache manager, real event manager, real ZeroMQ.
+
+Each worker embeds a metadata-only :class:`kvcache.manager.KVCacheManager` (a device tier and an
+optional host tier), a :class:`events.manager.KVCacheEventManager` that turns the cache's
+changes into KV events (tier moves as Removed + Stored, as on the wire) and a
+:class:`events.publisher.ZmqEventPublisher`. It models continuous batching in simulated time:
+
+- a FIFO waiting queue; admission while the whole prompt's KV fits (the cached prefix is reused
+  and pinned, the rest reserved), at most ``max_running`` requests;
+- one step = one decode token for every decoding request plus prompt chunks (chunked prefill)
+  under a ``max_batch_tokens`` budget; its duration comes from a :class:`StepTiming`;
+- prompt chunks are committed as they are computed, so events flow during prefill; generated
+  tokens are committed block by block; at completion the trailing partial block joins the
+  tree and the sequence is released (its blocks stay cached and evictable);
+- when a decoding request needs a new page and none is left, the most recently admitted request
+  is preempted (its pages released, its committed blocks stay cached) and re-queued first; it
+  later recomputes whatever was evicted meanwhile.
+
+Stretches of pure decoding are fast-forwarded: when nothing can change but the token counts
+(no prefill, no admission possible, step time constant because KV usage is), the worker jumps
+to the next completion, page boundary or deadline in one go, with the exact same outcome as
+stepping one token at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from array import array
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+import zmq
+
+from events.codec import encode_batch
+from events.manager import KVCacheEventManager
+from events.model import AllBlocksCleared, BlockHash, KVCacheEvent, Removed, Stored
+from events.publisher import ZmqEventPublisher
+from kvcache.config import KVCacheManagerConfig, TierConfig
+from kvcache.errors import OutOfPagesError
+from kvcache.manager import KVCache, KVCacheManager
+from router_sim.load import WorkerLoad
+from router_sim.metrics import RequestRecord
+from router_sim.timing import StepTiming, default_step_timing
+from router_sim.workloads import Request
+
+log = logging.getLogger(__name__)
+
+TRANSPORTS: Final[tuple[str, ...]] = ("inproc", "tcp")
+
+
+class WorkerError(RuntimeError):
+    """A simulated worker reached a state it cannot continue from."""
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    """Shape of every simulated worker of a run."""
+
+    tokens_per_block: int
+    device_blocks: int
+    host_blocks: int = 0
+    max_batch_tokens: int = 8192
+    """Token budget of one step (decode tokens + prefill chunks)."""
+    max_running: int = 256
+    hash_algo: str = "v1_block_key"
+    transport: str = "inproc"
+    replay_steps: int = 100_000
+    """Batches kept by each publisher for replay."""
+    event_buffer: int = 1_000_000
+    """Capacity of the event manager's buffer (drained every step, so rarely used)."""
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.tokens_per_block < 1 or self.device_blocks < 1 or self.host_blocks < 0:
+            raise ValueError(
+                "need tokens_per_block >= 1, device_blocks >= 1, host_blocks >= 0; got "
+                f"{self.tokens_per_block}, {self.device_blocks}, {self.host_blocks}"
+            )
+        if self.max_batch_tokens < 1 or self.max_running < 1:
+            raise ValueError("max_batch_tokens and max_running must be >= 1")
+
+
+@dataclass(slots=True)
+class _Seq:
+    """A request inside a worker."""
+
+    req: Request
+    record: RequestRecord
+    order: int
+    full: array[int] = field(default_factory=lambda: array("i"))
+    """Prompt followed by the answer: position p of the sequence is ``full[p]``."""
+    cache: KVCache | None = None
+    target: int = 0
+    """Tokens whose KV must exist before decoding (re)starts."""
+    computed: int = 0
+    """Tokens of ``full`` whose KV exists (reused or computed)."""
+    in_cache: int = 0
+    """Tokens committed to the cache (``computed`` minus generated tokens not yet committed)."""
+    generated: int = 0
+    admitted_once: bool = False
+
+    @property
+    def decoding(self) -> bool:
+        return self.cache is not None and self.computed >= self.target and self.generated > 0
+
+
+def _frame_dropped(seed: int, worker: int, seq: int, rate: float) -> bool:
+    """Deterministic coin for fault injection: a pure function of (seed, worker, seq).
+
+    Seq 0 (the Created announcement) is never dropped: it anchors the subscriber's numbering.
+    """
+    if rate <= 0.0 or seq == 0:
+        return False
+    x = (seed * 0x9E3779B97F4A7C15 + worker * 0xBF58476D1CE4E5B9 + seq) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    x ^= x >> 31
+    return x / 2.0**64 < rate
+
+
+class SimWorker:
+    """One simulated worker; see the module docstring."""
+
+    def __init__(
+        self,
+        worker_id: int,
+        config: WorkerConfig,
+        *,
+        context: zmq.Context[zmq.Socket[bytes]],
+        timing: StepTiming | None = None,
+        drop_rate: float = 0.0,
+        fault_seed: int = 0,
+        run_tag: str = "",
+    ) -> None:
+        self.worker_id = worker_id
+        self.config = config
+        self.timing: StepTiming = timing if timing is not None else default_step_timing()
+        self.drop_rate = drop_rate
+        self.fault_seed = fault_seed
+        self._context = context
+        self._tag = run_tag
+        self.clock_ms = 0.0
+        self.busy_ms = 0.0
+        self.waiting: deque[_Seq] = deque()
+        self.running: list[_Seq] = []
+        self._admission_blocked = False
+        self._order = 0
+        self.held: set[BlockHash] = set()
+        """Block hashes this worker announced and has not removed: its true cache contents."""
+        self.sent_seqs: list[int] = []
+        """Seqs of the current publisher sent live (not dropped), in order."""
+        self.published = 0
+        self.restarts = 0
+        self.overflowed_events = 0
+        self.events_published = 0
+        self.bytes_published = 0
+        self.dropped_frames = 0
+        self.on_publish: Callable[[int, float], None] | None = None
+        self._start_engine()
+
+    # ------------------------------------------------------------------ engine lifecycle
+
+    def _endpoints(self) -> tuple[str, str]:
+        if self.config.transport == "tcp":
+            return "tcp://127.0.0.1:*", "tcp://127.0.0.1:*"
+        base = f"inproc://router-sim{self._tag}-w{self.worker_id}-g{self.restarts}"
+        return base, base + "-replay"
+
+    def _start_engine(self) -> None:
+        cfg = self.config
+        tiers = [TierConfig(name="device", num_blocks=cfg.device_blocks)]
+        if cfg.host_blocks:
+            tiers.append(TierConfig(name="host", num_blocks=cfg.host_blocks))
+        self.events = KVCacheEventManager(
+            hash_algo=cfg.hash_algo,
+            max_entries=cfg.event_buffer,
+            moves_as="removed_stored",
+            tokens_per_block=cfg.tokens_per_block,
+        )
+        self.manager = KVCacheManager(
+            KVCacheManagerConfig(tokens_per_block=cfg.tokens_per_block, tiers=tiers),
+            event_sink=self.events,
+        )
+        live, replay = self._endpoints()
+        wid, seed, rate = self.worker_id, self.fault_seed, self.drop_rate
+        self.publisher = ZmqEventPublisher(
+            live,
+            replay_endpoint=replay,
+            buffer_steps=cfg.replay_steps,
+            max_queue=1_000_000,
+            context=self._context,
+            drop_live=(lambda seq: _frame_dropped(seed, wid, seq, rate)) if rate > 0 else None,
+        )
+        self.sent_seqs = []
+        self.held = set()
+        self._tiers = [t.num_blocks for t in tiers]
+
+    def announce(self) -> None:
+        """Publish the engine's start: its capacity (Created) and an empty cache
+        (AllBlocksCleared, so a router that knew a previous incarnation drops it). Call once a
+        subscriber is attached."""
+        self.events.created(self._tiers)
+        self.events.on_cleared()
+        self._publish()
+
+    @property
+    def endpoint(self) -> str:
+        return self.publisher.endpoint
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        return self.publisher.replay_endpoint
+
+    def restart(self) -> None:
+        """Crash and restart the engine: the KV cache is lost, a new publisher starts again at
+        seq 0 on a new endpoint, and in-flight requests are re-queued (they recompute from
+        scratch). The caller re-subscribes and then calls :meth:`announce`."""
+        requeue = sorted(self.running, key=lambda s: s.order) + list(self.waiting)
+        for s in self.running:
+            s.cache = None  # the pool dies with the engine; nothing to release
+        self.running = []
+        for s in requeue:
+            s.computed = s.in_cache = 0
+            s.record.preemptions += 1
+        self.waiting = deque(requeue)
+        self._admission_blocked = False
+        self.publisher.close(timeout_s=5.0)
+        self.restarts += 1
+        self._start_engine()
+
+    def close(self) -> None:
+        for s in self.running:
+            if s.cache is not None:
+                s.cache.close()
+        self.running = []
+        self.publisher.close(timeout_s=5.0)
+
+    # ----------------------------------------------------------------------- events
+
+    def _publish(self) -> None:
+        self.events.flush()
+        batch = self.events.get_latest_events()
+        if not batch:
+            return
+        self._track(batch)
+        payload = encode_batch(batch, self.clock_ms / 1000.0)
+        seq = self.publisher.publish_payload(payload)
+        self.published += 1
+        self.events_published += len(batch)
+        self.bytes_published += len(payload) + len(self.publisher.topic) + 8
+        if _frame_dropped(self.fault_seed, self.worker_id, seq, self.drop_rate):
+            self.dropped_frames += 1
+        else:
+            self.sent_seqs.append(seq)
+        if self.on_publish is not None:
+            self.on_publish(seq, self.clock_ms)
+
+    def _track(self, batch: Sequence[KVCacheEvent]) -> None:
+        held = self.held
+        for ev in batch:
+            data = ev.data
+            if isinstance(data, Stored):
+                held.update(b.block_hash for b in data.blocks)
+            elif isinstance(data, Removed):
+                held.difference_update(data.block_hashes)
+            elif isinstance(data, AllBlocksCleared):
+                held.clear()
+
+    def true_overlap(self, block_hashes: Sequence[BlockHash]) -> int:
+        """Leading blocks of ``block_hashes`` this worker holds right now (any tier)."""
+        held = self.held
+        n = 0
+        for h in block_hashes:
+            if h not in held:
+                break
+            n += 1
+        return n
+
+    # ------------------------------------------------------------------------- load
+
+    def load(self) -> WorkerLoad:
+        """The load snapshot the router sees."""
+        pending = 0
+        decode_blocks = 0
+        tpb = self.config.tokens_per_block
+        for s in self.waiting:
+            pending += s.req.input_length + s.generated - s.computed
+        for s in self.running:
+            if s.decoding:
+                decode_blocks += -(-(s.req.input_length + s.generated) // tpb)
+            else:
+                pending += s.target - s.computed
+        return WorkerLoad(
+            active_requests=len(self.waiting) + len(self.running),
+            pending_prefill_tokens=pending,
+            kv_usage=min(1.0, max(0.0, self.manager.kv_usage(0))),
+            decode_blocks=decode_blocks,
+        )
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    # --------------------------------------------------------------------- requests
+
+    def enqueue(self, req: Request, record: RequestRecord, now_ms: float) -> None:
+        """A routed request arrives at ``now_ms``."""
+        if self.idle:
+            self.clock_ms = max(self.clock_ms, now_ms)
+        self.waiting.append(_Seq(req, record, self._order))
+        self._order += 1
+
+    def _admit(self, s: _Seq) -> bool:
+        req = s.req
+        if not s.full:
+            s.full = req.tokens() + req.output_tokens()
+        target = req.input_length + s.generated
+        ctx = s.full[:target]
+        try:
+            cache = self.manager.create_kv_cache(ctx, reuse_scope=req.scope)
+        except OutOfPagesError:
+            return False
+        try:
+            cache.resize(target + 1)
+        except OutOfPagesError:
+            cache.close()
+            return False
+        s.cache = cache
+        s.target = target
+        s.computed = s.in_cache = cache.num_reused_tokens
+        if not s.admitted_once:
+            s.admitted_once = True
+            s.record.reused_tokens = min(cache.num_reused_tokens, req.input_length)
+        return True
+
+    def _fits_alone(self, s: _Seq) -> bool:
+        need = -(-(s.req.input_length + s.req.output_length) // self.config.tokens_per_block)
+        return need <= self.config.device_blocks
+
+    def _admit_waiting(self) -> None:
+        while (
+            self.waiting and not self._admission_blocked and len(self.running) < self.config.max_running
+        ):
+            s = self.waiting[0]
+            if not self._fits_alone(s):
+                self.waiting.popleft()
+                log.warning(
+                    "worker %d: request %d needs more KV than the whole device tier; dropped",
+                    self.worker_id,
+                    s.req.request_id,
+                )
+                continue
+            if not self._admit(s):
+                self._admission_blocked = True
+                return
+            self.waiting.popleft()
+            self.running.append(s)
+
+    def _release(self, s: _Seq) -> None:
+        if s.cache is not None:
+            s.cache.close()
+            s.cache = None
+        self._admission_blocked = False
+
+    def _preempt_for(self, needy: _Seq) -> bool:
+        """Free pages by preempting the most recently admitted request; False if ``needy``
+        itself was the victim."""
+        victim = max(self.running, key=lambda s: s.order)
+        self.running.remove(victim)
+        self._release(victim)
+        victim.computed = victim.in_cache = 0
+        victim.record.preemptions += 1
+        self.waiting.appendleft(victim)
+        return victim is not needy
+
+    def _ensure_capacity(self, s: _Seq, tokens: int) -> bool:
+        """Make ``s``'s cache hold ``tokens`` tokens, preempting others if needed; False when
+        ``s`` had to be preempted itself."""
+        assert s.cache is not None
+        tpb = self.config.tokens_per_block
+        while s.cache.capacity < tokens:
+            try:
+                s.cache.resize(-(-tokens // tpb) * tpb)
+            except OutOfPagesError:
+                if not self._preempt_for(s):
+                    return False
+        return True
+
+    def _commit(self, s: _Seq, upto: int) -> None:
+        assert s.cache is not None
+        if upto > s.in_cache:
+            s.cache.commit(s.full[s.in_cache : upto])
+            s.in_cache = upto
+
+    def _finish(self, s: _Seq) -> None:
+        self._commit(s, s.req.input_length + s.req.output_length)
+        assert s.cache is not None
+        s.cache.stop_committing()
+        s.record.finish_ms = self.clock_ms
+        self.running.remove(s)
+        self._release(s)
+
+    # -------------------------------------------------------------------------- steps
+
+    def run_until(self, t_ms: float) -> None:
+        """Run every step that starts before ``t_ms``."""
+        while self.clock_ms < t_ms and (self.waiting or self.running):
+            if not self._step(t_ms):
+                break
+        if self.idle and self.clock_ms < t_ms and math.isfinite(t_ms):
+            self.clock_ms = t_ms
+
+    def _step(self, t_ms: float) -> bool:
+        self._admit_waiting()
+        tpb = self.config.tokens_per_block
+        # pages for this step's decode tokens first (may preempt, so iterate over a copy)
+        for s in sorted(self.running, key=lambda x: x.order):
+            if s in self.running and s.decoding:
+                self._ensure_capacity(s, s.req.input_length + s.generated + 1)
+        decodes = [s for s in self.running if s.decoding]
+        budget = self.config.max_batch_tokens - len(decodes)
+        chunks: list[tuple[_Seq, int]] = []
+        for s in self.running:
+            if s.decoding or budget <= 0:
+                continue
+            n = min(max(1, s.target - s.computed), budget)
+            chunks.append((s, n))
+            budget -= n
+        if not decodes and not chunks:
+            if self.waiting and not self.running:
+                raise WorkerError(
+                    f"worker {self.worker_id}: nothing runs but request "
+                    f"{self.waiting[0].req.request_id} cannot be admitted"
+                )
+            return False
+        prefill_tokens = sum(n for _, n in chunks)
+        dt = self.timing.step_ms(prefill_tokens, len(decodes), self.manager.kv_usage(0))
+        k = 1
+        if not chunks and (not self.waiting or self._admission_blocked) and dt > 0:
+            k = self._fast_forward_steps(decodes, dt, t_ms)
+        self.clock_ms += k * dt
+        self.busy_ms += k * dt
+        for s, n in chunks:
+            s.computed = min(s.target, s.computed + n)
+            self._commit(s, s.computed)
+            if s.computed >= s.target:
+                s.generated += 1  # the step that completes a prefill yields a token
+                if s.record.first_token_ms is None:
+                    s.record.first_token_ms = self.clock_ms
+                if s.generated >= s.req.output_length:
+                    self._finish(s)
+        for s in decodes:
+            s.generated += k
+            pos = s.req.input_length + s.generated
+            if s.generated >= s.req.output_length:
+                self._finish(s)
+            elif pos % tpb == 0:
+                self._commit(s, pos)
+        self._publish()
+        return True
+
+    def _fast_forward_steps(self, decodes: list[_Seq], dt: float, t_ms: float) -> int:
+        """Decode steps that can run as one: up to the first completion, the first page
+        boundary, or the first step starting at or after ``t_ms``."""
+        k = math.ceil((t_ms - self.clock_ms) / dt) if math.isfinite(t_ms) else 1 << 62
+        for s in decodes:
+            assert s.cache is not None
+            k = min(
+                k,
+                s.req.output_length - s.generated,
+                s.cache.capacity - (s.req.input_length + s.generated),
+            )
+        return max(1, k)
