@@ -349,8 +349,8 @@ class ZmqEventPublisher:
                 if self._drop_live is not None and self._drop_live(seq):
                     self._stats.dropped_live += 1
                     continue
-                self._xpub.send_multipart((self._topic, seq_b, payload), zmq.NOBLOCK)
                 self._stats.sent += 1
+                self._xpub.send_multipart((self._topic, seq_b, payload), zmq.NOBLOCK)
         finally:
             if done:
                 self._mark_handled(done)

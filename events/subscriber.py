@@ -136,7 +136,12 @@ class _Worker:
 
 
 class ZmqEventSubscriber:
-    """Receives event batches from many workers' publishers; see the module docstring."""
+    """Receives event batches from many workers' publishers; see the module docstring.
+
+    ``rcvhwm`` bounds the live frames queued per worker while the caller is not polling
+    (ZeroMQ drops beyond it; the gap is replayed). ``limits`` bound what one payload may cost
+    the decoder.
+    """
 
     def __init__(
         self,
@@ -144,11 +149,14 @@ class ZmqEventSubscriber:
         replay_timeout_ms: int = 1000,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         limits: DecodeLimits | None = None,
+        *,
+        rcvhwm: int = 100000,
     ) -> None:
         self._ctx = context if context is not None else zmq.Context.instance()
         self._topic = topic.encode() if isinstance(topic, str) else bytes(topic)
         self._replay_timeout_s = replay_timeout_ms / 1000.0
         self._limits = limits
+        self._rcvhwm = rcvhwm
         self._workers: dict[int, _Worker] = {}
         self._owners: dict[zmq.Socket[bytes], tuple[_Worker, str]] = {}
         self._poller = zmq.Poller()
@@ -176,7 +184,9 @@ class ZmqEventSubscriber:
         w = _Worker(worker, endpoint, replay_endpoint, bind, self._ctx.socket(zmq.SUB))
         try:
             w.sub.setsockopt(zmq.LINGER, 0)
-            w.sub.setsockopt(zmq.RCVHWM, 0)  # loss is decided by the publisher's HWM, not ours
+            # frames beyond this are dropped by ZeroMQ while the caller does not poll; the gap
+            # is then replayed
+            w.sub.setsockopt(zmq.RCVHWM, self._rcvhwm)
             w.sub.setsockopt(zmq.SUBSCRIBE, self._topic)
             if endpoint.startswith("inproc://"):
                 w.connected = True  # inproc pipes exist as soon as both ends are attached
@@ -528,6 +538,7 @@ class ZmqEventSubscriber:
         dealer = self._ctx.socket(zmq.DEALER)
         try:
             dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.RCVHWM, 0)  # a replay is bounded by the publisher's ring
             _attach(dealer, w.replay_endpoint, w.bind)
         except BaseException:
             dealer.close(linger=0)
