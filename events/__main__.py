@@ -1,0 +1,7 @@
+"""``python -m events``: the ``kv-events`` command line."""
+
+import sys
+
+from events.cli import main
+
+sys.exit(main())

@@ -1,0 +1,626 @@
+"""``kv-events doctor``: checks a KV event stream the way a router depends on it.
+
+Fed the raw ZeroMQ messages of one or more workers (live or from a capture), :class:`Doctor`
+checks, per worker:
+
+- framing and decoding (three frames, an 8-byte sequence number, a payload that decodes);
+- sequence numbers: gaps, duplicates, publisher restarts, a stream joined mid-way;
+- parent chaining: every stored chain's parent was stored before (when the history is complete);
+- block size: token counts against the event's ``block_size`` and the router's ``--block-size``;
+- hashes: each block's hash is recomputed from its tokens, its parent's hash and the scope. A
+  mismatch is tried against the usual causes (salt or LoRA not mixed, salt mixed on every
+  block, parent not chained, another scope, another block size, another algorithm) and the
+  report says which one explains it.
+
+Findings are aggregated (one line per worker and cause, with a count and the first sequence
+number) so a long capture gives a short report. Problems make the CLI exit with status 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+import msgpack
+
+from events.codec import DecodeError, decode_batch
+from events.hashing import HashAlgo, hash_from_key, v1_block_hash, xxh3_content_hash
+from events.model import (
+    AllBlocksCleared,
+    BlockHash,
+    Created,
+    KVCacheEvent,
+    Removed,
+    Stored,
+    Updated,
+)
+from kvcache.keys import BlockKey, block_key, root_key
+from kvcache.scope import ReuseScope
+
+Severity = Literal["problem", "warning", "info"]
+_MASK64: Final = (1 << 64) - 1
+_M1: Final = 0xBF58476D1CE4E5B9
+_M2: Final = 0x94D049BB133111EB
+_C32: Final = 0x45D9F3B
+_G: Final = 0x9E3779B9
+
+
+@dataclass(frozen=True, slots=True)
+class DoctorOptions:
+    """What the router expects; None means "take the stream's own value"."""
+
+    block_size: int | None = None
+    hash_algo: HashAlgo | None = None
+    scope: ReuseScope | None = None
+
+
+@dataclass(slots=True)
+class Finding:
+    """One aggregated finding: ``count`` occurrences, the first at ``first_seq``."""
+
+    severity: Severity
+    worker: int
+    kind: str
+    message: str
+    count: int = 1
+    first_seq: int | None = None
+
+
+@dataclass(slots=True)
+class WorkerSummary:
+    """Per-worker totals shown in the report."""
+
+    batches: int = 0
+    events: int = 0
+    blocks_stored: int = 0
+    blocks_removed: int = 0
+    hashes_checked: int = 0
+    hashes_ok: int = 0
+    first_seq: int | None = None
+    last_seq: int | None = None
+
+
+@dataclass(slots=True)
+class _WorkerState:
+    last_seq: int | None = None
+    seen: dict[int, int] = field(default_factory=dict)  # seq -> hash of its payload
+    missing: set[int] = field(default_factory=set)
+    complete: bool = True  # history seen from seq 0 without an unfilled gap
+    known: dict[BlockHash, BlockKey | None] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------- hash variants (V1)
+
+
+def _mix32(a: int, seed: int) -> int:
+    a &= 0xFFFFFFFF
+    a = (((a >> 16) ^ a) * _C32) & 0xFFFFFFFF
+    a = (((a >> 16) ^ a) * _C32) & 0xFFFFFFFF
+    a = (a >> 16) ^ a
+    return seed ^ ((((a + _G) & 0xFFFFFFFF) + (seed << 6) + (seed >> 2)) & _MASK64)
+
+
+def _mix64(b: int, seed: int) -> int:
+    b = ((b ^ (b >> 30)) * _M1) & _MASK64
+    b = ((b ^ (b >> 27)) * _M2) & _MASK64
+    b ^= b >> 31
+    return seed ^ ((b + _G + (seed << 6) + (seed >> 2)) & _MASK64)
+
+
+def v1_salt_every_block(
+    tokens: Sequence[int], parent_hash: int, lora_id: int | None, salt_id: int | None
+) -> int:
+    """The V1 hash as an engine computes it when it mixes the salt into every block (a known
+    bug; WIRE.md 3 mixes it into the first block only)."""
+    seed = len(tokens) ^ ((parent_hash * _M1) & _MASK64)
+    if salt_id is not None:
+        seed = _mix64(salt_id, seed)
+    for tok in tokens:
+        seed = _mix32(tok, seed)
+    if lora_id is not None:
+        seed = _mix64(lora_id, seed)
+    return seed
+
+
+# ------------------------------------------------------------------------- the doctor
+
+
+class Doctor:
+    """Checks messages fed in receive order; :meth:`report` renders what it found."""
+
+    def __init__(self, options: DoctorOptions | None = None, endpoints: Sequence[str] = ()):
+        self.options = options or DoctorOptions()
+        self.endpoints = list(endpoints)
+        self.summaries: dict[int, WorkerSummary] = {}
+        self._states: dict[int, _WorkerState] = {}
+        self._findings: dict[tuple[int, str, str], Finding] = {}
+        self._topics: dict[int, bytes] = {}
+        self._announced: dict[BlockHash, int] = {}  # first hash -> block_size as sent
+
+    # ---------------------------------------------------------------- findings
+
+    def _note(
+        self,
+        severity: Severity,
+        worker: int,
+        kind: str,
+        message: str,
+        seq: int | None,
+        count: int = 1,
+    ) -> None:
+        key = (worker, kind, message)
+        found = self._findings.get(key)
+        if found is None:
+            self._findings[key] = Finding(severity, worker, kind, message, count, seq)
+        else:
+            found.count += count
+
+    @property
+    def findings(self) -> list[Finding]:
+        """All findings, problems first."""
+        order = {"problem": 0, "warning": 1, "info": 2}
+        return sorted(self._findings.values(), key=lambda f: (order[f.severity], f.worker))
+
+    @property
+    def problems(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "problem"]
+
+    # ---------------------------------------------------------------- sequence
+
+    def feed(self, worker: int, frames: Sequence[bytes], replay: bool = False) -> None:
+        """Check one received multipart message of ``worker``."""
+        summary = self.summaries.setdefault(worker, WorkerSummary())
+        state = self._states.setdefault(worker, _WorkerState())
+        if len(frames) != 3 or len(frames[1]) != 8:
+            sizes = [len(f) for f in frames]
+            self._note(
+                "problem",
+                worker,
+                "frame",
+                f"malformed message: frame sizes {sizes} (expected topic, 8-byte seq, payload)",
+                None,
+            )
+            return
+        topic, seq_bytes, payload = frames
+        seq = int.from_bytes(seq_bytes, "big")
+        previous_topic = self._topics.setdefault(worker, topic)
+        if topic != previous_topic:
+            self._note("warning", worker, "topic", f"topic changed to {topic!r}", seq)
+        if not self._sequence(worker, state, seq, hash(payload), replay):
+            return
+        state = self._states[worker]  # a restart replaces it
+        summary.batches += 1
+        summary.first_seq = seq if summary.first_seq is None else summary.first_seq
+        summary.last_seq = state.last_seq
+        try:
+            events = decode_batch(payload).events
+        except DecodeError as exc:
+            self._note("problem", worker, "decode", f"payload does not decode: {exc}", seq)
+            events = self._lenient_events(payload)
+        for event in events:
+            summary.events += 1
+            self._event(worker, state, summary, seq, event)
+
+    def _sequence(
+        self, worker: int, state: _WorkerState, seq: int, digest: int, replay: bool
+    ) -> bool:
+        """Track sequence numbers; False when the message repeats one already checked."""
+        last = state.last_seq
+        if last is None:
+            if seq > 0:
+                state.complete = False
+                self._note(
+                    "info",
+                    worker,
+                    "seq",
+                    f"stream joined at seq {seq}: earlier batches were not seen, so unknown "
+                    "parents are not counted as broken chains",
+                    seq,
+                )
+        elif seq > last + 1:
+            state.missing.update(range(last + 1, seq))
+            state.complete = False
+        elif state.seen.get(seq) == digest:
+            self._note("warning", worker, "duplicate", "duplicate batch (same seq twice)", seq)
+            return False
+        elif seq in state.missing:
+            state.missing.discard(seq)
+            how = "replayed" if replay else "arrived late (reordered)"
+            self._note("info", worker, "filled", f"a missing batch {how}", seq)
+            state.seen[seq] = digest
+            return True
+        elif seq <= last:
+            self._note(
+                "warning",
+                worker,
+                "restart",
+                "publisher restarted (seq went backwards): the router must drop this "
+                "worker's blocks and rebuild from the new stream",
+                seq,
+            )
+            self._close_gaps(worker, state)
+            state = self._states[worker] = _WorkerState(complete=seq == 0)
+        state.seen[seq] = digest
+        state.last_seq = seq
+        return True
+
+    def _close_gaps(self, worker: int, state: _WorkerState) -> None:
+        """Report the batches still missing as gaps (one finding per run of missing seqs)."""
+        missing = sorted(state.missing)
+        state.missing.clear()
+        start = 0
+        for i in range(1, len(missing) + 1):
+            if i == len(missing) or missing[i] != missing[i - 1] + 1:
+                lo, hi = missing[start], missing[i - 1]
+                span = f"seq {lo}" if lo == hi else f"seqs {lo}..{hi}"
+                self._note(
+                    "problem",
+                    worker,
+                    "gap",
+                    f"sequence gap: {span} never arrived ({hi - lo + 1} batch(es) lost); a "
+                    "router would miss their events unless it replays or resynchronizes",
+                    lo,
+                )
+                start = i
+
+    def _lenient_events(self, payload: bytes) -> list[KVCacheEvent]:
+        """Decode a payload whose only fault is stored events with a block_size that does not
+        fit their token counts: re-split those by the size the hash count implies, remembering
+        the announced size for the block-size check. Anything else malformed gives nothing."""
+        try:
+            top = msgpack.unpackb(payload, raw=False, strict_map_key=False, max_bin_len=1 << 16)
+            for raw in top[1]:
+                if isinstance(raw, dict) and raw.get("type") == "BlockStored":
+                    fields: dict[Any, Any] = raw
+                    names: dict[str, Any] = {"h": "block_hashes", "t": "token_ids"}
+                    names["b"] = "block_size"
+                elif isinstance(raw, list) and raw and raw[0] == "BlockStored" and len(raw) > 4:
+                    fields = dict(enumerate(raw))
+                    names = {"h": 1, "t": 3, "b": 4}
+                else:
+                    continue
+                hashes, tokens = fields[names["h"]], fields[names["t"]]
+                announced = fields[names["b"]]
+                if hashes and len(tokens) % len(hashes) == 0:
+                    implied = len(tokens) // len(hashes)
+                    if implied != announced and implied > 0:
+                        first = hashes[0] + (1 << 64) if hashes[0] < 0 else hashes[0]
+                        self._announced[first] = announced
+                        if isinstance(raw, dict):
+                            raw["block_size"] = implied
+                        else:
+                            raw[4] = implied
+            return decode_batch(msgpack.packb(top)).events
+        except (DecodeError, ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return []
+
+    # ---------------------------------------------------------------- events
+
+    def _event(
+        self,
+        worker: int,
+        state: _WorkerState,
+        summary: WorkerSummary,
+        seq: int,
+        event: KVCacheEvent,
+    ) -> None:
+        data = event.data
+        if isinstance(data, Stored):
+            self._stored(worker, state, summary, seq, event.hash_algo, data)
+        elif isinstance(data, Removed):
+            for h in data.block_hashes:
+                summary.blocks_removed += 1
+                if h in state.known:
+                    del state.known[h]
+                elif state.complete:
+                    self._note(
+                        "warning", worker, "removed", "removed a block that was never stored", seq
+                    )
+        elif isinstance(data, Updated):
+            if data.block_hash not in state.known and state.complete:
+                self._note(
+                    "warning", worker, "updated", "updated a block that was never stored", seq
+                )
+        elif isinstance(data, AllBlocksCleared):
+            state.known.clear()
+        elif isinstance(data, Created):
+            self._note("info", worker, "created", f"cache created: {data}", seq)
+
+    def _stored(
+        self,
+        worker: int,
+        state: _WorkerState,
+        summary: WorkerSummary,
+        seq: int,
+        algo_name: str,
+        data: Stored,
+    ) -> None:
+        opts = self.options
+        try:
+            stream_algo: HashAlgo | None = HashAlgo(algo_name)
+        except ValueError:
+            stream_algo = None
+            self._note("problem", worker, "algo", f"unknown hash_algo {algo_name!r}", seq)
+        algo = opts.hash_algo or stream_algo or HashAlgo.V1_BLOCK_KEY
+        if stream_algo is not None and opts.hash_algo is not None and stream_algo != algo:
+            self._note(
+                "problem",
+                worker,
+                "algo",
+                f"events say hash_algo {stream_algo.value}, the router uses {algo.value}",
+                seq,
+            )
+        blocks = data.blocks
+        summary.blocks_stored += len(blocks)
+        if not blocks:
+            self._note("problem", worker, "empty", "stored event without blocks", seq)
+            return
+        sizes = [len(b.tokens) for b in blocks]
+        announced = self._announced.pop(blocks[0].block_hash, data.block_size)
+        if announced != data.block_size:
+            self._note(
+                "problem",
+                worker,
+                "block_size",
+                f"event says block_size {announced} but its {len(blocks)} hashes cover "
+                f"{sum(sizes)} tokens, i.e. blocks of {data.block_size} tokens; the engine "
+                "announces the wrong block size",
+                seq,
+            )
+            announced = data.block_size
+        if opts.block_size is not None and announced is not None and announced != opts.block_size:
+            self._note(
+                "problem",
+                worker,
+                "block_size",
+                f"events carry block_size {announced} but the router uses {opts.block_size}: "
+                "no request hash can match; configure both sides with one block size",
+                seq,
+            )
+        expected = announced or opts.block_size
+        if expected is not None:
+            if any(s != expected for s in sizes[:-1]) or sizes[-1] > expected:
+                self._note(
+                    "problem",
+                    worker,
+                    "block_size",
+                    f"blocks hold {sorted(set(sizes))} tokens but block_size is {expected}",
+                    seq,
+                )
+            elif sizes[-1] < expected:
+                self._note(
+                    "warning",
+                    worker,
+                    "partial",
+                    f"a partial block ({sizes[-1]} of {expected} tokens) was announced; "
+                    "routers only hash full blocks",
+                    seq,
+                )
+        parent = data.parent_hash
+        if parent is not None and parent not in state.known:
+            if state.complete:
+                self._note(
+                    "problem",
+                    worker,
+                    "parent",
+                    "broken parent chain: a stored chain's parent was never stored (or was "
+                    "already removed)",
+                    seq,
+                )
+            else:
+                self._note(
+                    "warning",
+                    worker,
+                    "parent",
+                    "stored chain with an unknown parent (the history before it was not seen)",
+                    seq,
+                )
+        self._verify_hashes(worker, state, summary, seq, algo, data)
+
+    # ---------------------------------------------------------------- hashes
+
+    def _scope_of(self, lora_id: int | None, salt_id: int | None) -> ReuseScope:
+        if self.options.scope is not None:
+            return self.options.scope
+        return ReuseScope(lora_id, salt_id)
+
+    def _verify_hashes(
+        self,
+        worker: int,
+        state: _WorkerState,
+        summary: WorkerSummary,
+        seq: int,
+        algo: HashAlgo,
+        data: Stored,
+    ) -> None:
+        blocks = data.blocks
+        parent_hash = data.parent_hash
+        parent_key: BlockKey | None
+        first = blocks[0]
+        scope = self._scope_of(first.lora_id, first.cache_salt_id)
+        parent_key = root_key(scope) if parent_hash is None else state.known.get(parent_hash)
+        mismatched: list[int] = []
+        for i, blk in enumerate(blocks):
+            scope = self._scope_of(blk.lora_id, blk.cache_salt_id)
+            key = None if parent_key is None else block_key(parent_key, blk.tokens)
+            summary.hashes_checked += 1
+            want = self._expected(algo, blk.tokens, parent_hash, scope, key)
+            if want is None:
+                summary.hashes_checked -= 1
+                self._note(
+                    "info",
+                    worker,
+                    "unverified",
+                    f"{algo.value} hashes chain block keys; a block whose parent key is "
+                    "unknown cannot be recomputed",
+                    seq,
+                )
+            elif want == blk.block_hash:
+                summary.hashes_ok += 1
+            else:
+                mismatched.append(i)
+            state.known[blk.block_hash] = key
+            parent_hash, parent_key = blk.block_hash, key
+        if mismatched:
+            self._explain(worker, seq, algo, data, mismatched)
+
+    def _expected(
+        self,
+        algo: HashAlgo,
+        tokens: Sequence[int],
+        parent_hash: BlockHash | None,
+        scope: ReuseScope,
+        key: BlockKey | None,
+    ) -> BlockHash | None:
+        if algo is HashAlgo.V1_BLOCK_KEY:
+            if not isinstance(parent_hash, int | None):
+                return -1  # a hex parent cannot chain a V1 hash: a mismatch to explain
+            return v1_block_hash(tokens, parent_hash or 0, scope.lora_id, scope.salt)
+        return None if key is None else hash_from_key(algo, key)
+
+    def _explain(
+        self, worker: int, seq: int, algo: HashAlgo, data: Stored, mismatched: list[int]
+    ) -> None:
+        """Say which usual cause explains the mismatched blocks of one stored event."""
+        explanation = self._explain_blocks(algo, data, mismatched)
+        if explanation is None:
+            explanation = (
+                "unexplained: not salt/LoRA mixing, parent chaining, another block size or "
+                "another algorithm; check the engine's hash function and its inputs"
+            )
+        self._note(
+            "problem",
+            worker,
+            "hash",
+            f"block hashes do not match {algo.value} recomputed from tokens, parent and scope; "
+            f"explained by: {explanation}",
+            seq,
+            count=len(mismatched),
+        )
+
+    def _explain_blocks(self, algo: HashAlgo, data: Stored, mismatched: list[int]) -> str | None:
+        parents: list[BlockHash | None] = [data.parent_hash] + [
+            b.block_hash for b in data.blocks[:-1]
+        ]
+        candidates: list[
+            tuple[str, Callable[[Sequence[int], int, ReuseScope, int | None, int | None], object]]
+        ]
+        candidates = [
+            (
+                "the salt is not mixed into the first block (engine ignores cache_salt_id)",
+                lambda t, p, s, lo, sa: (
+                    v1_block_hash(t, p, s.lora_id, None) if s.salt is not None else None
+                ),
+            ),
+            (
+                "the LoRA id is not mixed in (engine ignores lora_id)",
+                lambda t, p, s, lo, sa: (
+                    v1_block_hash(t, p, None, s.salt) if s.lora_id is not None else None
+                ),
+            ),
+            (
+                "neither the salt nor the LoRA id is mixed in",
+                lambda t, p, s, lo, sa: (
+                    v1_block_hash(t, p, None, None)
+                    if s.lora_id is not None and s.salt is not None
+                    else None
+                ),
+            ),
+            (
+                "the salt is mixed into every block, not only the first",
+                lambda t, p, s, lo, sa: (
+                    v1_salt_every_block(t, p, s.lora_id, s.salt)
+                    if s.salt is not None and p != 0
+                    else None
+                ),
+            ),
+            (
+                "the parent hash is not chained (every block hashed as a first block)",
+                lambda t, p, s, lo, sa: v1_block_hash(t, 0, s.lora_id, s.salt) if p else None,
+            ),
+            (
+                "the publisher's own scope (the event's lora_id / cache_salt_id) differs "
+                "from the router's --lora-id / --cache-salt",
+                lambda t, p, s, lo, sa: (
+                    v1_block_hash(t, p, lo, sa) if self.options.scope is not None else None
+                ),
+            ),
+            (
+                "another algorithm: the router-side content hash (xxh3_64 of the tokens, "
+                "seed 1337)",
+                lambda t, p, s, lo, sa: xxh3_content_hash(t),
+            ),
+        ]
+        if algo is not HashAlgo.V1_BLOCK_KEY:
+            candidates.insert(
+                0,
+                (
+                    f"another algorithm: the hashes are v1_block_key, not {algo.value}",
+                    lambda t, p, s, lo, sa: v1_block_hash(t, p, s.lora_id, s.salt),
+                ),
+            )
+        for name, candidate in candidates:
+            explained = True
+            for i in mismatched:
+                blk = data.blocks[i]
+                parent = parents[i]
+                if not isinstance(parent, int | None) or not isinstance(blk.block_hash, int):
+                    explained = False
+                    break
+                scope = self._scope_of(blk.lora_id, blk.cache_salt_id)
+                got = candidate(blk.tokens, parent or 0, scope, blk.lora_id, blk.cache_salt_id)
+                if got is None or got != blk.block_hash:
+                    explained = False
+                    break
+            if explained:
+                return name
+        if any(isinstance(data.blocks[i].block_hash, str) for i in mismatched):
+            return (
+                "another algorithm: the hashes are hex strings (v2_sha256) but the block keys "
+                "they should equal differ; check the scope the engine used"
+                if algo is HashAlgo.V2_SHA256
+                else f"another algorithm: the hashes are hex strings (v2_sha256), not {algo.value}"
+            )
+        return None
+
+    # ---------------------------------------------------------------- report
+
+    def finish(self) -> list[Finding]:
+        """End of input: report the gaps nothing filled; returns all findings."""
+        for worker, state in self._states.items():
+            self._close_gaps(worker, state)
+        return self.findings
+
+    def render(self) -> str:
+        """The human-readable report (call :meth:`finish` first)."""
+        lines: list[str] = []
+        total = WorkerSummary()
+        for s in self.summaries.values():
+            total.batches += s.batches
+            total.events += s.events
+            total.blocks_stored += s.blocks_stored
+            total.blocks_removed += s.blocks_removed
+        lines.append(
+            f"kv-events doctor: {len(self.summaries)} worker(s), {total.batches} batches, "
+            f"{total.events} events, {total.blocks_stored} blocks stored, "
+            f"{total.blocks_removed} removed"
+        )
+        for worker in sorted(self.summaries):
+            s = self.summaries[worker]
+            where = f" ({self.endpoints[worker]})" if worker < len(self.endpoints) else ""
+            span = "no valid batch" if s.first_seq is None else f"seq {s.first_seq}..{s.last_seq}"
+            lines.append(
+                f"  worker {worker}{where}: {span}, {s.batches} batches, hashes verified "
+                f"{s.hashes_ok}/{s.hashes_checked}"
+            )
+        findings = self.findings
+        for f in findings:
+            times = f" (x{f.count})" if f.count > 1 else ""
+            at = "" if f.first_seq is None else f" seq {f.first_seq}"
+            lines.append(f"{f.severity.upper():8} worker {f.worker}{at}: {f.message}{times}")
+        problems = sum(1 for f in findings if f.severity == "problem")
+        warnings = sum(1 for f in findings if f.severity == "warning")
+        verdict = "OK" if problems == 0 else "PROBLEMS FOUND"
+        lines.append(f"result: {verdict}: {problems} problem(s), {warnings} warning(s)")
+        return "\n".join(lines)
