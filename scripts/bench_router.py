@@ -1,0 +1,190 @@
+"""Router benchmarks: index update rate, match latency, decision latency, index memory.
+
+Run: ``python scripts/bench_router.py`` (about a minute; ``--quick`` for a smaller run).
+Each figure is printed beside its target from one run of this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import time
+import tracemalloc
+from array import array
+from collections.abc import Callable, Sequence
+from functools import partial
+
+from events.hashing import NATIVE, chain_hashes
+from events.model import DecodedBatch, KVCacheEvent, Removed, Stored, StoredBlock
+from kvcache.scope import DEFAULT_SCOPE
+from router_sim import KvIndexer, Router, StaticLoadSource, WorkerLoad
+
+TPB = 16
+WORKERS = 16
+CHAIN = 64  # blocks per Stored event
+
+
+def chains(rng: random.Random, n_blocks: int) -> list[list[int]]:
+    """Random 64-bit hash chains of CHAIN blocks, n_blocks in all."""
+    return [[rng.getrandbits(64) for _ in range(CHAIN)] for _ in range(n_blocks // CHAIN)]
+
+
+def stored_batches(hash_chains: Sequence[Sequence[int]], per_batch: int = 16) -> list[DecodedBatch]:
+    events = [
+        KVCacheEvent(i, Stored(None, [StoredBlock(h, []) for h in c], TPB))
+        for i, c in enumerate(hash_chains)
+    ]
+    return [DecodedBatch(0.0, events[i : i + per_batch]) for i in range(0, len(events), per_batch)]
+
+
+def removed_batches(
+    hash_chains: Sequence[Sequence[int]], per_batch: int = 16
+) -> list[DecodedBatch]:
+    events = [KVCacheEvent(i, Removed(list(c))) for i, c in enumerate(hash_chains)]
+    return [DecodedBatch(0.0, events[i : i + per_batch]) for i in range(0, len(events), per_batch)]
+
+
+def populate(ix: KvIndexer, rng: random.Random, n_entries: int) -> dict[int, list[list[int]]]:
+    """n_entries (block, worker) entries: each worker its own chains."""
+    per_worker: dict[int, list[list[int]]] = {}
+    for w in range(WORKERS):
+        cs = chains(rng, n_entries // WORKERS)
+        per_worker[w] = cs
+        for b in stored_batches(cs):
+            ix.apply_batch(w, b)
+    return per_worker
+
+
+def percentile_us(fn: Callable[[], object], runs: int) -> tuple[float, float]:
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    times.sort()
+    return statistics.median(times), times[int(len(times) * 0.99) - 1]
+
+
+def bench_updates(rng: random.Random, n_entries: int) -> float:
+    ix = KvIndexer(TPB)
+    work = []
+    for w in range(WORKERS):
+        cs = chains(rng, n_entries // WORKERS)
+        work.append((w, stored_batches(cs), removed_batches(cs)))
+    gc.collect()
+    t0 = time.perf_counter()
+    for w, stores, _ in work:
+        for b in stores:
+            ix.apply_batch(w, b)
+    for w, _, removes in work:
+        for b in removes:
+            ix.apply_batch(w, b)
+    elapsed = time.perf_counter() - t0
+    assert ix.total_entries() == 0
+    ops = 2 * (n_entries // WORKERS // CHAIN) * CHAIN * WORKERS
+    return ops / elapsed
+
+
+def bench_memory(rng: random.Random, n_entries: int, sharing: int) -> float:
+    """Bytes per (block, worker) entry; each block held by ``sharing`` workers."""
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    ix = KvIndexer(TPB)
+    n_chains = n_entries // sharing // CHAIN
+    for _ in range(n_chains):
+        c = [rng.getrandbits(64) for _ in range(CHAIN)]
+        for w in rng.sample(range(WORKERS), sharing):
+            ix.apply_batch(w, stored_batches([c])[0])
+    gc.collect()
+    used = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    return used / ix.total_entries()
+
+
+def bench_lookups(rng: random.Random, n: int, rows: list[tuple[str, str, str]]) -> None:
+    ix = KvIndexer(TPB)
+    per_worker = populate(ix, rng, n)
+    # worst case: one worker holds the whole 256-block request, others share its first blocks
+    request = [h for c in per_worker[3][:4] for h in c]
+    for w, keep in ((5, 200), (7, 100), (9, 10)):
+        ix.apply_batch(
+            w, stored_batches([request[i : i + CHAIN] for i in range(0, keep, CHAIN)])[0]
+        )
+    p50, p99 = percentile_us(lambda: ix.find_matches(request), 3000)
+    rows.append(
+        (
+            f"find_matches 256 blocks, {WORKERS} workers, {ix.total_entries():,} entries",
+            f"p50 {p50:.1f} us (p99 {p99:.1f})",
+            "p50 <= 20 us",
+        )
+    )
+    p50, p99 = percentile_us(lambda: ix.find_matches_detailed(request), 3000)
+    rows.append(("find_matches_detailed, same request", f"p50 {p50:.1f} us (p99 {p99:.1f})", "-"))
+
+    # a full decision on an 8,192-token prompt whose first 4,096 tokens worker 2 holds
+    tokens = [rng.randrange(32000) for _ in range(8192)]
+    hashes = chain_hashes(tokens, TPB, DEFAULT_SCOPE)
+    blocks = [StoredBlock(h, tokens[i * TPB : (i + 1) * TPB]) for i, h in enumerate(hashes)]
+    ix.apply_batch(2, DecodedBatch(0.0, [KVCacheEvent(0, Stored(None, blocks[:256], TPB))]))
+    source = StaticLoadSource({w: WorkerLoad(active_requests=w % 3) for w in range(WORKERS)})
+    router = Router(TPB, "kv_overlap", source, indexer=ix)
+    assert router.route(tokens).worker == 2
+    packed = array("i", tokens)
+    for label, prompt in (("list", tokens), ("array('i')", packed)):
+        p50, p99 = percentile_us(partial(router.route, prompt), 2000)
+        rows.append(
+            (
+                f"route() 8,192-token prompt as {label}, incl. hashing",
+                f"p50 {p50:.1f} us (p99 {p99:.1f})",
+                "p50 <= 200 us",
+            )
+        )
+    p50, _ = percentile_us(lambda: chain_hashes(packed, TPB, DEFAULT_SCOPE), 2000)
+    rows.append((f"  of which chain_hashes (native={NATIVE})", f"p50 {p50:.1f} us", "-"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="100k entries instead of 1M")
+    args = parser.parse_args()
+    n = 100_000 if args.quick else 1_000_000
+    rng = random.Random(1)
+    rows: list[tuple[str, str, str]] = []
+
+    rows.append(
+        (
+            "index updates (stored+removed)",
+            f"{bench_updates(rng, n) / 1e6:.2f} M ops/s",
+            ">= 1 M ops/s",
+        )
+    )
+
+    bench_lookups(rng, n, rows)
+    gc.collect()
+
+    rows.append(
+        (
+            f"index memory, {n:,} entries, 1 worker per block",
+            f"{bench_memory(rng, n, 1):.0f} B/entry",
+            "<= 200 B/entry",
+        )
+    )
+    rows.append(
+        (
+            f"index memory, {n:,} entries, 4 workers per block",
+            f"{bench_memory(rng, n, 4):.0f} B/entry",
+            "<= 200 B/entry",
+        )
+    )
+
+    width = max(len(r[0]) for r in rows)
+    print(f"{'benchmark':<{width}}  {'measured':<28}  target")
+    for name, measured, target in rows:
+        print(f"{name:<{width}}  {measured:<28}  {target}")
+
+
+if __name__ == "__main__":
+    main()
