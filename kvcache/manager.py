@@ -174,13 +174,18 @@ class KVCacheManager:
         pages.finish()
         return seq
 
-    def _new_private(self, scope: ReuseScope, priority: int) -> Block:
-        """A device page held privately by a sequence (the caller checked room)."""
+    def _new_privates(self, count: int, scope: ReuseScope, priority: int) -> list[Block]:
+        """Device pages held privately by a sequence (the caller checked room)."""
         pages = self._pages
-        page = pages.allocate(0)
-        block = Block(pages.next_uid(), scope, 0, page, priority)
-        pages.pinned[0] += 1
-        return block
+        pool = pages.pools[0]
+        if pool.num_free >= count:
+            slots = pool.allocate_many(count)
+        else:
+            slots = [pages.allocate(0) for _ in range(count)]
+        uid = pages.uid
+        pages.uid += count
+        pages.pinned[0] += count
+        return [Block(uid + i, scope, 0, page, priority) for i, page in enumerate(slots, 1)]
 
     def _onboard(
         self,
@@ -196,9 +201,7 @@ class KVCacheManager:
         """
         pages = self._pages
         dev = [pages.allocate(0) for _ in range(len(away))]
-        privates: list[Block] = []
-        for _ in range(extra):
-            privates.append(self._new_private(scope, priority))
+        privates = self._new_privates(extra, scope, priority)
         for b, page in zip(away, dev, strict=True):
             pages.move(b, 0, page, copy=True)
         pages.counters.onboards += len(away)

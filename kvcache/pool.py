@@ -39,6 +39,20 @@ class PagePool:
         self._is_free[page] = 0
         return page
 
+    def allocate_many(self, count: int) -> list[int]:
+        """Take ``count`` free pages at once (the caller checked ``num_free``)."""
+        if count > len(self._free):
+            raise KVCacheError(
+                f"tier {self.name!r} has {len(self._free)} free pages, {count} asked"
+            )
+        pages = self._free[len(self._free) - count :]
+        del self._free[len(self._free) - count :]
+        pages.reverse()
+        is_free = self._is_free
+        for page in pages:
+            is_free[page] = 0
+        return pages
+
     def release(self, page: int) -> None:
         """Give a page back to the free list."""
         if self._is_free[page]:

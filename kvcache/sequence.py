@@ -140,8 +140,7 @@ class KVCache:
                 f"({pages.pools[0].num_free} free + {room - pages.pools[0].num_free} evictable); "
                 "close or suspend other sequences, or give the device tier more blocks"
             )
-        for _ in range(extra):
-            self._blocks.append(mgr._new_private(self.scope, self.priority))
+        self._blocks.extend(mgr._new_privates(extra, self.scope, self.priority))
 
     def commit(self, tokens: Iterable[int]) -> None:
         """Append tokens whose KV is now computed (after every token already in the cache).
@@ -213,9 +212,20 @@ class KVCache:
                     mgr._emit_stored(stored)
                     stored = []
                     mgr._replace_partial(old)
-            pages.link(b, node)
+            # RadixTree.attach + TieredPages.link, inlined: this loop is the commit hot path.
+            # The parent is pinned by this sequence, so it has no heap entry to invalidate.
+            b.owner = node
+            if node.children is None:
+                node.children = {}
+            node.children[key] = b
+            b.in_tree = True
+            if i:
+                b.parent = node  # type: ignore[assignment]
+                if node.tier == 0:
+                    node.here += 1  # type: ignore[union-attr]
             stored.append(b)
             node = b
+        mgr._tree.num_blocks += len(stored)
         mgr._emit_stored(stored)
 
     def stop_committing(self) -> None:
