@@ -143,6 +143,8 @@ def _wire_hashes(hashes: list[BlockHash]) -> list[int | bytes]:
 
 
 def _common(event: KVCacheEvent, out: dict[str, Any], dp_rank: int | None) -> dict[str, Any]:
+    if "hash_algo" not in out and event.hash_algo != _DEFAULT_ALGO:
+        out["hash_algo"] = event.hash_algo
     out["event_id"] = event.event_id
     if event.window_size:
         out["window_size"] = event.window_size
@@ -180,7 +182,7 @@ def _encode_stored(
     if not blocks:
         return  # nothing stored: nothing to announce
     block_size = data.block_size or len(blocks[0].tokens)
-    if block_size < 1:
+    if data.block_size is not None and data.block_size < 1:
         raise ValueError(f"Stored.block_size must be >= 1, got {block_size}")
     parent = data.parent_hash
     start = 0
@@ -213,7 +215,6 @@ def _diff_wire(diff: EventDiff | None) -> list[int] | None:
 
 def _encode_event(event: KVCacheEvent, dp_rank: int | None, out: list[dict[str, Any]]) -> None:
     data = event.data
-    algo = {} if event.hash_algo == _DEFAULT_ALGO else {"hash_algo": event.hash_algo}
     if isinstance(data, Stored):
         _encode_stored(event, data, dp_rank, out)
         return
@@ -223,7 +224,6 @@ def _encode_event(event: KVCacheEvent, dp_rank: int | None, out: list[dict[str, 
             "type": "BlockRemoved",
             "block_hashes": _wire_hashes(data.block_hashes),
             "medium": None if data.cache_level is None else medium_of(data.cache_level),
-            **algo,
         }
     elif isinstance(data, AllBlocksCleared):
         wire = {"type": "AllBlocksCleared"}
@@ -233,7 +233,6 @@ def _encode_event(event: KVCacheEvent, dp_rank: int | None, out: list[dict[str, 
             "block_hash": _wire_hash(data.block_hash),
             "cache_level": _diff_wire(data.cache_level),
             "priority": _diff_wire(data.priority),
-            **algo,
         }
     elif isinstance(data, Created):
         wire = {

@@ -1,0 +1,349 @@
+"""Wire codec (WIRE.md 4): golden payloads, round trips, tolerance, and typed rejection."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from events.codec import DecodeError, DecodeLimits, decode_batch, encode_batch, from_json
+from events.hashing import chain_hashes
+from events.model import (
+    AllBlocksCleared,
+    Created,
+    DecodedBatch,
+    EventDiff,
+    KVCacheEvent,
+    Removed,
+    Stored,
+    StoredBlock,
+    Updated,
+)
+from kvcache.scope import ReuseScope
+
+WIRE_DIR = Path(__file__).parent / "data" / "wire"
+GOLDEN = ["vllm_map_form", "vllm_array_form", "encoder_map_form"]
+
+
+def _hex_source(name: str) -> bytes:
+    text = (WIRE_DIR / f"{name}.hex").read_text()
+    return bytes.fromhex("".join(re.sub(r"#.*", "", line) for line in text.splitlines()))
+
+
+def _expected(name: str) -> DecodedBatch:
+    doc = json.loads((WIRE_DIR / f"{name}.expected.json").read_text())
+    events = []
+    for obj in doc["events"]:
+        event = from_json(obj)
+        if isinstance(event.data, Stored):  # the wire block_size rides beside the JSON shape
+            data = Stored(event.data.parent_hash, event.data.blocks, obj["data"]["block_size"])
+            event = KVCacheEvent(
+                event.event_id, data, event.window_size, event.hash_algo, event.attention_dp_rank
+            )
+        events.append(event)
+    return DecodedBatch(ts=doc["ts"], events=events, dp_rank=doc["dp_rank"])
+
+
+def _pack(obj: object) -> bytes:
+    packed: bytes = msgpack.packb(obj, use_bin_type=True)
+    return packed
+
+
+# --- golden payloads --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", GOLDEN)
+def test_golden_payload_matches_its_hand_assembled_source(name: str) -> None:
+    assert (WIRE_DIR / f"{name}.msgpack").read_bytes() == _hex_source(name)
+
+
+@pytest.mark.parametrize("name", GOLDEN)
+def test_golden_payload_decodes_to_its_expected_batch(name: str) -> None:
+    assert decode_batch((WIRE_DIR / f"{name}.msgpack").read_bytes()) == _expected(name)
+
+
+def test_encoder_output_is_byte_exact() -> None:
+    batch = _expected("encoder_map_form")
+    payload = encode_batch(batch.events, ts=batch.ts, dp_rank=batch.dp_rank)
+    assert payload == (WIRE_DIR / "encoder_map_form.msgpack").read_bytes()
+
+
+# --- round trips ------------------------------------------------------------------------------
+
+U64 = st.integers(0, 2**64 - 1)
+HASH = st.one_of(U64, st.binary(min_size=32, max_size=32).map(bytes.hex))
+OPT_U64 = st.one_of(st.none(), U64)
+
+
+@st.composite
+def stored_data(draw: st.DrawFn) -> Stored:
+    block_size = draw(st.integers(1, 8))
+    n = draw(st.integers(1, 5))
+    last = draw(st.integers(1, block_size))
+    lora, level, prio, salt = (
+        draw(OPT_U64),
+        draw(st.integers(0, 2)),
+        draw(st.integers(0, 100)),
+        draw(OPT_U64),
+    )
+    blocks = [
+        StoredBlock(
+            block_hash=draw(HASH),
+            tokens=draw(
+                st.lists(
+                    st.integers(0, 2**31 - 1),
+                    min_size=block_size if i < n - 1 else last,
+                    max_size=block_size if i < n - 1 else last,
+                )
+            ),
+            lora_id=lora,
+            cache_level=level,
+            priority=prio,
+            cache_salt_id=salt,
+        )
+        for i in range(n)
+    ]
+    return Stored(
+        parent_hash=draw(st.one_of(st.none(), HASH)), blocks=blocks, block_size=block_size
+    )
+
+
+DIFF = st.one_of(st.none(), st.builds(EventDiff, st.integers(0, 100), st.integers(0, 100)))
+EVENT_DATA = st.one_of(
+    stored_data(),
+    st.builds(Removed, st.lists(HASH, max_size=6), st.one_of(st.none(), st.integers(0, 2))),
+    st.builds(Updated, HASH, DIFF, DIFF),
+    st.builds(Created, st.lists(st.integers(0, 10**6), max_size=3)),
+    st.just(AllBlocksCleared()),
+)
+
+
+@st.composite
+def batches(draw: st.DrawFn) -> DecodedBatch:
+    dp_rank = draw(st.one_of(st.none(), st.integers(0, 7)))
+    events = [
+        KVCacheEvent(
+            event_id=i,
+            data=draw(EVENT_DATA),
+            window_size=draw(st.sampled_from([0, 0, 4096])),
+            hash_algo=draw(st.sampled_from(["v1_block_key", "v2_sha256", "v2_sha256_64"])),
+            attention_dp_rank=draw(st.sampled_from([dp_rank, dp_rank, None, 3])),
+        )
+        for i in range(draw(st.integers(0, 6)))
+    ]
+    ts = draw(st.floats(0, 2e9, allow_nan=False))
+    return DecodedBatch(ts=ts, events=events, dp_rank=dp_rank)
+
+
+@settings(max_examples=200, deadline=None)
+@given(batch=batches())
+def test_round_trip(batch: DecodedBatch) -> None:
+    assert decode_batch(encode_batch(batch.events, batch.ts, batch.dp_rank)) == batch
+
+
+def test_v2_sha256_hashes_travel_as_32_byte_bin() -> None:
+    h = "ab" * 32
+    event = KVCacheEvent(0, Removed([h]), hash_algo="v2_sha256")
+    wire = msgpack.unpackb(encode_batch([event], 1.0), raw=False)
+    assert wire[1][0]["block_hashes"] == [bytes.fromhex(h)]
+    assert decode_batch(encode_batch([event], 1.0)).events == [event]
+
+
+def test_stored_blocks_with_different_attributes_split_into_chained_wire_events() -> None:
+    blocks = [
+        StoredBlock(1, [1, 2], lora_id=4),
+        StoredBlock(2, [3, 4], lora_id=4),
+        StoredBlock(3, [5], lora_id=4),  # partial: must end its wire event
+        StoredBlock(4, [6, 7], lora_id=4, cache_level=1),
+    ]
+    payload = encode_batch([KVCacheEvent(5, Stored(9, blocks, block_size=2))], 1.0)
+    wire = msgpack.unpackb(payload, raw=False)[1]
+    assert [(e["block_hashes"], e["parent_block_hash"], e["medium"]) for e in wire] == [
+        ([1, 2, 3], 9, "GPU"),
+        ([4], 3, "CPU"),
+    ]
+    decoded = decode_batch(payload).events
+    assert [e.data for e in decoded] == [
+        Stored(9, blocks[:3], block_size=2),
+        Stored(3, blocks[3:], block_size=2),
+    ]
+
+
+def test_block_size_defaults_to_the_first_blocks_token_count() -> None:
+    blocks = [StoredBlock(1, [1, 2, 3]), StoredBlock(2, [4, 5])]
+    wire = msgpack.unpackb(encode_batch([KVCacheEvent(0, Stored(None, blocks))], 0.0))[1][0]
+    assert (wire["block_size"], wire["token_ids"]) == (3, [1, 2, 3, 4, 5])
+
+
+def test_decoded_hashes_match_what_a_router_computes() -> None:
+    tokens = list(range(100, 116))
+    scope = ReuseScope(lora_id=3, salt=77)
+    hashes = chain_hashes(tokens, 4, scope)
+    blocks = [StoredBlock(h, tokens[4 * i : 4 * i + 4], lora_id=3) for i, h in enumerate(hashes)]
+    decoded = decode_batch(encode_batch([KVCacheEvent(0, Stored(None, blocks, 4))], 0.0))
+    data = decoded.events[0].data
+    assert isinstance(data, Stored)
+    assert [b.block_hash for b in data.blocks] == hashes
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (Removed([-1]), "not an unsigned 64-bit"),
+        (Removed([2**64]), "not an unsigned 64-bit"),
+        (Removed(["xyz"]), "neither a uint64 nor"),
+        (Updated("zz" * 32), "neither a uint64 nor"),
+        (Stored(None, [StoredBlock(1, [])]), "block 0 has 0 tokens"),
+        (Stored(None, [StoredBlock(1, [1])], block_size=0), "block_size must be >= 1"),
+        (Stored(None, [StoredBlock(1, [1, 2, 3])], block_size=2), "1..block_size"),
+    ],
+)
+def test_encoder_rejects_what_the_wire_cannot_carry(data: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        encode_batch([KVCacheEvent(0, data)], 0.0)
+
+
+# --- tolerant decoding ------------------------------------------------------------------------
+
+
+def _stored_map(**over: Any) -> dict[str, Any]:
+    event: dict[str, Any] = {
+        "type": "BlockStored",
+        "block_hashes": [10, 11],
+        "parent_block_hash": None,
+        "token_ids": [1, 2, 3, 4, 5, 6],
+        "block_size": 3,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
+    event.update(over)
+    return event
+
+
+def test_negative_int64_hashes_read_as_twos_complement() -> None:
+    payload = _pack([0.0, [_stored_map(block_hashes=[-1, 5], parent_block_hash=-(2**63))]])
+    data = decode_batch(payload).events[0].data
+    assert isinstance(data, Stored)
+    assert data.parent_hash == 2**63
+    assert [b.block_hash for b in data.blocks] == [2**64 - 1, 5]
+
+
+def test_missing_extensions_decode_as_defaults() -> None:
+    (event,) = decode_batch(_pack([0.0, [_stored_map(medium=None)]])).events
+    assert isinstance(event.data, Stored)
+    assert event.data.blocks[1] == StoredBlock(11, [4, 5, 6], None, 0, 35, None)
+    assert (event.event_id, event.hash_algo, event.window_size) == (0, "v1_block_key", 0)
+
+
+def test_unknown_medium_names_map_through_cache_level_of() -> None:
+    (event,) = decode_batch(_pack([0.0, [_stored_map(medium="TIER4")]])).events
+    assert isinstance(event.data, Stored)
+    assert event.data.blocks[0].cache_level == 4
+
+
+def test_legacy_array_event_with_extra_trailing_fields() -> None:
+    legacy = ["BlockRemoved", [7], "CPU", "future", [1, [2]]]
+    (event,) = decode_batch(_pack([1.0, [legacy], None])).events
+    assert event.data == Removed([7], cache_level=1)
+
+
+def test_empty_stored_event_is_skipped() -> None:
+    assert decode_batch(_pack([0.0, [_stored_map(block_hashes=[], token_ids=[])]])).events == []
+
+
+# --- strict rejection -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        (b"", "empty payload"),
+        (b"\xc1", "not a valid msgpack payload"),
+        (_pack([0.0, []]) + b"\x00", "trailing bytes"),
+        (_pack({"ts": 0.0}), "payload must be an array"),
+        (_pack([0.0, [], 0, 1]), "got 4 elements"),
+        (_pack([float("nan"), []]), "finite number"),
+        (_pack([True, []]), "finite number"),
+        (_pack([0.0, {}]), "payload[1] (events): expected an array"),
+        (_pack([0.0, [], -1]), "dp_rank"),
+        (_pack([0.0, [5]]), "must be a map or an array"),
+        (_pack([0.0, [[]]]), "type name as element 0"),
+        (_pack([0.0, [{"type": 3}]]), "events[0].type: expected a string"),
+        (_pack([0.0, [_stored_map(token_ids=[1, 2, 3])]]), "3 token_ids do not fit 2 blocks"),
+        (_pack([0.0, [_stored_map(token_ids=list(range(7)))]]), "expected 4..6"),
+        (_pack([0.0, [_stored_map(block_hashes=[], token_ids=[1])]]), "do not fit 0 blocks"),
+        (_pack([0.0, [_stored_map(block_size=0)]]), "block_size: 0 is outside"),
+        (_pack([0.0, [_stored_map(block_size=None)]]), "block_size: expected an int, got nothing"),
+        (_pack([0.0, [_stored_map(token_ids=[1, 2, 3, 4, 5, -6])]]), "token id -6"),
+        (_pack([0.0, [_stored_map(token_ids=[1, 2, 3, 4, 5, 2**31])]]), "outside [0, 2**31)"),
+        (_pack([0.0, [_stored_map(token_ids=[1, 2, 3, 4, 5, True])]]), "got bool"),
+        (_pack([0.0, [_stored_map(block_hashes=[1.5, 2])]]), "block_hashes[0]"),
+        (_pack([0.0, [_stored_map(block_hashes=[b"\x01" * 8, 2])]]), "of 8 bytes"),
+        (_pack([0.0, [_stored_map(lora_id=-1)]]), "lora_id: -1 is outside"),
+        (_pack([0.0, [_stored_map(medium=1)]]), "medium: expected a string"),
+        (_pack([0.0, [_stored_map(lora_name=[1])]]), "lora_name"),
+        (_pack([0.0, [_stored_map(priority=101)]]), "priority: 101"),
+        (
+            _pack([0.0, [{"type": "BlockUpdated", "block_hash": 1, "cache_level": [1]}]]),
+            "[old, new]",
+        ),
+        (b"\x92\xcb" + b"\x00" * 8 + b"\x91\x81\x01\x02", "not a valid msgpack payload"),
+        (b"\x92\xcb" + b"\x00" * 8 + b"\xd4\x01\x00", "not a valid msgpack payload"),
+    ],
+)
+def test_malformed_payloads_raise_decode_error(payload: bytes, message: str) -> None:
+    with pytest.raises(DecodeError, match=re.escape(message)):
+        decode_batch(payload)
+
+
+def test_decode_error_is_a_value_error() -> None:
+    assert issubclass(DecodeError, ValueError)
+    with pytest.raises(DecodeError, match="payload must be bytes"):
+        decode_batch("text")  # type: ignore[arg-type]
+
+
+def test_limits_bound_the_payload_before_and_while_unpacking() -> None:
+    payload = _pack([0.0, [_stored_map()] * 3])
+    with pytest.raises(DecodeError, match="max_payload_bytes"):
+        decode_batch(payload, DecodeLimits(max_payload_bytes=len(payload) - 1))
+    with pytest.raises(DecodeError, match="max_events"):
+        decode_batch(payload, DecodeLimits(max_events=2))
+    with pytest.raises(DecodeError, match="max_tokens_per_event"):
+        decode_batch(payload, DecodeLimits(max_tokens_per_event=5))
+    with pytest.raises(DecodeError, match="exceed the limit of 1"):
+        decode_batch(payload, DecodeLimits(max_blocks_per_event=1))
+    with pytest.raises(DecodeError, match="max_str_len"):
+        decode_batch(_pack([0.0, [_stored_map(lora_name="x" * 100)]]), DecodeLimits(max_str_len=50))
+    assert len(decode_batch(payload, DecodeLimits(max_events=3)).events) == 3
+
+
+def test_huge_declared_lengths_are_refused_before_allocation() -> None:
+    prefix = b"\x92\xcb" + b"\x00" * 8
+    # containers: refused by the length caps; str/bin: by the bytes actually present
+    for header in (b"\xdd\xff\xff\xff\xff", b"\xdf\xff\xff\xff\xff"):
+        with pytest.raises(DecodeError, match="exceeds max_"):
+            decode_batch(prefix + header)
+    for header in (b"\xdb\xff\xff\xff\xff", b"\xc6\xff\xff\xff\xff"):
+        with pytest.raises(DecodeError, match="incomplete input"):
+            decode_batch(prefix + header)
+
+
+def test_deep_nesting_is_rejected_even_in_ignored_fields() -> None:
+    nested: Any = 1
+    for _ in range(6):
+        nested = [nested]
+    with pytest.raises(DecodeError, match="max_depth"):
+        decode_batch(_pack([0.0, [_stored_map(future=nested)]]))
+    with pytest.raises(DecodeError, match="max_depth"):
+        decode_batch(_pack([0.0, [{"type": "FromTheFuture", "x": nested}]]))
+    with pytest.raises(DecodeError, match="nested too deep"):
+        decode_batch(b"\x92\xcb" + b"\x00" * 8 + b"\x91" * 5000 + b"\x90")
+    # within the limit, an unknown field is simply ignored
+    assert len(decode_batch(_pack([0.0, [_stored_map(future=[[[1]]])]])).events) == 1
