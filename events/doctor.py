@@ -88,6 +88,7 @@ class _WorkerState:
     missing: set[int] = field(default_factory=set)
     complete: bool = True  # history seen from seq 0 without an unfilled gap
     known: dict[BlockHash, BlockKey | None] = field(default_factory=dict)
+    partial: set[BlockHash] = field(default_factory=set)  # announced with < block_size tokens
 
 
 # ----------------------------------------------------------------- hash variants (V1)
@@ -148,8 +149,11 @@ class Doctor:
         message: str,
         seq: int | None,
         count: int = 1,
+        group: str | None = None,
     ) -> None:
-        key = (worker, kind, message)
+        """Record a finding; findings with the same worker, kind and ``group`` (default: the
+        message) aggregate into one, keeping the first message and sequence number."""
+        key = (worker, kind, message if group is None else group)
         found = self._findings.get(key)
         if found is None:
             self._findings[key] = Finding(severity, worker, kind, message, count, seq)
@@ -196,7 +200,9 @@ class Doctor:
         try:
             events = decode_batch(payload).events
         except DecodeError as exc:
-            self._note("problem", worker, "decode", f"payload does not decode: {exc}", seq)
+            self._note(
+                "problem", worker, "decode", f"payload does not decode: {exc}", seq, group=""
+            )
             events = self._lenient_events(payload)
         for event in events:
             summary.events += 1
@@ -311,6 +317,7 @@ class Doctor:
         elif isinstance(data, Removed):
             for h in data.block_hashes:
                 summary.blocks_removed += 1
+                state.partial.discard(h)
                 if h in state.known:
                     del state.known[h]
                 elif state.complete:
@@ -324,6 +331,7 @@ class Doctor:
                 )
         elif isinstance(data, AllBlocksCleared):
             state.known.clear()
+            state.partial.clear()
         elif isinstance(data, Created):
             self._note("info", worker, "created", f"cache created: {data}", seq)
 
@@ -363,9 +371,9 @@ class Doctor:
                 "problem",
                 worker,
                 "block_size",
-                f"event says block_size {announced} but its {len(blocks)} hashes cover "
-                f"{sum(sizes)} tokens, i.e. blocks of {data.block_size} tokens; the engine "
-                "announces the wrong block size",
+                f"events say block_size {announced} but their hashes cover blocks of "
+                f"{data.block_size} tokens (re-split at that size for the checks below): "
+                "the engine announces the wrong block size",
                 seq,
             )
             announced = data.block_size
@@ -389,6 +397,7 @@ class Doctor:
                     seq,
                 )
             elif sizes[-1] < expected:
+                state.partial.add(blocks[-1].block_hash)
                 self._note(
                     "warning",
                     worker,
@@ -398,6 +407,16 @@ class Doctor:
                     seq,
                 )
         parent = data.parent_hash
+        if parent is not None and parent in state.partial:
+            self._note(
+                "problem",
+                worker,
+                "block_size",
+                f"a block announced as partial (fewer than {expected} tokens) has children: "
+                "partial blocks are always leaves, so the blocks really hold fewer tokens than "
+                "the announced block_size",
+                seq,
+            )
         if parent is not None and parent not in state.known:
             if state.complete:
                 self._note(

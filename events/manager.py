@@ -110,6 +110,28 @@ _KEY_HASHES: Final[dict[HashAlgo, Callable[[bytes], BlockHash]]] = {
 }
 
 
+def _parents_first(
+    moved: list[tuple[BlockView, BlockHash]],
+) -> list[tuple[BlockView, BlockHash]]:
+    """Order moved blocks so each comes after its parent when both moved.
+
+    The cache moves subtrees leaf first; re-storing in that order would announce a child
+    whose parent was just removed and not yet stored again.
+    """
+    by_key = {b.key: (b, h) for b, h in moved}
+    placed: set[BlockKey] = set()
+    ordered: list[tuple[BlockView, BlockHash]] = []
+    for block, _ in moved:
+        run: list[tuple[BlockView, BlockHash]] = []
+        node: BlockView | None = block
+        while node is not None and node.key in by_key and node.key not in placed:
+            placed.add(node.key)
+            run.append(by_key[node.key])
+            node = node.parent
+        ordered.extend(reversed(run))
+    return ordered
+
+
 @dataclass(slots=True)
 class _PendingStored:
     """A Stored event still open for extension within the current iteration."""
@@ -329,7 +351,7 @@ class KVCacheEventManager:
                 return
             for _, h in moved:
                 self._append_removed(h, old_tier, pending)
-            for block, h in moved:
+            for block, h in _parents_first(moved):
                 scope = block.scope
                 sb = _stored_block(
                     h,

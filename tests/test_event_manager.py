@@ -338,7 +338,8 @@ def test_moves_as_removed_stored_pair() -> None:
     ]
 
 
-def test_a_moved_chain_is_one_removed_and_one_stored() -> None:
+@pytest.mark.parametrize("leaf_first", [False, True])
+def test_a_moved_chain_is_one_removed_and_one_stored(leaf_first: bool) -> None:
     blocks = chain(range(12))
     mgr = KVCacheEventManager(moves_as="removed_stored")
     mgr.on_stored(blocks)
@@ -346,9 +347,10 @@ def test_a_moved_chain_is_one_removed_and_one_stored() -> None:
     hashes = stored_hashes(stored)
     for blk in blocks:
         blk.tier = 1
-    mgr.on_moved(blocks, 0, 1)
+    # The cache offloads leaf first; the re-store must still come parent first.
+    mgr.on_moved(blocks[::-1] if leaf_first else blocks, 0, 1)
     removed, restored = datas(mgr)
-    assert removed == Removed(hashes, 0)
+    assert removed == Removed(hashes[::-1] if leaf_first else hashes, 0)
     assert isinstance(restored, Stored) and restored.parent_hash is None
     assert stored_hashes(restored) == hashes
     assert {blk.cache_level for blk in restored.blocks} == {1}
