@@ -318,12 +318,14 @@ class ZmqEventPublisher:
             self._shutdown()
 
     def _drain_bell(self) -> None:
-        # clear the flag before draining the queue: a batch appended after this point either
-        # sees the flag down and rings again, or is picked up by the drain that follows
-        self._bell_rung = False
+        # empty the bell first, then lower the flag, then (in the caller) drain the queue: a
+        # batch appended before the flag drops is picked up by that drain, one appended after
+        # it sees the flag down and rings again. Lowering the flag before emptying the bell
+        # could swallow a ring whose flag then stays up, leaving later batches unsent.
         with contextlib.suppress(zmq.Again):
             while True:
                 self._bell_rx.recv(zmq.NOBLOCK)
+        self._bell_rung = False
 
     def _send_queued(self) -> None:
         queue = self._queue
