@@ -88,12 +88,11 @@ def test_reused_blocks_are_not_stored_again() -> None:
     engine = Engine([16])
     engine.request(A)
     longer = [*A, 16, 17, 18, 19, 20, 21, 22, 23]
-    # Blocks 0-2 are reused in full, block 3 by copy-on-write of its first 3 tokens: when
-    # committed it equals the cached block and the sequence switches to it; only 4-5 are new.
+    # A's four blocks are reused; only blocks 4-5 are new and announced, chained to A's last.
     assert engine.request(longer) == [
         stored(longer, chain_hashes(longer, TPB)[4:], parent=HA[3], first_block=4)
     ]
-    assert engine.request(longer) == []
+    assert engine.request(longer) == []  # everything reused (or completed into a cached block)
     assert engine.events.duplicate_stores == 0
     assert engine.events.num_announced == 6
 
@@ -123,24 +122,31 @@ def test_offload_and_onboard(moves_as: MovesAs) -> None:
     engine = Engine([4, 8], moves_as=moves_as)
     engine.request(A)
     offload = engine.request(B)
-    back = engine.request(A)
+    # Shares A's first two blocks (on the host tier by now), then diverges.
+    a2 = A[:8] + list(range(300, 308))
+    h_a2 = chain_hashes(a2, TPB)
+    back = engine.request(a2)
+    new_blocks = stored(a2, h_a2[2:], parent=HA[1], first_block=2)
     if moves_as == "updated":
         assert offload == [*(Updated(h, EventDiff(0, 1)) for h in HA[::-1]), stored(B, HB)]
+        # room for the onboard (B's leaves), the onboard, room for the two new blocks
         assert back == [
-            *(Updated(h, EventDiff(0, 1)) for h in HB[::-1]),
-            *(Updated(h, EventDiff(1, 0)) for h in HA),
+            *(Updated(h, EventDiff(0, 1)) for h in HB[:1:-1]),
+            *(Updated(h, EventDiff(1, 0)) for h in HA[:2]),
+            *(Updated(h, EventDiff(0, 1)) for h in HB[1::-1]),
+            new_blocks,
         ]
     else:
         assert offload == [Removed(HA[::-1], 0), stored(A, HA, level=1), stored(B, HB)]
-        # blocks 0-2 are matched and onboarded together; block 3 when the copy-on-write
-        # sequence completes it and switches to the cached block
+        # each move re-stores its blocks parent first, chained to their parent's hash
         assert back == [
-            Removed(HB[::-1], 0),
-            stored(B, HB, level=1),
-            Removed(HA[:3], 1),
-            stored(A, HA[:3]),
-            Removed(HA[3:], 1),
-            stored(A, HA[3:], parent=HA[2], first_block=3),
+            Removed(HB[:1:-1], 0),
+            stored(B, HB[2:], parent=HB[1], level=1, first_block=2),
+            Removed(HA[:2], 1),
+            stored(A, HA[:2]),
+            Removed(HB[1::-1], 0),
+            stored(B, HB[:2], level=1),
+            new_blocks,
         ]
 
 
