@@ -209,7 +209,7 @@ class ZmqEventPublisher:
             self._stats.published += 1
             if not self._bell_rung:
                 self._bell_rung = True
-                self._bell_tx.send(b"", zmq.NOBLOCK)
+                self._ring_bell()
         return seq
 
     def wait_for_subscribers(self, n: int = 1, timeout_s: float = 5.0) -> bool:
@@ -251,7 +251,7 @@ class ZmqEventPublisher:
                 already = False
                 self._closed = True
                 self._stop_deadline = time.monotonic() + max(timeout_s, 0.0)
-                self._bell_tx.send(b"", zmq.NOBLOCK)
+                self._ring_bell()
         if already:
             self._thread.join(timeout_s)
             return
@@ -270,6 +270,12 @@ class ZmqEventPublisher:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+    def _ring_bell(self) -> None:
+        # the thread may already be gone: it stops on its own once it sees the stop deadline,
+        # and a crashed thread was logged; neither may turn publish() or close() into an error
+        with contextlib.suppress(zmq.Again):
+            self._bell_tx.send(b"", zmq.NOBLOCK)
 
     def _mark_handled(self, count: int) -> None:
         with self._progress:

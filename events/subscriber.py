@@ -466,24 +466,26 @@ class ZmqEventSubscriber:
             return
         seq = _SEQ.unpack(frames[2])[0]
         w.replayed += 1
-        # frames held back may already bridge part of the range
-        while w.next_seq < seq and w.next_seq in w.pending:
-            # (its heap entry goes stale; _advance skips stale entries)
-            s = w.next_seq
-            self._apply(w, s, w.pending.pop(s), out, from_replay=False)
-            if w.next_seq == s:
-                break  # undecodable: the replay's own copy of s decides
+        while w.next_seq < seq:
+            start = w.next_seq
+            held = w.pending.pop(start, None)
+            if held is not None:
+                # a frame held back bridges this seq (its heap entry goes stale; _advance skips
+                # stale entries); if it cannot be decoded it is lost like a replayed one
+                self._apply(w, start, held, out, from_replay=True)
+                continue
+            # nobody has [start, resume): the publisher no longer buffers it
+            resume = min((s for s in w.pending if start < s < seq), default=seq)
+            self._resync(
+                w,
+                f"replay reached seq {seq} without seqs {start}..{resume - 1}: the publisher"
+                " no longer buffers them (expired, or dropped before they were sent)",
+                out,
+            )
+            w.next_seq = resume
         if seq < w.next_seq:
             w.duplicates += 1
             return
-        if seq > w.next_seq:
-            self._resync(
-                w,
-                f"replay from seq {w.next_seq} started at seq {seq}: seqs {w.next_seq}..{seq - 1}"
-                " are no longer buffered by the publisher",
-                out,
-            )
-            w.next_seq = seq
         w.replay_progress = True
         self._apply(w, seq, frames[3], out, from_replay=True)
 

@@ -125,7 +125,7 @@ class FakePublisher:
         for s in (self.pub, self.router):
             s.setsockopt(zmq.LINGER, 0)
             if transport == "inproc":
-                s.bind(f"inproc://fake-{id(self)}-{s.socket_type}")
+                s.bind(f"inproc://fake-{id(self)}-{s.type}")
             else:
                 s.bind(tcp_any())
         self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)

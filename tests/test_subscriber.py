@@ -1,0 +1,246 @@
+"""ZmqEventSubscriber scenarios: ordered delivery per worker, gap replay, duplicates, reordering,
+the no-resurrection rule, undecodable payloads, late joiners and status. Frames are injected by
+a fake publisher (an XPUB and a ROUTER the test drives) or come from the real publisher."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import zmq
+from zmq_helpers import (
+    FakePublisher,
+    StateModel,
+    cleared,
+    payload,
+    poll_until,
+    removed,
+    stored,
+    tcp_any,
+    zmq_context,
+)
+
+from events.publisher import ZmqEventPublisher
+from events.subscriber import (
+    SubscriberError,
+    ZmqEventSubscriber,
+)
+
+Ctx = zmq.Context[zmq.Socket[bytes]]
+
+
+@pytest.fixture
+def ctx() -> Iterator[Ctx]:
+    yield from zmq_context()
+
+
+@pytest.fixture
+def fake(ctx: Ctx) -> Iterator[FakePublisher]:
+    f = FakePublisher(ctx)
+    yield f
+    f.close()
+
+
+@pytest.fixture
+def sub(ctx: Ctx) -> Iterator[ZmqEventSubscriber]:
+    s = ZmqEventSubscriber(context=ctx, replay_timeout_ms=2000)
+    yield s
+    s.close()
+
+
+def _seqs(model: StateModel, worker: int) -> list[int]:
+    return model.seqs.get(worker, [])
+
+
+@pytest.mark.parametrize("transport", ["inproc", "tcp"])
+def test_two_workers_same_topic_are_told_apart(ctx: Ctx, transport: str) -> None:
+    def ep(name: str) -> str:
+        return f"inproc://{name}" if transport == "inproc" else tcp_any()
+
+    model = StateModel()
+    with (
+        ZmqEventPublisher(ep("w1"), ep("w1r"), topic="kv", context=ctx) as p1,
+        ZmqEventPublisher(ep("w2"), ep("w2r"), topic="kv", context=ctx) as p2,
+        ZmqEventSubscriber(topic="kv", context=ctx) as sub,
+    ):
+        sub.add_worker(1, p1.endpoint, p1.replay_endpoint)
+        sub.add_worker(2, p2.endpoint, p2.replay_endpoint)
+        assert sub.wait_connected(5)
+        assert p1.wait_for_subscribers(1, 5) and p2.wait_for_subscribers(1, 5)
+        p1.publish([stored(1, 100, 101)])
+        p2.publish([stored(1, 200)])
+        p1.publish([removed(2, 101)])
+        poll_until(sub, model, lambda: len(_seqs(model, 1)) == 2 and len(_seqs(model, 2)) == 1)
+        assert model.blocks == {1: {100}, 2: {200}}
+        assert sub.status(1).state == "ok" and sub.status(1).last_seq == 1
+        assert sub.status(2).received == 1 and sub.status(2).connected
+
+
+def test_duplicates_are_dropped(sub: ZmqEventSubscriber, fake: FakePublisher) -> None:
+    sub.add_worker(0, fake.endpoint, fake.replay_endpoint)
+    fake.wait_subscribed()
+    bodies = [payload([stored(i, 10 + i)], ts=i) for i in range(3)]
+    for seq in (0, 1, 1, 0, 2, 2):
+        fake.send(seq, bodies[seq])
+    model = StateModel()
+    poll_until(sub, model, lambda: sub.status(0).received == 6)
+    assert _seqs(model, 0) == [0, 1, 2]
+    assert sub.status(0).duplicates == 3
+    assert sub.status(0).restarts == 0 and sub.status(0).resyncs == 0
+
+
+def test_reordered_frames_replayed_in_order(sub: ZmqEventSubscriber, fake: FakePublisher) -> None:
+    sub.add_worker(0, fake.endpoint, fake.replay_endpoint)
+    fake.wait_subscribed()
+    bodies = [payload([stored(i, 10 + i)], ts=i) for i in range(4)]
+    model = StateModel()
+    fake.send(0, bodies[0])
+    fake.send(2, bodies[2])
+    poll_until(sub, model, lambda: sub.status(0).replaying)
+    ident, start = fake.next_request()
+    assert start == 1
+    fake.send(1, bodies[1])  # the late frame arrives while the replay is in flight: held back
+    fake.send(3, bodies[3])
+    poll_until(sub, model, lambda: sub.status(0).received == 4)
+    assert _seqs(model, 0) == [0]
+    fake.answer(ident, [(1, bodies[1]), (2, bodies[2])])
+    poll_until(sub, model, lambda: len(_seqs(model, 0)) == 4)
+    assert _seqs(model, 0) == [0, 1, 2, 3]
+    assert model.blocks[0] == {10, 11, 12, 13}
+    status = sub.status(0)
+    assert (status.gaps, status.replayed, status.resyncs, status.state) == (1, 2, 0, "ok")
+
+
+def test_held_frames_bridge_a_gap_the_replay_cannot(
+    sub: ZmqEventSubscriber, fake: FakePublisher
+) -> None:
+    sub.add_worker(0, fake.endpoint, fake.replay_endpoint)
+    fake.wait_subscribed()
+    bodies = [payload([stored(i, 10 + i)], ts=i) for i in range(3)]
+    model = StateModel()
+    fake.send(0, bodies[0])
+    fake.send(2, bodies[2])
+    poll_until(sub, model, lambda: sub.status(0).replaying)
+    fake.send(1, bodies[1])
+    poll_until(sub, model, lambda: sub.status(0).received == 3)
+    ident, _ = fake.next_request()
+    fake.answer(ident, [])  # nothing buffered, but the held-back frame 1 closes the gap
+    poll_until(sub, model, lambda: len(_seqs(model, 0)) == 3)
+    assert model.resyncs == {}
+    assert sub.status(0).state == "ok"
+
+
+def test_no_resurrection_after_live_removal(sub: ZmqEventSubscriber, fake: FakePublisher) -> None:
+    # seq 1 stores A and is lost live; seq 2 removes A. Applying 2 then a replayed 1 would
+    # bring A back; the subscriber must apply 1 before 2.
+    sub.add_worker(0, fake.endpoint, fake.replay_endpoint)
+    fake.wait_subscribed()
+    a = 0xA
+    bodies = [
+        payload([stored(0, 1)], ts=0),
+        payload([stored(1, a)], ts=1),
+        payload([removed(2, a)], ts=2),
+    ]
+    model = StateModel()
+    fake.send(0, bodies[0])
+    fake.send(2, bodies[2])
+    poll_until(sub, model, lambda: sub.status(0).replaying)
+    ident, start = fake.next_request()
+    assert start == 1
+    fake.answer(ident, [(1, bodies[1]), (2, bodies[2])])
+    poll_until(sub, model, lambda: len(_seqs(model, 0)) == 3)
+    assert _seqs(model, 0) == [0, 1, 2]
+    assert model.blocks[0] == {1}
+
+
+def test_undecodable_live_payload_is_replayed(sub: ZmqEventSubscriber, fake: FakePublisher) -> None:
+    sub.add_worker(0, fake.endpoint, fake.replay_endpoint)
+    fake.wait_subscribed()
+    good = [payload([stored(i, 10 + i)], ts=i) for i in range(2)]
+    model = StateModel()
+    fake.send(0, good[0])
+    fake.send(1, b"\xc1 not msgpack")
+    poll_until(sub, model, lambda: sub.status(0).replaying)
+    ident, start = fake.next_request()
+    assert start == 1
+    fake.answer(ident, [(1, good[1])])
+    poll_until(sub, model, lambda: len(_seqs(model, 0)) == 2)
+    assert model.blocks[0] == {10, 11}
+    assert sub.status(0).decode_errors == 1 and sub.status(0).resyncs == 0
+
+
+def test_undecodable_replayed_payload_forces_a_resync(
+    sub: ZmqEventSubscriber, fake: FakePublisher
+) -> None:
+    sub.add_worker(0, fake.endpoint, fake.replay_endpoint)
+    fake.wait_subscribed()
+    model = StateModel()
+    fake.send(0, payload([stored(0, 10)]))
+    fake.send(1, b"\x92\x01")
+    poll_until(sub, model, lambda: sub.status(0).replaying)
+    ident, _ = fake.next_request()
+    fake.answer(ident, [(1, b"\x92\x01")])
+    fake.send(2, payload([stored(2, 12)]))
+    poll_until(sub, model, lambda: _seqs(model, 0)[-1:] == [2])
+    assert [s for s in model.resyncs[0] if "cannot be decoded" in s]
+    assert model.blocks[0] == {12}
+    assert sub.status(0).state == "degraded" and sub.status(0).decode_errors == 2
+
+
+def test_malformed_live_messages_are_counted_and_skipped(
+    sub: ZmqEventSubscriber, fake: FakePublisher
+) -> None:
+    sub.add_worker(0, fake.endpoint, fake.replay_endpoint)
+    fake.wait_subscribed()
+    fake.pub.send_multipart([b"", b"\x00"])  # two frames, short seq
+    fake.send(0, payload([stored(0, 10)]))
+    model = StateModel()
+    poll_until(sub, model, lambda: _seqs(model, 0) == [0])
+    assert sub.status(0).decode_errors == 1
+
+
+def test_late_joiner_replays_from_zero(ctx: Ctx) -> None:
+    model = StateModel()
+    with ZmqEventPublisher("inproc://late", "inproc://late-r", context=ctx) as pub:
+        pub.publish([stored(0, 1)])
+        pub.publish([stored(1, 2)])
+        assert pub.flush(5)
+        with ZmqEventSubscriber(context=ctx) as sub:
+            sub.add_worker(3, pub.endpoint, pub.replay_endpoint)
+            assert pub.wait_for_subscribers(1, 5)
+            pub.publish([removed(2, 1)])
+            poll_until(sub, model, lambda: len(_seqs(model, 3)) == 3)
+            assert _seqs(model, 3) == [0, 1, 2]
+            assert model.blocks[3] == {2}
+            assert sub.status(3).state == "ok"
+
+
+def test_late_joiner_without_replay_resyncs(ctx: Ctx) -> None:
+    model = StateModel()
+    with ZmqEventPublisher("inproc://late2", context=ctx) as pub:
+        pub.publish([stored(0, 1)])
+        assert pub.flush(5)
+        with ZmqEventSubscriber(context=ctx) as sub:
+            sub.add_worker(3, pub.endpoint)
+            assert pub.wait_for_subscribers(1, 5)
+            pub.publish([stored(1, 2)])
+            poll_until(sub, model, lambda: _seqs(model, 3) == [1])
+            assert "no replay endpoint" in model.resyncs[3][0]
+            assert sub.status(3).state == "degraded"
+            pub.publish([cleared(2), stored(3, 5)])
+            poll_until(sub, model, lambda: _seqs(model, 3) == [1, 2])
+            assert model.blocks[3] == {5}
+            assert sub.status(3).state == "ok"  # AllBlocksCleared made the view exact again
+
+
+def test_worker_management_errors(sub: ZmqEventSubscriber) -> None:
+    sub.add_worker(1, "inproc://nobody")
+    with pytest.raises(SubscriberError, match="already added"):
+        sub.add_worker(1, "inproc://nobody")
+    with pytest.raises(SubscriberError, match="not subscribed"):
+        sub.status(9)
+    sub.remove_worker(1)
+    with pytest.raises(SubscriberError, match="not subscribed"):
+        sub.remove_worker(1)
+    assert sub.workers == []
+    assert sub.poll(0) == []
