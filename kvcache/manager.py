@@ -84,6 +84,7 @@ class KVCacheManager:
         self._pages = TieredPages(
             self._tree, pools, event_sink, self._storage, config.tokens_per_block
         )
+        self._live: set[KVCache] = set()  # open sequences, for verify()
         self._queries = 0
         self._query_tokens = 0
         self._hit_tokens = 0
@@ -171,6 +172,7 @@ class KVCacheManager:
         self._query_tokens += len(tokens)
         self._hit_tokens += reused
         seq = KVCache(self, scope, priority, tokens[:reused], blocks)
+        self._live.add(seq)
         pages.finish()
         return seq
 
@@ -283,6 +285,15 @@ class KVCacheManager:
                 "page_tensors needs a kv_layout in the config; this manager has none"
             )
         return list(self._storage.tensors)  # type: ignore[attr-defined]
+
+    def verify(self) -> None:
+        """Recheck every internal invariant from scratch (linear cost; a debugging aid).
+
+        Raises ``kvcache.verify.InconsistentStateError`` naming the first broken one.
+        """
+        from kvcache.verify import verify
+
+        verify(self)
 
     @property
     def num_cached_blocks(self) -> int:

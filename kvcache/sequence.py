@@ -313,6 +313,7 @@ class KVCache:
                 pages.unpin(b, tick)
         self._blocks = []
         self._closed = True
+        self._mgr._live.discard(self)
         pages.finish()
 
     def __enter__(self) -> KVCache:
