@@ -150,9 +150,7 @@ def reusable_tokens(requests: Sequence[Request]) -> list[int]:
             # Generated answers of id-given requests are unique tokens: they never match.
             id_trie = id_tries.setdefault((req.scope, req.tokens_per_hash_id), _HashIdTrie())
             out.append(
-                id_trie.reusable_then_insert(
-                    req.hash_ids, req.input_length, req.tokens_per_hash_id
-                )
+                id_trie.reusable_then_insert(req.hash_ids, req.input_length, req.tokens_per_hash_id)
             )
             continue
         trie = tries.get(req.scope)

@@ -86,6 +86,8 @@ class PolicySummary:
     workers: int
     busy_ms: list[float]
     wire: WireStats = field(default_factory=WireStats)
+    index_mismatch: int = 0
+    """Blocks the router's index got wrong once every event arrived (0: it recovered)."""
     wall_s: float = 0.0
 
     def as_dict(self) -> dict[str, float | int | list[float] | list[int]]:
@@ -139,6 +141,7 @@ class PolicySummary:
             "restarts": w.restarts,
             "decode_errors": w.decode_errors,
             "overflowed_events": w.overflowed_events,
+            "index_mismatch_blocks": self.index_mismatch,
             "decision_us_p50": percentile(decisions, 50),
             "decision_us_p99": percentile(decisions, 99),
             "decision_us_mean": sum(decisions) / len(decisions) if decisions else 0.0,

@@ -165,13 +165,13 @@ class Simulation:
             self.fleet,
             hash_algo=config.hash_algo,
         )
-        self._queues: list[deque[tuple[float, SubscriberMessage]]] = [
-            deque() for _ in self.workers
-        ]
+        self._queues: list[deque[tuple[float, SubscriberMessage]]] = [deque() for _ in self.workers]
         self._delivered: list[int] = [-1] * len(self.workers)
         self._last_due: list[float] = [0.0] * len(self.workers)
         self._restarts = sorted(config.restarts, key=lambda r: r.at_ms)
         self._carried = WireStats()
+        self.index_mismatch = -1
+        """After a run: |index blocks - true blocks| summed over workers (0: fully recovered)."""
         for w in self.workers:
             self._attach(w)
 
@@ -189,16 +189,22 @@ class Simulation:
         deadline = time.monotonic() + self.config.drain_timeout_s
         while True:
             behind = [
-                w for w in self.workers if w.sent_seqs and self._delivered[w.worker_id] < w.sent_seqs[-1]
+                w
+                for w in self.workers
+                if w.sent_seqs and self._delivered[w.worker_id] < w.sent_seqs[-1]
             ]
             if not behind:
                 return
             left = deadline - time.monotonic()
             if left <= 0:
-                ids = [w.worker_id for w in behind]
+                detail = "; ".join(
+                    f"worker {w.worker_id}: sent up to seq {w.sent_seqs[-1]}, delivered "
+                    f"{self._delivered[w.worker_id]}, {self.subscriber.status(w.worker_id)}, {w.publisher.stats}, thread alive {w.publisher._thread.is_alive()}"
+                    for w in behind
+                )
                 raise SimulationError(
-                    f"event stream stalled: workers {ids} sent frames that never arrived "
-                    f"within {self.config.drain_timeout_s} s"
+                    f"event stream stalled for {self.config.drain_timeout_s} s ({detail}); "
+                    "check the transport and the publisher logs"
                 )
             for msg in self.subscriber.poll(timeout_ms=max(1, min(200, math.ceil(left * 1000)))):
                 self._enqueue(msg)
@@ -279,6 +285,13 @@ class Simulation:
             for w in self.workers:
                 w.run_until(math.inf)
             self._drain()
+            self._apply_due(math.inf)
+            # After everything arrived, the index must equal the workers' true contents:
+            # this is how a run shows that replay and resync recovered from injected faults.
+            self.index_mismatch = sum(
+                abs(self.router.indexer.block_count(w.worker_id) - len(w.held))
+                for w in self.workers
+            )
         finally:
             wire = self._wire_stats()
             self.close()
@@ -287,6 +300,7 @@ class Simulation:
             workers=len(self.workers),
             busy_ms=[w.busy_ms for w in self.workers],
             wire=wire,
+            index_mismatch=self.index_mismatch,
             wall_s=time.perf_counter() - started,
         )
 

@@ -343,7 +343,9 @@ class SimWorker:
 
     def _admit_waiting(self) -> None:
         while (
-            self.waiting and not self._admission_blocked and len(self.running) < self.config.max_running
+            self.waiting
+            and not self._admission_blocked
+            and len(self.running) < self.config.max_running
         ):
             s = self.waiting[0]
             if not self._fits_alone(s):

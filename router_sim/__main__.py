@@ -1,0 +1,5 @@
+"""``python -m router_sim`` is ``router-sim``."""
+
+from router_sim.cli import main
+
+raise SystemExit(main())
