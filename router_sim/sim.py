@@ -199,7 +199,8 @@ class Simulation:
             if left <= 0:
                 detail = "; ".join(
                     f"worker {w.worker_id}: sent up to seq {w.sent_seqs[-1]}, delivered "
-                    f"{self._delivered[w.worker_id]}, {self.subscriber.status(w.worker_id)}, {w.publisher.stats}, thread alive {w.publisher._thread.is_alive()}"
+                    f"{self._delivered[w.worker_id]}, {self.subscriber.status(w.worker_id)}"
+                    f", {w.publisher.stats}"
                     for w in behind
                 )
                 raise SimulationError(

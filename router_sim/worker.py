@@ -40,7 +40,8 @@ from events.model import AllBlocksCleared, BlockHash, KVCacheEvent, Removed, Sto
 from events.publisher import ZmqEventPublisher
 from kvcache.config import KVCacheManagerConfig, TierConfig
 from kvcache.errors import OutOfPagesError
-from kvcache.manager import KVCache, KVCacheManager
+from kvcache.manager import KVCacheManager
+from kvcache.sequence import KVCache
 from router_sim.load import WorkerLoad
 from router_sim.metrics import RequestRecord
 from router_sim.timing import StepTiming, default_step_timing

@@ -62,7 +62,7 @@ def expand_hash_ids(
         raise ValueError(
             f"input_length {input_length} needs more than {len(hash_ids)} hash ids of {n} tokens"
         )
-    pos_bits, mask = _layout(n)
+    _, mask = _layout(n)
     id_part = b"".join((h & mask).to_bytes(4, "little") * n for h in hash_ids[:k])
     value = int.from_bytes(id_part, "little") | int.from_bytes(_positions(n) * k, "little")
     out: array[int] = array("i")
@@ -80,7 +80,7 @@ def _positions(tokens_per_hash_id: int) -> bytes:
     """Little-endian bytes of one block's position part (cached per block size)."""
     cached = _POSITIONS.get(tokens_per_hash_id)
     if cached is None:
-        pos_bits, mask = _layout(tokens_per_hash_id)
+        pos_bits, _ = _layout(tokens_per_hash_id)
         shift = 31 - pos_bits
         cached = b"".join((j << shift).to_bytes(4, "little") for j in range(tokens_per_hash_id))
         _POSITIONS[tokens_per_hash_id] = cached
