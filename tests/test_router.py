@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from array import array
+
 import pytest
 
 from events.hashing import chain_hashes
@@ -170,3 +172,28 @@ def test_mismatched_indexer_and_block_size_are_reported() -> None:
     block = StoredBlock(1, list(range(16)))
     router.apply(2, DecodedBatch(0.0, [KVCacheEvent(0, Stored(None, [block], 16))]))
     assert router.indexer.flagged_workers == {2: 16}
+
+
+def test_bad_token_ids_are_rejected_with_a_clear_error() -> None:
+    router = Router(TPB, "kv_overlap", loads())
+    with pytest.raises(ValueError, match=r"\[0, 2\*\*31\)"):
+        router.route([1, 2, 3, 2**31])
+    with pytest.raises(ValueError, match="negative"):
+        router.route([1, 2, -3, 4])
+    assert router.stats.decisions == 0
+
+
+def test_packed_and_list_prompts_hash_alike() -> None:
+    router = Router(TPB, "kv_overlap", loads())
+    assert router.hash_request(array("i", PROMPT)) == router.hash_request(PROMPT)
+    assert router.hash_request(tuple(PROMPT)) == chain_hashes(PROMPT, TPB, DEFAULT_SCOPE)
+
+
+def test_remove_worker_forgets_index_and_approximate_memory() -> None:
+    policy = make_policy("approximate")
+    router = Router(TPB, policy, loads(1))
+    router.apply(0, stored_batch(PROMPT))
+    router.route(PROMPT)
+    router.remove_worker(0)
+    assert router.indexer.block_count(0) == 0
+    assert router.route(PROMPT).predicted_overlap == {0: 0.0}
