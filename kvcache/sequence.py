@@ -212,6 +212,8 @@ class KVCache:
                     mgr._emit_stored(stored)
                     stored = []
                     mgr._replace_partial(old)
+                    if not i:  # the scope root went with its last child: fetch it anew
+                        node = self._node(0)
             # RadixTree.attach + TieredPages.link, inlined: this loop is the commit hot path.
             # The parent is pinned by this sequence, so it has no heap entry to invalidate.
             b.owner = node
@@ -252,6 +254,7 @@ class KVCache:
                 old = mgr._tree.extended_partial(node, tokens)
                 if old is not None:
                     mgr._replace_partial(old)
+                    node = self._node(len(self._blocks) - 1)  # the root may have gone with it
                 b.key = BlockKey(sha256(node.key + tokens_to_bytes(tokens)).digest())
                 b.tokens = tokens
                 pages.link(b, node)
