@@ -239,16 +239,22 @@ class KvIndexer:
         if parent is not None and parent not in held:
             self._anomaly(worker, UNKNOWN_PARENT)
         device, slower = self._device, self._slower
+        held_get, device_get = held.get, device.get
         for block in data.blocks:
             h = block.block_hash
-            level = block.cache_level
-            lbit = 1 << level if level >= 0 else 1
-            old = held.get(h, 0)
+            old = held_get(h, 0)
+            if not block.cache_level:
+                # the common case, kept short: a device-tier copy
+                if not old & 1:
+                    held[h] = old | 1
+                    device[h] = device_get(h, 0) | bit
+                continue
+            lbit = 1 << block.cache_level if block.cache_level > 0 else 1
             if old & lbit:
                 continue
             held[h] = old | lbit
             if lbit == 1:
-                device[h] = device.get(h, 0) | bit
+                device[h] = device_get(h, 0) | bit
             elif not old >> 1:
                 slower[h] = slower.get(h, 0) | bit
 
@@ -279,8 +285,20 @@ class KvIndexer:
         # (a GPU -> CPU offload travels as Removed(GPU) + Stored(CPU)).
         mask = -1 if data.cache_level is None else 1 << max(0, data.cache_level)
         unknown = 0
+        device = self._device
+        keep = ~bit
+        held_get = held.get
         for h in data.block_hashes:
-            old = held.get(h, 0)
+            old = held_get(h, 0)
+            if old == 1 and mask & 1:
+                # the common eviction: the only copy was on the device tier
+                del held[h]
+                m = device[h] & keep
+                if m:
+                    device[h] = m
+                else:
+                    del device[h]
+                continue
             gone = old & mask
             if not gone:
                 unknown += 1
