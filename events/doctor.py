@@ -460,9 +460,11 @@ class Doctor:
         scope = self._scope_of(first.lora_id, first.cache_salt_id)
         parent_key = root_key(scope) if parent_hash is None else state.known.get(parent_hash)
         mismatched: list[int] = []
+        keys: list[BlockKey | None] = []
         for i, blk in enumerate(blocks):
             scope = self._scope_of(blk.lora_id, blk.cache_salt_id)
             key = None if parent_key is None else block_key(parent_key, blk.tokens)
+            keys.append(key)
             summary.hashes_checked += 1
             want = self._expected(algo, blk.tokens, parent_hash, scope, key)
             if want is None:
@@ -482,7 +484,7 @@ class Doctor:
             state.known[blk.block_hash] = key
             parent_hash, parent_key = blk.block_hash, key
         if mismatched:
-            self._explain(worker, seq, algo, data, mismatched)
+            self._explain(worker, seq, algo, data, mismatched, keys)
 
     def _expected(
         self,
@@ -499,10 +501,18 @@ class Doctor:
         return None if key is None else hash_from_key(algo, key)
 
     def _explain(
-        self, worker: int, seq: int, algo: HashAlgo, data: Stored, mismatched: list[int]
+        self,
+        worker: int,
+        seq: int,
+        algo: HashAlgo,
+        data: Stored,
+        mismatched: list[int],
+        keys: list[BlockKey | None],
     ) -> None:
         """Say which usual cause explains the mismatched blocks of one stored event."""
-        explanation = self._explain_blocks(algo, data, mismatched)
+        explanation = self._explain_by_key(algo, data, mismatched, keys)
+        if explanation is None:
+            explanation = self._explain_blocks(algo, data, mismatched)
         if explanation is None:
             explanation = (
                 "unexplained: not salt/LoRA mixing, parent chaining, another block size or "
@@ -517,6 +527,22 @@ class Doctor:
             seq,
             count=len(mismatched),
         )
+
+    @staticmethod
+    def _explain_by_key(
+        algo: HashAlgo, data: Stored, mismatched: list[int], keys: list[BlockKey | None]
+    ) -> str | None:
+        """The key-derived algorithms, when the block keys could be chained from the root."""
+        for other in (HashAlgo.V2_SHA256_64, HashAlgo.V2_SHA256):
+            if other is algo:
+                continue
+            if all(
+                (key := keys[i]) is not None
+                and hash_from_key(other, key) == data.blocks[i].block_hash
+                for i in mismatched
+            ):
+                return f"another algorithm: the hashes are {other.value}, not {algo.value}"
+        return None
 
     def _explain_blocks(self, algo: HashAlgo, data: Stored, mismatched: list[int]) -> str | None:
         parents: list[BlockHash | None] = [data.parent_hash] + [

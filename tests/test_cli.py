@@ -258,6 +258,10 @@ def test_doctor_verifies_v2_hashes_through_the_key_chain() -> None:
     doctor = doctor_of([good])
     assert messages_of(doctor, "problem") == []
     assert doctor.summaries[0].hashes_ok == 3
+    as_v1 = doctor_of([good], DoctorOptions(hash_algo=HashAlgo.V1_BLOCK_KEY))
+    problems = messages_of(as_v1, "problem")
+    assert "events say hash_algo v2_sha256_64, the router uses v1_block_key" in problems
+    assert any("the hashes are v2_sha256_64, not v1_block_key" in m for m in problems)
 
 
 # ------------------------------------------------------------------- listen and record
