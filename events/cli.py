@@ -7,9 +7,9 @@ Commands (exit status 0: fine, 1: problems found, 2: usage error)::
     kv-events hash --tokens 1,2,3,... | --tokens-file F  --tokens-per-block N [--lora-id N]
                    [--cache-salt S | --salt-id N] [--json]
 
-Worker ``w`` is the ``w``-th endpoint given. The listener connects to each endpoint (a wildcard
-address such as ``tcp://*:5557`` is read as the loopback address), or binds with ``--bind`` for
-publishers configured in connect mode.
+Worker ``w`` is the ``w``-th endpoint given. The listener (:mod:`events.listener`) connects to
+each endpoint (a wildcard address such as ``tcp://*:5557`` is read as the loopback address), or
+binds with ``--bind`` for publishers configured in connect mode.
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Final
 
@@ -26,6 +25,7 @@ from events.capture import CaptureError, CaptureWriter, read_capture
 from events.codec import DecodeError, decode_batch
 from events.doctor import Doctor, DoctorOptions
 from events.hashing import HashAlgo, hash_from_key, v1_block_hash
+from events.listener import OnMessage, listen
 from events.model import (
     AllBlocksCleared,
     BlockHash,
@@ -43,9 +43,6 @@ EXIT_OK: Final = 0
 EXIT_PROBLEMS: Final = 1
 EXIT_USAGE: Final = 2
 _ENDPOINT_SCHEMES: Final = ("tcp://", "ipc://", "inproc://")
-_END_SEQ: Final = b"\xff" * 8
-
-OnMessage = Callable[[int, list[bytes], bool], None]
 
 
 class UsageError(Exception):
@@ -121,114 +118,6 @@ def _printer(out: IO[str]) -> OnMessage:
         out.flush()
 
     return on_message
-
-
-# ------------------------------------------------------------------------------ listening
-
-
-def _listen_address(endpoint: str) -> str:
-    if endpoint.startswith("tcp://*:"):
-        return "tcp://127.0.0.1:" + endpoint[len("tcp://*:") :]
-    if endpoint.startswith("tcp://0.0.0.0:"):
-        return "tcp://127.0.0.1:" + endpoint[len("tcp://0.0.0.0:") :]
-    return endpoint
-
-
-def listen(
-    endpoints: Sequence[str],
-    on_message: OnMessage,
-    *,
-    replay_endpoints: Sequence[str] = (),
-    topic: str = "",
-    count: int | None = None,
-    timeout_s: float | None = None,
-    bind: bool = False,
-    replay_timeout_s: float = 1.0,
-) -> int:
-    """Receive messages from one SUB socket per endpoint until ``count`` live messages arrived
-    or ``timeout_s`` passed; returns the number of live messages. With replay endpoints, a gap
-    (or a stream first seen above seq 0) is filled from the publisher's replay socket."""
-    import zmq  # the package imports without ZeroMQ; only listening needs it
-
-    ctx = zmq.Context()
-    socks: list[zmq.Socket[bytes]] = []
-    try:
-        poller = zmq.Poller()
-        for endpoint in endpoints:
-            sock = ctx.socket(zmq.SUB)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
-            if bind:
-                sock.bind(endpoint)
-            else:
-                sock.connect(_listen_address(endpoint))
-            socks.append(sock)
-            poller.register(sock, zmq.POLLIN)
-        last: dict[int, int] = {}
-        received = 0
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while count is None or received < count:
-            wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1e3))
-            ready = dict(poller.poll(wait_ms))
-            if not ready:
-                break
-            for worker, sock in enumerate(socks):
-                if sock not in ready:
-                    continue
-                frames = sock.recv_multipart()
-                seq = int.from_bytes(frames[1], "big") if len(frames) == 3 else None
-                prev = last.get(worker)
-                want_from = None
-                if seq is not None and worker < len(replay_endpoints):
-                    if prev is None and seq > 0:
-                        want_from = 0
-                    elif prev is not None and seq > prev + 1:
-                        want_from = prev + 1
-                if want_from is not None:
-                    for replayed in _replay(
-                        ctx, replay_endpoints[worker], want_from, seq or 0, replay_timeout_s
-                    ):
-                        on_message(worker, replayed, True)
-                if seq is not None:
-                    last[worker] = seq
-                on_message(worker, frames, False)
-                received += 1
-                if count is not None and received >= count:
-                    break
-        return received
-    finally:
-        for sock in socks:
-            sock.close(linger=0)
-        ctx.term()
-
-
-def _replay(
-    ctx: object, endpoint: str, start: int, stop: int, timeout_s: float
-) -> list[list[bytes]]:
-    """Ask a replay socket for batches ``start..stop-1`` (WIRE.md 5); returns their frames
-    ``[topic, seq, payload]``. A silent or broken replay socket gives what arrived in time."""
-    import zmq
-
-    assert isinstance(ctx, zmq.Context)
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    got: list[list[bytes]] = []
-    try:
-        dealer.connect(_listen_address(endpoint))
-        dealer.send_multipart([b"", start.to_bytes(8, "big")])
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left_ms = int((deadline - time.monotonic()) * 1e3)
-            if left_ms <= 0 or not dealer.poll(left_ms):
-                break
-            frames = dealer.recv_multipart()
-            if len(frames) == 4 and frames[2] == _END_SEQ:
-                break
-            if len(frames) == 4 and len(frames[2]) == 8 and int.from_bytes(frames[2], "big") < stop:
-                got.append(frames[1:])
-    finally:
-        dealer.close(linger=0)
-    return got
 
 
 # --------------------------------------------------------------------------------- hash

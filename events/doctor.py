@@ -18,14 +18,15 @@ number) so a long capture gives a short report. Problems make the CLI exit with 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import Any, Literal
 
 import msgpack
 
 from events.codec import DecodeError, decode_batch
-from events.hashing import HashAlgo, hash_from_key, v1_block_hash, xxh3_content_hash
+from events.diagnosis import explain_mismatch
+from events.hashing import HashAlgo, hash_from_key, v1_block_hash
 from events.model import (
     AllBlocksCleared,
     BlockHash,
@@ -39,11 +40,6 @@ from kvcache.keys import BlockKey, block_key, root_key
 from kvcache.scope import ReuseScope
 
 Severity = Literal["problem", "warning", "info"]
-_MASK64: Final = (1 << 64) - 1
-_M1: Final = 0xBF58476D1CE4E5B9
-_M2: Final = 0x94D049BB133111EB
-_C32: Final = 0x45D9F3B
-_G: Final = 0x9E3779B9
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,39 +85,6 @@ class _WorkerState:
     complete: bool = True  # history seen from seq 0 without an unfilled gap
     known: dict[BlockHash, BlockKey | None] = field(default_factory=dict)
     partial: set[BlockHash] = field(default_factory=set)  # announced with < block_size tokens
-
-
-# ----------------------------------------------------------------- hash variants (V1)
-
-
-def _mix32(a: int, seed: int) -> int:
-    a &= 0xFFFFFFFF
-    a = (((a >> 16) ^ a) * _C32) & 0xFFFFFFFF
-    a = (((a >> 16) ^ a) * _C32) & 0xFFFFFFFF
-    a = (a >> 16) ^ a
-    return seed ^ ((((a + _G) & 0xFFFFFFFF) + (seed << 6) + (seed >> 2)) & _MASK64)
-
-
-def _mix64(b: int, seed: int) -> int:
-    b = ((b ^ (b >> 30)) * _M1) & _MASK64
-    b = ((b ^ (b >> 27)) * _M2) & _MASK64
-    b ^= b >> 31
-    return seed ^ ((b + _G + (seed << 6) + (seed >> 2)) & _MASK64)
-
-
-def v1_salt_every_block(
-    tokens: Sequence[int], parent_hash: int, lora_id: int | None, salt_id: int | None
-) -> int:
-    """The V1 hash as an engine computes it when it mixes the salt into every block (a known
-    bug; WIRE.md 3 mixes it into the first block only)."""
-    seed = len(tokens) ^ ((parent_hash * _M1) & _MASK64)
-    if salt_id is not None:
-        seed = _mix64(salt_id, seed)
-    for tok in tokens:
-        seed = _mix32(tok, seed)
-    if lora_id is not None:
-        seed = _mix64(lora_id, seed)
-    return seed
 
 
 # ------------------------------------------------------------------------- the doctor
@@ -510,14 +473,9 @@ class Doctor:
         keys: list[BlockKey | None],
     ) -> None:
         """Say which usual cause explains the mismatched blocks of one stored event."""
-        explanation = self._explain_by_key(algo, data, mismatched, keys)
-        if explanation is None:
-            explanation = self._explain_blocks(algo, data, mismatched)
-        if explanation is None:
-            explanation = (
-                "unexplained: not salt/LoRA mixing, parent chaining, another block size or "
-                "another algorithm; check the engine's hash function and its inputs"
-            )
+        explanation = explain_mismatch(
+            algo, data, mismatched, keys, self._scope_of, self.options.scope is not None
+        )
         self._note(
             "problem",
             worker,
@@ -527,107 +485,6 @@ class Doctor:
             seq,
             count=len(mismatched),
         )
-
-    @staticmethod
-    def _explain_by_key(
-        algo: HashAlgo, data: Stored, mismatched: list[int], keys: list[BlockKey | None]
-    ) -> str | None:
-        """The key-derived algorithms, when the block keys could be chained from the root."""
-        for other in (HashAlgo.V2_SHA256_64, HashAlgo.V2_SHA256):
-            if other is algo:
-                continue
-            if all(
-                (key := keys[i]) is not None
-                and hash_from_key(other, key) == data.blocks[i].block_hash
-                for i in mismatched
-            ):
-                return f"another algorithm: the hashes are {other.value}, not {algo.value}"
-        return None
-
-    def _explain_blocks(self, algo: HashAlgo, data: Stored, mismatched: list[int]) -> str | None:
-        parents: list[BlockHash | None] = [data.parent_hash] + [
-            b.block_hash for b in data.blocks[:-1]
-        ]
-        candidates: list[
-            tuple[str, Callable[[Sequence[int], int, ReuseScope, int | None, int | None], object]]
-        ]
-        candidates = [
-            (
-                "the salt is not mixed into the first block (engine ignores cache_salt_id)",
-                lambda t, p, s, lo, sa: (
-                    v1_block_hash(t, p, s.lora_id, None) if s.salt is not None else None
-                ),
-            ),
-            (
-                "the LoRA id is not mixed in (engine ignores lora_id)",
-                lambda t, p, s, lo, sa: (
-                    v1_block_hash(t, p, None, s.salt) if s.lora_id is not None else None
-                ),
-            ),
-            (
-                "neither the salt nor the LoRA id is mixed in",
-                lambda t, p, s, lo, sa: (
-                    v1_block_hash(t, p, None, None)
-                    if s.lora_id is not None and s.salt is not None
-                    else None
-                ),
-            ),
-            (
-                "the salt is mixed into every block, not only the first",
-                lambda t, p, s, lo, sa: (
-                    v1_salt_every_block(t, p, s.lora_id, s.salt)
-                    if s.salt is not None and p != 0
-                    else None
-                ),
-            ),
-            (
-                "the parent hash is not chained (every block hashed as a first block)",
-                lambda t, p, s, lo, sa: v1_block_hash(t, 0, s.lora_id, s.salt) if p else None,
-            ),
-            (
-                "the publisher's own scope (the event's lora_id / cache_salt_id) differs "
-                "from the router's --lora-id / --cache-salt",
-                lambda t, p, s, lo, sa: (
-                    v1_block_hash(t, p, lo, sa) if self.options.scope is not None else None
-                ),
-            ),
-            (
-                "another algorithm: the router-side content hash (xxh3_64 of the tokens, "
-                "seed 1337)",
-                lambda t, p, s, lo, sa: xxh3_content_hash(t),
-            ),
-        ]
-        if algo is not HashAlgo.V1_BLOCK_KEY:
-            candidates.insert(
-                0,
-                (
-                    f"another algorithm: the hashes are v1_block_key, not {algo.value}",
-                    lambda t, p, s, lo, sa: v1_block_hash(t, p, s.lora_id, s.salt),
-                ),
-            )
-        for name, candidate in candidates:
-            explained = True
-            for i in mismatched:
-                blk = data.blocks[i]
-                parent = parents[i]
-                if not isinstance(parent, int | None) or not isinstance(blk.block_hash, int):
-                    explained = False
-                    break
-                scope = self._scope_of(blk.lora_id, blk.cache_salt_id)
-                got = candidate(blk.tokens, parent or 0, scope, blk.lora_id, blk.cache_salt_id)
-                if got is None or got != blk.block_hash:
-                    explained = False
-                    break
-            if explained:
-                return name
-        if any(isinstance(data.blocks[i].block_hash, str) for i in mismatched):
-            return (
-                "another algorithm: the hashes are hex strings (v2_sha256) but the block keys "
-                "they should equal differ; check the scope the engine used"
-                if algo is HashAlgo.V2_SHA256
-                else f"another algorithm: the hashes are hex strings (v2_sha256), not {algo.value}"
-            )
-        return None
 
     # ---------------------------------------------------------------- report
 

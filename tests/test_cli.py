@@ -15,7 +15,8 @@ import zmq
 from events.capture import CaptureWriter, read_capture
 from events.cli import main
 from events.codec import encode_batch
-from events.doctor import Doctor, DoctorOptions, v1_salt_every_block
+from events.diagnosis import v1_salt_every_block
+from events.doctor import Doctor, DoctorOptions
 from events.hashing import HashAlgo, v1_block_hash
 from events.model import EventData, KVCacheEvent, Removed, Stored, StoredBlock
 from kvcache.scope import ReuseScope
