@@ -240,15 +240,23 @@ class KvIndexer:
             self._anomaly(worker, UNKNOWN_PARENT)
         device, slower = self._device, self._slower
         held_get, device_get = held.get, device.get
+        held_add, device_add = held.setdefault, device.setdefault
         for block in data.blocks:
             h = block.block_hash
-            old = held_get(h, 0)
             if not block.cache_level:
-                # the common case, kept short: a device-tier copy
-                if not old & 1:
+                # The common case, kept to one lookup per map for a block new to the worker
+                # and to the fleet (at 1M entries the lookups are cache misses).
+                size = len(held)
+                old = held_add(h, 1)
+                if len(held) == size:  # the worker knew the block
+                    if old & 1:
+                        continue
                     held[h] = old | 1
-                    device[h] = device_get(h, 0) | bit
+                m = device_add(h, bit)
+                if m != bit:
+                    device[h] = m | bit
                 continue
+            old = held_get(h, 0)
             lbit = 1 << block.cache_level if block.cache_level > 0 else 1
             if old & lbit:
                 continue
@@ -287,18 +295,18 @@ class KvIndexer:
         unknown = 0
         device = self._device
         keep = ~bit
-        held_get = held.get
+        held_pop, device_pop = held.pop, device.pop
         for h in data.block_hashes:
-            old = held_get(h, 0)
+            old = held_pop(h, 0)
             if old == 1 and mask & 1:
-                # the common eviction: the only copy was on the device tier
-                del held[h]
-                m = device[h] & keep
+                # the common eviction: the only copy was on the device tier (one lookup per map
+                # when no other worker holds the block)
+                m = device_pop(h) & keep
                 if m:
                     device[h] = m
-                else:
-                    del device[h]
                 continue
+            if old:
+                held[h] = old  # put back: _drop_levels works on the held entry
             gone = old & mask
             if not gone:
                 unknown += 1
