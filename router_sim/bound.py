@@ -47,7 +47,8 @@ class BoundResult:
     hit_blocks: int
     total_blocks: int
     reusable: tuple[int, ...]
-    """Per request (workload order): prompt tokens reusable under the infinite cache."""
+    """Per request (workload order): prompt tokens reusable under the infinite cache (capped
+    as the token-weighted figure is)."""
 
 
 def _lcp_bytes(a: bytes, b: bytes) -> int:
@@ -171,15 +172,25 @@ def blocks_reused(reused: int, input_length: int, tokens_per_block: int) -> tupl
     return min(full, total), total
 
 
-def compulsory_bound(requests: Sequence[Request], tokens_per_block: int) -> BoundResult:
-    """The compulsory-miss bound of ``requests`` (in arrival order) at ``tokens_per_block``."""
+def compulsory_bound(
+    requests: Sequence[Request], tokens_per_block: int, *, recompute_last_token: bool = True
+) -> BoundResult:
+    """The compulsory-miss bound of ``requests`` (in arrival order) at ``tokens_per_block``.
+
+    With ``recompute_last_token`` (the default, what engines and ``kvcache`` do: the last
+    prompt token is always computed, its logits give the first output token) a request reuses
+    at most ``input_length - 1`` tokens in the token-weighted figure. The block-level figure
+    counts every block whose content was computed before, as trace statistics do.
+    """
     if tokens_per_block < 1:
         raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
-    reusable = reusable_tokens(requests)
+    lcp = reusable_tokens(requests)
+    cap = 1 if recompute_last_token else 0
+    reusable = [min(n, r.input_length - cap) for n, r in zip(lcp, requests, strict=True)]
     hit_tokens = sum(reusable)
     total_tokens = sum(r.input_length for r in requests)
     hit_blocks = total_blocks = 0
-    for req, reused in zip(requests, reusable, strict=True):
+    for req, reused in zip(requests, lcp, strict=True):
         full, total = blocks_reused(reused, req.input_length, tokens_per_block)
         hit_blocks += full
         total_blocks += total

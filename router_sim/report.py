@@ -118,7 +118,7 @@ def _scalar_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def write_json(report: Report, path: Path) -> None:
-    path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
 
 
 def write_csv(report: Report, path: Path) -> None:

@@ -113,30 +113,30 @@ def load_trace(
 ) -> list[Request]:
     """Requests of a trace, arrival times divided by ``speedup``, at most ``max_requests``.
 
-    Timestamps are made relative to the first row; a request with ``output_length`` 0 is given
+    Timestamps are made relative to the earliest one; a request with ``output_length`` 0 is given
     one output token (a request always produces its first token).
     """
     if speedup <= 0:
         raise ValueError(f"speedup must be > 0, got {speedup}")
     if max_requests is not None and max_requests < 0:
         raise ValueError(f"max_requests must be >= 0, got {max_requests}")
-    out: list[Request] = []
-    t0: float | None = None
+    rows: list[TraceRow] = []
     for row in iter_trace(path, tokens_per_hash_id):
-        if max_requests is not None and len(out) >= max_requests:
+        if max_requests is not None and len(rows) >= max_requests:
             break
-        if t0 is None:
-            t0 = row.timestamp
-        out.append(
-            Request(
-                request_id=len(out),
-                arrival_ms=(row.timestamp - t0) / speedup,
-                input_length=row.input_length,
-                output_length=max(1, row.output_length),
-                hash_ids=row.hash_ids,
-                tokens_per_hash_id=tokens_per_hash_id,
-            )
+        rows.append(row)
+    t0 = min((r.timestamp for r in rows), default=0.0)
+    out = [
+        Request(
+            request_id=i,
+            arrival_ms=(row.timestamp - t0) / speedup,
+            input_length=row.input_length,
+            output_length=max(1, row.output_length),
+            hash_ids=row.hash_ids,
+            tokens_per_hash_id=tokens_per_hash_id,
         )
+        for i, row in enumerate(rows)
+    ]
     out.sort(key=lambda r: r.arrival_ms)  # stable: equal timestamps keep file order
     for i, r in enumerate(out):
         r.request_id = i

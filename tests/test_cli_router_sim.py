@@ -1,0 +1,95 @@
+"""``router-sim run``: table on stdout, report files, plots, errors."""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from router_sim.cli import main
+
+FIXED_FIELDS = (
+    "hit_rate",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "e2e_p50_ms",
+    "load_max_over_mean",
+    "decision_us_p50",
+)
+
+
+def test_run_writes_table_json_csv_and_plots(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    assert main(["run", "--max-requests", "200", "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "compulsory-miss bound" in captured.out
+    for policy in ("round_robin", "kv_overlap", "predicted_ttft", "oracle"):
+        assert policy in captured.out
+    assert "200/200" in captured.err  # the progress bar
+    report = json.loads((out / "report.json").read_text())
+    assert 0.0 < report["workload"]["bound"] <= 1.0
+    assert report["workload"]["requests"] == 200
+    assert len(report["policies"]) == 8
+    for fields in report["policies"].values():
+        for name in FIXED_FIELDS:
+            assert isinstance(fields[name], float), name
+        assert 0.0 <= fields["hit_rate"] <= report["workload"]["bound"] + 1e-9
+        assert fields["completed"] == 200
+    rows = list(csv.DictReader((out / "report.csv").open()))
+    assert [r["policy"] for r in rows] == list(report["policies"])
+    assert (out / "report.txt").read_text().startswith("workload mixed")
+    pngs = {p.name for p in out.glob("*.png")}
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert pngs == {"hit_rate.png", "ttft_cdf.png", "load_per_worker.png"}
+        assert all((out / p).stat().st_size > 1000 for p in pngs)
+
+
+def test_run_on_a_trace_file_with_chosen_policies(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "t.jsonl.gz"
+    with gzip.open(trace, "wt") as fh:
+        for i in range(30):
+            row = {
+                "timestamp": i * 200,
+                "input_length": 900,
+                "output_length": 20,
+                "hash_ids": [0, 1 + i % 3],
+            }
+            fh.write(json.dumps(row) + "\n")
+    argv = ["run", "--trace", str(trace), "--workers", "2", "--policies", "round_robin,kv_overlap"]
+    argv += ["--tokens-per-block", "64", "--device-blocks", "512", "--no-progress"]
+    assert main([*argv, "--out", str(tmp_path / "o")]) == 0
+    report = json.loads((tmp_path / "o" / "report.json").read_text())
+    assert list(report["policies"]) == ["round_robin", "kv_overlap"]
+    assert report["config"]["tokens_per_block"] == 64
+    assert capsys.readouterr().err == ""
+    # 30 prompts over 4 distinct 2-id prefixes: everything after the first of each is cached
+    assert report["workload"]["bound"] > 0.8
+
+
+def test_bad_arguments_fail_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["run", "--policies", "nope"])
+    assert "unknown policies" in capsys.readouterr().err
+    assert main(["run", "--trace", "/nonexistent/trace.jsonl", "--no-progress"]) == 2
+    assert "not found" in capsys.readouterr().err
+
+
+def test_python_dash_m_entry_point() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "router_sim", "run", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert "--event-delay-ms" in done.stdout and "--trace" in done.stdout

@@ -1,0 +1,100 @@
+"""Mooncake-format trace loading: gzip, speed-up, limits, errors, the bundled copy."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from router_sim.trace import TraceError, iter_trace, load_trace, resolve_trace
+
+ROWS = [
+    {"timestamp": 1000, "input_length": 600, "output_length": 10, "hash_ids": [0, 1]},
+    {"timestamp": 1000, "input_length": 1024, "output_length": 0, "hash_ids": [0, 2]},
+    {"timestamp": 500, "input_length": 100, "output_length": 5, "hash_ids": [3]},
+]
+SHARED = [
+    Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "mooncake",
+    Path("/work/shared/data/mooncake"),
+]
+BUNDLED_SHA256 = "b8cbb061a85206d729d91cdc2981f43c9e0d99209dce588d3af5f7934408b9df"
+
+
+def _write(path: Path, rows: list[dict[str, object]]) -> Path:
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    if path.suffix == ".gz":
+        with gzip.open(path, "wt", encoding="utf-8") as fh:
+            fh.write(text)
+    else:
+        path.write_text(text + "\n", encoding="utf-8")  # a trailing blank line is skipped
+    return path
+
+
+@pytest.mark.parametrize("name", ["t.jsonl", "t.jsonl.gz"])
+def test_rows_become_requests_in_arrival_order(tmp_path: Path, name: str) -> None:
+    reqs = load_trace(_write(tmp_path / name, ROWS))
+    assert [r.arrival_ms for r in reqs] == [0.0, 500.0, 500.0]  # relative to the first row
+    assert [r.input_length for r in reqs] == [100, 600, 1024]
+    assert [r.request_id for r in reqs] == [0, 1, 2]
+    assert reqs[2].output_length == 1  # output_length 0 still yields the first token
+    assert reqs[1].tokens()[:512] == reqs[2].tokens()[:512]  # shared hash id 0
+    assert len(reqs[1].tokens()) == 600
+
+
+def test_speedup_and_request_limit(tmp_path: Path) -> None:
+    path = _write(tmp_path / "t.jsonl", ROWS)
+    fast = load_trace(path, speedup=4.0)
+    assert [r.arrival_ms for r in fast] == [0.0, 125.0, 125.0]
+    assert len(load_trace(path, max_requests=2)) == 2
+    with pytest.raises(ValueError, match="speedup"):
+        load_trace(path, speedup=0)
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("not json", "not JSON"),
+        ('{"timestamp": 0, "input_length": 5, "output_length": 1}', "missing field 'hash_ids'"),
+        (
+            '{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1]}',
+            "cannot cover",
+        ),
+        ('{"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": []}', "input_length"),
+        (
+            '{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [-1]}',
+            "non-negative",
+        ),
+        ("[1, 2]", "expected a JSON object"),
+    ],
+)
+def test_malformed_lines_name_file_and_line(tmp_path: Path, line: str, message: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(ROWS[0]) + "\n" + line + "\n", encoding="utf-8")
+    with pytest.raises(TraceError, match=message) as err:
+        load_trace(path)
+    assert "bad.jsonl:2" in str(err.value)
+
+
+def test_missing_file_says_what_to_give(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="mooncake"):
+        resolve_trace(tmp_path / "nope.jsonl")
+
+
+def test_bundled_mooncake_trace_loads_by_name() -> None:
+    rows = list(iter_trace("mooncake"))
+    assert len(rows) == 12031
+    assert all(r.hash_ids[0] == 0 for r in rows)  # the shared system prompt
+    reqs = load_trace("mooncake", max_requests=10)
+    assert len(reqs) == 10 and reqs[0].input_length == 6758
+
+
+def test_bundled_copy_is_the_unchanged_trace() -> None:
+    with gzip.open(resolve_trace("mooncake"), "rb") as fh:
+        digest = hashlib.sha256(fh.read()).hexdigest()
+    assert digest == BUNDLED_SHA256
+    shared = next((p / "conversation_trace.jsonl" for p in SHARED if p.exists()), None)
+    if shared is not None:
+        assert hashlib.sha256(shared.read_bytes()).hexdigest() == BUNDLED_SHA256

@@ -1,0 +1,114 @@
+"""Synthetic workloads and Mooncake hash-id expansion: seeded, scoped, shaped as documented."""
+
+from __future__ import annotations
+
+from array import array
+
+import pytest
+
+from kvcache.scope import ReuseScope, cache_salt_id
+from router_sim.workloads import (
+    WORKLOADS,
+    Request,
+    SyntheticSpec,
+    expand_hash_ids,
+    identical_prompts_for_tenants,
+    synthetic_workload,
+)
+
+
+def _fingerprint(reqs: list[Request]) -> list[tuple[object, ...]]:
+    return [
+        (r.arrival_ms, r.lora_id, r.cache_salt, tuple(r.tokens()), r.output_length) for r in reqs
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_equal_seeds_give_equal_workloads(name: str) -> None:
+    spec = SyntheticSpec(num_requests=60)
+    a = synthetic_workload(name, seed=3, spec=spec)
+    b = synthetic_workload(name, seed=3, spec=spec)
+    c = synthetic_workload(name, seed=4, spec=spec)
+    assert _fingerprint(a) == _fingerprint(b)
+    assert _fingerprint(a) != _fingerprint(c)
+    assert len(a) == 60
+    assert [r.request_id for r in a] == list(range(60))
+
+
+def test_poisson_arrivals_have_the_requested_rate() -> None:
+    reqs = synthetic_workload("shared-prompts", seed=1, spec=SyntheticSpec(num_requests=2000))
+    times = [r.arrival_ms for r in reqs]
+    assert times == sorted(times)
+    mean_gap_s = times[-1] / 1000.0 / (len(times) - 1)
+    assert mean_gap_s == pytest.approx(1 / 20.0, rel=0.1)
+
+
+def test_tenants_and_adapters_get_their_own_scopes() -> None:
+    tenants = synthetic_workload("tenants", seed=0, spec=SyntheticSpec(num_requests=80))
+    salts = {r.cache_salt for r in tenants}
+    assert salts <= {f"tenant-{i}" for i in range(4)} and len(salts) > 1
+    for r in tenants:
+        assert r.cache_salt is not None
+        assert r.scope == ReuseScope(salt=cache_salt_id(r.cache_salt))
+    lora = synthetic_workload("lora", seed=0, spec=SyntheticSpec(num_requests=80))
+    assert {r.lora_id for r in lora} == {1, 2, 3}
+    assert all(r.scope == ReuseScope(lora_id=r.lora_id) for r in lora)
+
+
+def test_a_sessions_next_turn_extends_prompt_and_answer_after_think_time() -> None:
+    reqs = synthetic_workload("multi-turn", seed=2, spec=SyntheticSpec(num_requests=150))
+    by_session: dict[int, list[Request]] = {}
+    for r in reqs:
+        assert r.session_id is not None
+        by_session.setdefault(r.session_id, []).append(r)
+    followed = 0
+    for turns in by_session.values():
+        for prev, nxt in zip(turns, turns[1:], strict=False):
+            history = prev.tokens() + prev.output_tokens()
+            assert nxt.tokens()[: len(history)] == history
+            assert len(nxt.tokens()) > len(history)
+            assert nxt.arrival_ms >= prev.arrival_ms + 2000.0
+            followed += 1
+    assert followed > 20
+
+
+def test_identical_prompts_differ_only_by_salt() -> None:
+    reqs = identical_prompts_for_tenants(tenants=2, prompts=3, repeats=2)
+    assert len(reqs) == 12
+    a = [tuple(r.tokens()) for r in reqs if r.cache_salt == "tenant-0"]
+    b = [tuple(r.tokens()) for r in reqs if r.cache_salt == "tenant-1"]
+    assert a == b
+
+
+def test_hash_ids_expand_to_their_own_tokens() -> None:
+    one = expand_hash_ids((7, 8, 9), 1100)
+    two = expand_hash_ids((7, 8, 5), 1030)
+    assert len(one) == 1100 and len(two) == 1030
+    assert one[:1024] == two[:1024]  # equal ids, equal tokens
+    assert set(one[1024:]).isdisjoint(two[1024:])  # distinct ids, disjoint tokens
+    assert expand_hash_ids((9,), 76) == one[1024:1100]  # an id's tokens do not depend on position
+    assert all(0 <= t < 2**31 for t in one)
+    assert len(set(expand_hash_ids(tuple(range(50)), 50 * 512))) == 50 * 512
+
+
+def test_hash_ids_must_cover_the_prompt() -> None:
+    with pytest.raises(ValueError, match="hash ids"):
+        expand_hash_ids((1, 2), 1025)
+
+
+def test_request_validation_and_generated_answers() -> None:
+    with pytest.raises(ValueError, match="prompt or hash_ids"):
+        Request(0, 0.0, 10, 5)
+    with pytest.raises(ValueError, match="prompt has 2 tokens"):
+        Request(0, 0.0, 10, 5, prompt=array("i", [1, 2]))
+    with pytest.raises(ValueError, match="output_length"):
+        Request(0, 0.0, 2, 0, prompt=array("i", [1, 2]))
+    r = Request(3, 0.0, 2, 40, prompt=array("i", [1, 2]))
+    out = r.output_tokens()
+    assert len(out) == 40 and min(out) >= 2**30 and max(out) < 2**31
+    assert out == Request(3, 5.0, 2, 40, prompt=array("i", [9, 9])).output_tokens()
+
+
+def test_unknown_workload_is_rejected_with_the_choices() -> None:
+    with pytest.raises(ValueError, match="multi-turn"):
+        synthetic_workload("nope")
