@@ -194,8 +194,26 @@ def test_kv_survives_offload_to_host_and_onboarding(
     assert engine_step(manager, other[:21]).num_reused_tokens == 20
 
 
+def test_onboarding_and_copy_on_write_from_the_host_share_one_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    manager = make_manager()
+    engine_step(manager, PROMPT)
+    engine_step(manager, list(range(500, 524)))  # the prompt's 3 blocks go to the host
+    log = log_copies(manager, monkeypatch)
+    tokens = [*PROMPT[:10], 55, 56]  # 2 full blocks to onboard + 2 tokens of the third
+    cache = manager.create_kv_cache(tokens)
+    assert cache.num_reused_tokens == 10
+    assert_holds(manager, cache, None, tokens[:10])
+    up = [c for c in log.calls if (c[0], c[2]) == (1, 0)]
+    assert len(up) == 1 and len(log.calls) == 2  # plus one device->host call for the room
+    assert up[0][4] is not None and sorted(up[0][4]) == [2, TPB, TPB]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_suspended_sequence_gets_its_kv_back_on_resume(dtype: str) -> None:
+def test_suspended_sequence_gets_its_kv_back_on_resume(
+    dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     manager = make_manager(dtype)
     tokens = PROMPT[:10]
     cache = engine_step(manager, tokens, close=False)
@@ -207,7 +225,10 @@ def test_suspended_sequence_gets_its_kv_back_on_resume(dtype: str) -> None:
     cache.suspend()
     engine_step(manager, list(range(500, 524)))  # needs every device page: ours move out
     assert manager.stats.offloads >= 3
+    log = log_copies(manager, monkeypatch)
     cache.resume()
+    up = [c for c in log.calls if (c[0], c[2]) == (1, 0)]
+    assert len(up) == 1 and len(up[0][1]) == 3  # all three pages in one batched call
     assert_holds(manager, cache, None, PROMPT)
     cache.commit(PROMPT[10:])
     cache.close()
