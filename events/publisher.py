@@ -80,6 +80,8 @@ class ZmqEventPublisher:
     subscriber connects to (a ``tcp://127.0.0.1:*`` endpoint binds an ephemeral port).
     ``drop_live(seq)`` is a fault-injection hook called on the sender thread: True withholds
     that frame from the live socket while keeping it replayable, as a frame lost on the network.
+    ``bind`` overrides the bind/connect rule for both endpoints (None: follow the rule), e.g. to
+    bind one interface's fixed port again after a restart.
     """
 
     def __init__(
@@ -93,6 +95,8 @@ class ZmqEventPublisher:
         max_queue: int = 10000,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         drop_live: Callable[[int], bool] | None = None,
+        *,
+        bind: bool | None = None,
     ) -> None:
         if buffer_steps < 0 or hwm < 0 or max_queue < 1:
             raise ValueError(
@@ -124,7 +128,7 @@ class ZmqEventPublisher:
             self._xpub.setsockopt(zmq.LINGER, 0)  # close() sets a bounded linger explicitly
             # every subscribe and unsubscribe frame, per subscriber, so they can be counted
             self._xpub.setsockopt(zmq.XPUB_VERBOSER, 1)
-            self._endpoint = self._attach(self._xpub, offset_for_rank(endpoint, dp_rank))
+            self._endpoint = self._attach(self._xpub, offset_for_rank(endpoint, dp_rank), bind)
             self._router: zmq.Socket[bytes] | None = None
             self._replay_endpoint: str | None = None
             if replay_endpoint is not None:
@@ -135,7 +139,7 @@ class ZmqEventPublisher:
                 self._router.setsockopt(zmq.SNDHWM, buffer_steps + 16)
                 self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 self._replay_endpoint = self._attach(
-                    self._router, offset_for_rank(replay_endpoint, dp_rank)
+                    self._router, offset_for_rank(replay_endpoint, dp_rank), bind
                 )
             bell_name = f"inproc://kv-events-publisher-bell-{next(_bell_ids)}-{id(self)}"
             self._bell_rx = self._ctx.socket(zmq.PAIR)
@@ -282,9 +286,9 @@ class ZmqEventPublisher:
             self._handled += count
             self._progress.notify_all()
 
-    def _attach(self, sock: zmq.Socket[bytes], endpoint: str) -> str:
+    def _attach(self, sock: zmq.Socket[bytes], endpoint: str, bind: bool | None) -> str:
         try:
-            if should_bind(endpoint):
+            if should_bind(endpoint) if bind is None else bind:
                 sock.bind(endpoint)
                 last = sock.getsockopt(zmq.LAST_ENDPOINT)
                 assert isinstance(last, bytes)
