@@ -244,3 +244,42 @@ def test_worker_management_errors(sub: ZmqEventSubscriber) -> None:
         sub.remove_worker(1)
     assert sub.workers == []
     assert sub.poll(0) == []
+
+
+def test_restart_is_told_apart_from_a_duplicate(
+    sub: ZmqEventSubscriber, fake: FakePublisher
+) -> None:
+    sub.add_worker(0, fake.endpoint, fake.replay_endpoint)
+    fake.wait_subscribed()
+    old = [payload([stored(i, 10 + i)], ts=i) for i in range(3)]
+    new = [payload([stored(i, 50 + i)], ts=100 + i) for i in range(2)]
+    model = StateModel()
+    for seq, body in enumerate(old):
+        fake.send(seq, body)
+    fake.send(0, old[0])  # the same bytes again: a duplicate, not a restart
+    poll_until(sub, model, lambda: sub.status(0).received == 4)
+    assert sub.status(0).restarts == 0 and sub.status(0).duplicates == 1
+    fake.send(1, new[1])  # seq 1 with other bytes: a new publisher (its seq 0 was missed)
+    poll_until(sub, model, lambda: sub.status(0).replaying)
+    ident, start = fake.next_request()
+    assert start == 0  # the new stream is replayed from its beginning
+    fake.answer(ident, [(0, new[0]), (1, new[1])])
+    poll_until(sub, model, lambda: _seqs(model, 0)[-2:] == [0, 1] and len(_seqs(model, 0)) == 5)
+    assert "publisher restarted" in model.resyncs[0][0]
+    assert model.blocks[0] == {50, 51}
+    status = sub.status(0)
+    assert (status.restarts, status.state, status.last_seq) == (1, "ok", 1)
+
+
+def test_restart_seen_at_seq_zero_needs_no_replay(
+    sub: ZmqEventSubscriber, fake: FakePublisher
+) -> None:
+    sub.add_worker(0, fake.endpoint)  # no replay endpoint: seq 0 alone rebuilds the state
+    fake.wait_subscribed()
+    model = StateModel()
+    fake.send(0, payload([stored(0, 1)], ts=0))
+    fake.send(1, payload([stored(1, 2)], ts=1))
+    fake.send(0, payload([stored(0, 9)], ts=5))
+    poll_until(sub, model, lambda: len(_seqs(model, 0)) == 3)
+    assert model.blocks[0] == {9}
+    assert sub.status(0).restarts == 1 and sub.status(0).state == "ok"
