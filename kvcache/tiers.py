@@ -187,7 +187,9 @@ class TieredPages:
         self._count(b, -1)
         b.tier, b.page = tier, page
         self._count(b, 1)
-        parent = b.parent
+        # A block taken out of the tree (a replaced partial its sequence still holds) keeps its
+        # parent pointer for the sink's sake but no longer counts among the parent's children.
+        parent = b.parent if b.in_tree else None
         if parent is not None:
             if parent.tier == old_tier:
                 parent.here -= 1

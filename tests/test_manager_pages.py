@@ -168,3 +168,39 @@ def test_suspend_resume_copies_private_pages_too() -> None:
     assert m.probe_reuse([1, 2, 3, 4, 5]) == 4
     seq.close()
     m.verify()
+
+
+def test_commit_of_a_block_cached_on_the_host_takes_it_back_over() -> None:
+    m, sink = manager(2, 2, 2)
+    run(m, [1, 2, 3, 4])
+    hog = m.create_kv_cache([])
+    hog.resize(4)  # [1, 2, 3, 4] to the host
+    hog.close()
+    seq = m.create_kv_cache([])  # computes the same tokens again instead of reusing them
+    sink.clear()
+    seq.commit([1, 2, 3, 4])
+    # no new block: the cached ones take the freshly written device pages, nothing is copied
+    assert seen(sink) == [("moved", [[1, 2], [3, 4]], 1, 0)]
+    assert m.stats.tiers["host"].used == 0 and m.stats.onboards == 0
+    seq.close()
+    m.verify()
+
+
+def test_a_replaced_partial_held_by_a_suspended_sequence_still_moves_and_returns() -> None:
+    m, _ = manager(2, 3, 2)
+    holder = m.create_kv_cache([])
+    holder.commit([1, 2, 3])
+    holder.stop_committing()  # [3] joins the tree
+    holder.suspend()
+    run(m, [1, 2, 3, 4])  # extends [3]: it leaves the tree, the suspended holder keeps it
+    m.verify()
+    hog = m.create_kv_cache([])
+    hog.resize(6)  # everything else leaves the device
+    m.verify()
+    hog.close()
+    holder.resume()
+    assert len(holder.page_indices()) == 2
+    holder.close()
+    m.verify()
+    # [3, 4] was cached, not held: it made room for the suspended pages on the host
+    assert m.probe_reuse([1, 2, 3, 4, 5]) == 2
