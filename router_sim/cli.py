@@ -111,6 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--max-requests", type=int, help="stop after this many requests")
     run.add_argument("--speedup", type=float, default=1.0, help="divide arrival times by this")
+    run.add_argument(
+        "--spread-ms",
+        type=float,
+        default=0.0,
+        help="trace only: spread requests sharing a timestamp evenly over this many ms "
+        "(Mooncake timestamps come in ~3000 ms buckets)",
+    )
     run.add_argument("--max-batch-tokens", type=int, default=8192, help="step token budget")
     run.add_argument("--drop-rate", type=float, default=0.0, help="fraction of frames lost")
     run.add_argument(
@@ -129,8 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _requests(args: argparse.Namespace) -> tuple[list[Request], dict[str, Any]]:
     if args.trace is not None:
-        reqs = load_trace(args.trace, speedup=args.speedup, max_requests=args.max_requests)
-        return reqs, {"name": str(args.trace), "source": "trace", "requests": len(reqs)}
+        reqs = load_trace(
+            args.trace,
+            speedup=args.speedup,
+            max_requests=args.max_requests,
+            spread_ms=args.spread_ms,
+        )
+        info = {"name": str(args.trace), "source": "trace", "requests": len(reqs)}
+        return reqs, {**info, "spread_ms": args.spread_ms, "speedup": args.speedup}
     name = args.workload or "mixed"
     spec = SyntheticSpec()
     if args.max_requests is not None:

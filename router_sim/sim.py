@@ -264,7 +264,8 @@ class Simulation:
                 t = req.arrival_ms
                 self._restart_due(t)
                 self._advance(t)
-                decision = self.router.route(req.tokens(), req.scope, now_ms=t)
+                prompt = req.tokens()
+                decision = self.router.route(prompt, req.scope, now_ms=t)
                 hashes = decision.block_hashes
                 true = [w.true_overlap(hashes) for w in self.workers]
                 record = RequestRecord(
@@ -279,7 +280,7 @@ class Simulation:
                     decision_us=decision.decision_us,
                 )
                 records.append(record)
-                self.workers[decision.worker].enqueue(req, record, t)
+                self.workers[decision.worker].enqueue(req, record, t, prompt)
                 if progress is not None:
                     progress(i + 1, len(ordered))
             self._restart_due(math.inf)

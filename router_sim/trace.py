@@ -104,16 +104,36 @@ def iter_trace(
             yield _row(obj, f"{p}:{lineno}", tokens_per_hash_id)
 
 
+def _spread(rows: list[TraceRow], spread_ms: float) -> list[float]:
+    """Per row, an offset that spreads rows sharing a timestamp evenly over ``spread_ms``."""
+    if spread_ms <= 0:
+        return [0.0] * len(rows)
+    counts: dict[float, int] = {}
+    for r in rows:
+        counts[r.timestamp] = counts.get(r.timestamp, 0) + 1
+    seen: dict[float, int] = {}
+    out = []
+    for r in rows:
+        i = seen.get(r.timestamp, 0)
+        seen[r.timestamp] = i + 1
+        out.append(spread_ms * i / counts[r.timestamp])
+    return out
+
+
 def load_trace(
     path: str | Path,
     *,
     speedup: float = 1.0,
     max_requests: int | None = None,
     tokens_per_hash_id: int = TOKENS_PER_HASH_ID,
+    spread_ms: float = 0.0,
 ) -> list[Request]:
     """Requests of a trace, arrival times divided by ``speedup``, at most ``max_requests``.
 
-    Timestamps are made relative to the earliest one; a request with ``output_length`` 0 is given
+    ``spread_ms`` > 0 de-quantizes a trace whose timestamps come in buckets (the Mooncake
+    traces group requests about 3 s apart): the rows sharing a timestamp arrive evenly spaced
+    over ``spread_ms`` from it, in file order (no randomness). Timestamps are made relative to
+    the earliest one; a request with ``output_length`` 0 is given
     one output token (a request always produces its first token).
     """
     if speedup <= 0:
@@ -126,10 +146,11 @@ def load_trace(
             break
         rows.append(row)
     t0 = min((r.timestamp for r in rows), default=0.0)
+    offsets = _spread(rows, spread_ms)
     out = [
         Request(
             request_id=i,
-            arrival_ms=(row.timestamp - t0) / speedup,
+            arrival_ms=(row.timestamp - t0 + offsets[i]) / speedup,
             input_length=row.input_length,
             output_length=max(1, row.output_length),
             hash_ids=row.hash_ids,

@@ -289,7 +289,9 @@ class SimWorker:
         decode_blocks = 0
         tpb = self.config.tokens_per_block
         for s in self.waiting:
-            pending += s.req.input_length + s.generated - s.computed
+            # the prefix the worker held when the request was routed will not be recomputed
+            cached = 0 if s.admitted_once else s.record.chosen_overlap_tokens
+            pending += max(0, s.req.input_length + s.generated - s.computed - cached)
         for s in self.running:
             if s.decoding:
                 decode_blocks += -(-(s.req.input_length + s.generated) // tpb)
@@ -308,11 +310,20 @@ class SimWorker:
 
     # --------------------------------------------------------------------- requests
 
-    def enqueue(self, req: Request, record: RequestRecord, now_ms: float) -> None:
-        """A routed request arrives at ``now_ms``."""
+    def enqueue(
+        self,
+        req: Request,
+        record: RequestRecord,
+        now_ms: float,
+        prompt: array[int] | None = None,
+    ) -> None:
+        """A routed request arrives at ``now_ms`` (``prompt``: its tokens, if already built)."""
         if self.idle:
             self.clock_ms = max(self.clock_ms, now_ms)
-        self.waiting.append(_Seq(req, record, self._order))
+        seq = _Seq(req, record, self._order)
+        if prompt is not None:
+            seq.full = prompt + req.output_tokens()
+        self.waiting.append(seq)
         self._order += 1
 
     def _admit(self, s: _Seq) -> bool:

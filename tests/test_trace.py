@@ -53,6 +53,19 @@ def test_speedup_and_request_limit(tmp_path: Path) -> None:
         load_trace(path, speedup=0)
 
 
+def test_spread_evens_out_requests_that_share_a_timestamp(tmp_path: Path) -> None:
+    path = _write(tmp_path / "t.jsonl", ROWS)
+    reqs = load_trace(path, spread_ms=300.0)
+    # rows 1 and 2 share timestamp 1000 (500 after the earliest): 0 and 150 ms into the bucket
+    assert [(r.arrival_ms, r.input_length) for r in reqs] == [
+        (0.0, 100),
+        (500.0, 600),
+        (650.0, 1024),
+    ]
+    fast = load_trace(path, spread_ms=300.0, speedup=2.0)
+    assert [r.arrival_ms for r in fast] == [0.0, 250.0, 325.0]
+
+
 @pytest.mark.parametrize(
     ("line", "message"),
     [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from array import array
 
 import pytest
@@ -63,7 +64,7 @@ def test_a_sessions_next_turn_extends_prompt_and_answer_after_think_time() -> No
         by_session.setdefault(r.session_id, []).append(r)
     followed = 0
     for turns in by_session.values():
-        for prev, nxt in zip(turns, turns[1:], strict=False):
+        for prev, nxt in itertools.pairwise(turns):
             history = prev.tokens() + prev.output_tokens()
             assert nxt.tokens()[: len(history)] == history
             assert len(nxt.tokens()) > len(history)
