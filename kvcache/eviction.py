@@ -6,6 +6,12 @@ candidates: a block with an unpinned child on the same tier is not offered until
 has left the tier, so a chain is evicted from its end, and an inner block never leaves a tier
 before its descendants there. The manager pushes a block when it becomes a candidate and bumps
 ``block.gen`` whenever its state changes, which turns older heap entries stale (lazy deletion).
+
+Each tier has two queues: cached blocks, and pages of suspended sequences. The victim is the
+first of the two heads in the order above, except that a suspended page is taken only when the
+slower tiers can take it in (it is never dropped); otherwise the cached head goes. The victim
+moves one tier down when that tier has a free page or can make one (recursively), else it is
+dropped with its subtree.
 """
 
 from __future__ import annotations
