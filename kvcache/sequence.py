@@ -187,6 +187,7 @@ class KVCache:
         node = self._node(first)
         key: bytes = node.key
         stored: list[Block] = []
+        inserted = 0
         for i in range(first, last):
             off = (i - first) * step
             key = sha256(key + data[off : off + step]).digest()
@@ -226,8 +227,9 @@ class KVCache:
                 if node.tier == 0:
                     node.here += 1  # type: ignore[union-attr]
             stored.append(b)
+            inserted += 1
             node = b
-        mgr._tree.num_blocks += len(stored)
+        mgr._tree.num_blocks += inserted
         mgr._emit_stored(stored)
 
     def stop_committing(self) -> None:

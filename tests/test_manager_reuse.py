@@ -168,3 +168,27 @@ def test_resize_reserves_pages_and_stop_gives_the_spare_ones_back() -> None:
     assert m.stats.tiers["device"].used == 2
     seq.close()
     assert m.kv_usage() == 0.0 and m.num_available_pages() == 8
+
+
+def test_one_commit_that_replaces_a_partial_midway_announces_in_order() -> None:
+    m, sink = manager(2, 8)
+    run(m, [1, 2, 3], stop=True)  # partial [3] under [1, 2]
+    sink.clear()
+    seq = m.create_kv_cache([])
+    seq.commit([1, 2, 3, 4, 5, 6])  # [1, 2] is cached; [3, 4] replaces [3]; [5, 6] is new
+    assert seen(sink) == [
+        ("removed", [[3]], [0]),
+        ("stored", [[3, 4], [5, 6]], [0, 0]),
+    ]
+    seq.close()
+    sink.clear()
+    other = m.create_kv_cache([])
+    other.commit([7, 8, 9])
+    other.stop_committing()
+    other.close()
+    seq = m.create_kv_cache([])
+    seq.commit([7, 8, 9, 1, 2, 3])  # [7, 8] is cached; [9, 1] replaces [9]; [2, 3] is new
+    assert [r.kind for r in sink.records] == ["stored", "stored", "removed", "stored"]
+    seq.close()
+    assert m.num_cached_blocks == 6
+    m.verify()
