@@ -1,0 +1,263 @@
+"""Event path end to end: event manager -> encode -> ZeroMQ -> decode, in blocks per second.
+
+Real tree blocks come from a KVCacheManager (metadata-only pools) that commits distinct
+4,096-token prompts (32 tokens per block) once, outside the timing. The timed run replays
+them as an engine loop does, one iteration per prompt: ``KVCacheEventManager.on_stored`` +
+``flush`` + ``get_latest_events`` + ``ZmqEventPublisher.publish`` on the publishing thread;
+the publisher encodes and sends on its own thread; a ``ZmqEventSubscriber`` polls and decodes.
+
+* throughput: stored blocks delivered (decoded) per second, from the first publish to the
+  delivery of the last batch;
+* publishing-thread cost: CPU time of the publishing thread (``time.thread_time``) spent in
+  the manager calls and ``publish``, per block (what an engine step pays).
+
+Three set-ups from one run, printed side by side: inproc (one process), tcp loopback (one
+process) and tcp loopback with the subscriber in its own process (the router's usual place).
+
+    python scripts/bench_event_path.py [--prompts N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import zmq
+
+from events.codec import decode_batch, encode_batch
+from events.manager import KVCacheEventManager
+from events.model import Stored
+from events.publisher import ZmqEventPublisher
+from events.subscriber import BatchDelivery, ResyncRequired, ZmqEventSubscriber
+from kvcache.config import KVCacheManagerConfig, TierConfig
+from kvcache.manager import KVCacheManager
+from kvcache.sink import BlockView
+
+TOKENS_PER_BLOCK = 32
+PROMPT_TOKENS = 4096
+DEADLINE_S = 120.0
+LEGEND = """\
+blocks/s: wall clock, first publish to last delivery (shares the machine's cores)
+pub us/blk: publishing-thread CPU per block (event manager + publish)
+publish(): CPU of the publish call alone, per block
+cpu us/blk: CPU of all the process's threads (manager, encode, ZeroMQ, decode)"""
+
+
+class KeepBlocks:
+    """A sink that keeps the blocks of each on_stored call."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[BlockView]] = []
+
+    def on_stored(self, blocks: Sequence[BlockView]) -> None:
+        self.calls.append(list(blocks))
+
+    def on_removed(self, blocks: Sequence[BlockView]) -> None:
+        pass
+
+    def on_moved(self, blocks: Sequence[BlockView], old_tier: int, new_tier: int) -> None:
+        pass
+
+    def on_cleared(self) -> None:
+        pass
+
+
+def tree_blocks(prompts: int) -> tuple[KVCacheManager, list[list[BlockView]]]:
+    """Commit ``prompts`` distinct prompts; return the cache (it owns the blocks) and the
+    blocks of each iteration."""
+    sink = KeepBlocks()
+    config = KVCacheManagerConfig(
+        tokens_per_block=TOKENS_PER_BLOCK,
+        tiers=[TierConfig(name="device", num_blocks=prompts * PROMPT_TOKENS // 32 + 1)],
+    )
+    cache = KVCacheManager(config, event_sink=sink)
+    for p in range(prompts):
+        prompt = [p * PROMPT_TOKENS + i for i in range(PROMPT_TOKENS)]
+        with cache.create_kv_cache(prompt) as seq:
+            seq.commit(prompt)
+    return cache, sink.calls
+
+
+@dataclass(slots=True)
+class Result:
+    blocks: int
+    seconds: float
+    publish_cpu_s: float
+    publish_only_cpu_s: float
+    dropped: int
+    resyncs: int
+    process_cpu_s: float | None = None  # all threads of the process, one-process set-ups
+
+    @property
+    def blocks_per_s(self) -> float:
+        return self.blocks / self.seconds
+
+    @property
+    def us_per_block(self) -> float:
+        return self.publish_cpu_s / self.blocks * 1e6
+
+    @property
+    def publish_us_per_block(self) -> float:
+        return self.publish_only_cpu_s / self.blocks * 1e6
+
+
+def consume(
+    sub: ZmqEventSubscriber, last_seq: int, started: threading.Event | None = None
+) -> tuple[int, int, float]:
+    """Poll until ``last_seq`` is delivered: (stored blocks, resyncs, monotonic end time)."""
+    blocks = resyncs = 0
+    if started is not None:
+        started.set()
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline:
+        for m in sub.poll(100):
+            if isinstance(m, ResyncRequired):
+                resyncs += 1
+                continue
+            assert isinstance(m, BatchDelivery)
+            for e in m.batch.events:
+                if isinstance(e.data, Stored):
+                    blocks += len(e.data.blocks)
+            if m.seq == last_seq:
+                return blocks, resyncs, time.monotonic()
+    raise TimeoutError(f"seq {last_seq} not delivered within {DEADLINE_S} s")
+
+
+def produce(
+    pub: ZmqEventPublisher, calls: list[list[BlockView]]
+) -> tuple[float, float, float, int]:
+    """The engine loop: (start time, manager+publish CPU s, publish-only CPU s, last seq)."""
+    mgr = KVCacheEventManager(max_entries=1 << 20)
+    cpu = cpu_publish = 0.0
+    seq = -1
+    start = time.monotonic()
+    for blocks in calls:
+        t0 = time.thread_time()
+        mgr.on_stored(blocks)
+        mgr.flush()
+        events = mgr.get_latest_events()
+        t1 = time.thread_time()
+        seq = pub.publish(events)
+        t2 = time.thread_time()
+        cpu += t2 - t0
+        cpu_publish += t2 - t1
+    return start, cpu, cpu_publish, seq
+
+
+def run_in_process(transport: str, calls: list[list[BlockView]]) -> Result:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    live = "inproc://bench" if transport == "inproc" else "tcp://127.0.0.1:*"
+    replay = "inproc://bench-replay" if transport == "inproc" else "tcp://127.0.0.1:*"
+    pub = ZmqEventPublisher(live, replay, context=ctx, max_queue=1 << 20, hwm=1 << 20)
+    sub = ZmqEventSubscriber(context=ctx, rcvhwm=1 << 20)
+    sub.add_worker(0, pub.endpoint, pub.replay_endpoint)
+    if not pub.wait_for_subscribers(1, 5):
+        raise RuntimeError("subscriber did not connect")
+    out: list[tuple[int, int, float]] = []
+    # the consumer must know the last seq up front: one batch per iteration, from seq 0
+    consumer = threading.Thread(target=lambda: out.append(consume(sub, len(calls) - 1)))
+    consumer.start()
+    cpu0 = time.process_time()
+    start, cpu, cpu_pub, _ = produce(pub, calls)
+    consumer.join(DEADLINE_S)
+    process_cpu = time.process_time() - cpu0
+    blocks, resyncs, end = out[0]
+    dropped = pub.stats.dropped_batches
+    sub.close()
+    pub.close()
+    ctx.term()
+    return Result(blocks, end - start, cpu, cpu_pub, dropped, resyncs, process_cpu)
+
+
+def _child(endpoint: str, replay: str, last_seq: int, conn: object) -> None:
+    sub = ZmqEventSubscriber(rcvhwm=1 << 20)
+    sub.add_worker(0, endpoint, replay)
+    conn.send("ready")  # type: ignore[attr-defined]
+    # poll while the parent waits for the subscription: ZeroMQ completes it on socket use
+    blocks, resyncs, end = consume(sub, last_seq)
+    conn.send((blocks, resyncs, end))  # type: ignore[attr-defined]
+    sub.close()
+
+
+def run_subscriber_process(calls: list[list[BlockView]]) -> Result:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    pub = ZmqEventPublisher(
+        "tcp://127.0.0.1:*", "tcp://127.0.0.1:*", context=ctx, max_queue=1 << 20, hwm=1 << 20
+    )
+    parent, child = mp.Pipe()
+    proc = mp.get_context("fork").Process(
+        target=_child, args=(pub.endpoint, pub.replay_endpoint, len(calls) - 1, child)
+    )
+    proc.start()
+    if parent.recv() != "ready" or not pub.wait_for_subscribers(1, 10):
+        raise RuntimeError("subscriber process did not connect")
+    start, cpu, cpu_pub, _ = produce(pub, calls)
+    if not parent.poll(DEADLINE_S):
+        raise TimeoutError("subscriber process did not finish")
+    blocks, resyncs, end = parent.recv()  # CLOCK_MONOTONIC is shared by both processes
+    proc.join(DEADLINE_S)
+    dropped = pub.stats.dropped_batches
+    pub.close()
+    ctx.term()
+    return Result(blocks, end - start, cpu, cpu_pub, dropped, resyncs)
+
+
+def component_costs(calls: list[list[BlockView]]) -> dict[str, float]:
+    """CPU seconds per block of each step alone (thread CPU time, so other load on the machine
+    does not inflate it), best of 3, in this run."""
+    best = {"event manager": 1e9, "encode_batch": 1e9, "decode_batch": 1e9}
+    total = sum(len(c) for c in calls)
+    for _ in range(3):
+        mgr = KVCacheEventManager(max_entries=1 << 20)
+        t0 = time.thread_time()
+        batches = []
+        for blocks in calls:
+            mgr.on_stored(blocks)
+            mgr.flush()
+            batches.append(mgr.get_latest_events())
+        t1 = time.thread_time()
+        payloads = [encode_batch(events, 0.0, 0) for events in batches]
+        t2 = time.thread_time()
+        for payload in payloads:
+            decode_batch(payload)
+        t3 = time.thread_time()
+        for name, sec in zip(best, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+            best[name] = min(best[name], sec / total)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=400)
+    args = parser.parse_args()
+    cache, calls = tree_blocks(args.prompts)
+    total = sum(len(c) for c in calls)
+    print(f"{total} blocks of {TOKENS_PER_BLOCK} tokens in {len(calls)} batches "
+          f"({len(calls[0])} blocks per batch)")  # fmt: skip
+    costs = component_costs(calls)
+    print(f"{'step alone (same run, best of 3)':<34}{'us/block':>11}")
+    for name, sec in costs.items():
+        print(f"{name:<34}{sec * 1e6:>11.2f}")
+    serial = sum(costs.values())
+    print(f"{'sum: one-core bound':<34}{serial * 1e6:>11.2f}   = {1 / serial:,.0f} blocks/s")
+    results = {
+        "inproc, 1 process": run_in_process("inproc", calls),
+        "tcp loopback, 1 process": run_in_process("tcp", calls),
+        "tcp loopback, subscriber process": run_subscriber_process(calls),
+    }
+    print(f"{'set-up':<34}{'blocks/s':>11}{'pub us/blk':>12}{'publish()':>11}"
+          f"{'cpu us/blk':>12}{'dropped':>9}{'resyncs':>9}")  # fmt: skip
+    for name, r in results.items():
+        cpu = "-" if r.process_cpu_s is None else f"{r.process_cpu_s / r.blocks * 1e6:.2f}"
+        print(f"{name:<34}{r.blocks_per_s:>11,.0f}{r.us_per_block:>12.2f}"
+              f"{r.publish_us_per_block:>11.3f}{cpu:>12}{r.dropped:>9}{r.resyncs:>9}")  # fmt: skip
+    print(LEGEND)
+    del cache
+
+
+if __name__ == "__main__":
+    main()
