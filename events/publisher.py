@@ -191,7 +191,8 @@ class ZmqEventPublisher:
         the queue is full the batch is dropped (``stats.dropped_batches``) and its seq is still
         consumed, so subscribers see the loss.
         """
-        return self._enqueue(events, time.time() if ts is None else ts)
+        # a copy of the list: the caller may reuse its own while the batch waits in the queue
+        return self._enqueue(list(events), time.time() if ts is None else ts)
 
     def publish_payload(self, payload: bytes) -> int:
         """Queue an already encoded payload (WIRE.md 4 envelope) and return its seq."""

@@ -124,6 +124,7 @@ class _Worker:
     heap: list[int] = field(default_factory=list)  # seqs of ``pending``, min first
     replay_deadline: float | None = None  # set while a replay is in flight
     replay_progress: bool = False
+    abandoned: int = 0  # given-up requests whose replies a bound DEALER must still skip
     digests: dict[int, int] = field(default_factory=dict)
     digest_order: deque[int] = field(default_factory=deque)
     received: int = 0
@@ -400,7 +401,7 @@ class ZmqEventSubscriber:
         w.restarts += 1
         self._resync(w, f"publisher restarted: seq {seq} arrived after seq {w.last_seq}", out)
         if w.replay_deadline is not None:
-            self._replace_dealer(w)  # replies of the old stream must not be read as the new
+            self._abandon_replay(w)  # replies of the old stream must not be read as the new
         w.replay_deadline = None
         w.pending.clear()
         w.heap.clear()
@@ -446,6 +447,10 @@ class ZmqEventSubscriber:
         w.replay_progress = False
 
     def _on_replay(self, w: _Worker, frames: list[bytes], out: list[SubscriberMessage]) -> None:
+        if w.abandoned:
+            if len(frames) == 4 and frames[2] == _END_SEQ:
+                w.abandoned -= 1
+            return
         if w.replay_deadline is None or w.next_seq is None:
             return  # nothing asked: a late reply to a request already given up
         # the timeout measures silence, so a long replay that keeps streaming is not cut off
@@ -494,7 +499,7 @@ class ZmqEventSubscriber:
         for w in list(self._workers.values()):
             if w.replay_deadline is not None and now >= w.replay_deadline:
                 w.replay_deadline = None
-                self._replace_dealer(w)
+                self._abandon_replay(w)
                 ms = round(self._replay_timeout_s * 1000)
                 self._advance(w, out, allow_replay=False, why=f"replay endpoint silent for {ms} ms")
 
@@ -547,20 +552,20 @@ class ZmqEventSubscriber:
             raise
         return dealer
 
-    def _replace_dealer(self, w: _Worker) -> None:
-        """A fresh DEALER (new identity): replies to an abandoned request go nowhere."""
+    def _abandon_replay(self, w: _Worker) -> None:
+        """Make sure replies to the request in flight are never read as replies to a later one.
+
+        A connecting DEALER is replaced (a new identity: the publisher's late replies go
+        nowhere). A bound one cannot be (its address is released asynchronously), so the
+        replies of abandoned requests are skipped up to their end markers instead.
+        """
         if w.dealer is None:
+            return
+        if w.bind:
+            w.abandoned += 1
             return
         self._unregister(w.dealer)
         w.dealer.close(linger=0)
-        w.dealer = None
-        if w.bind:
-            # a bound endpoint is only released asynchronously; keep the worker without replay
-            # rather than fail the rebind
-            log.warning(
-                "worker %d: replay disabled after a failed replay (bound endpoint)", w.worker
-            )
-            return
         w.dealer = self._new_dealer(w)
         self._register(w.dealer, w, "replay")
 

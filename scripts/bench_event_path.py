@@ -12,7 +12,9 @@ the publisher encodes and sends on its own thread; a ``ZmqEventSubscriber`` poll
   the manager calls and ``publish``, per block (what an engine step pays).
 
 Three set-ups from one run, printed side by side: inproc (one process), tcp loopback (one
-process) and tcp loopback with the subscriber in its own process (the router's usual place).
+process) and tcp loopback with the subscriber in its own process (the router's usual place),
+with the cache's long-lived objects frozen out of the cyclic garbage collector (``gc.freeze()``,
+as a server does after start-up), plus inproc without the freeze for comparison.
 
     python scripts/bench_event_path.py [--prompts N]
 """
@@ -20,6 +22,7 @@ process) and tcp loopback with the subscriber in its own process (the router's u
 from __future__ import annotations
 
 import argparse
+import gc
 import multiprocessing as mp
 import threading
 import time
@@ -238,6 +241,10 @@ def main() -> None:
     total = sum(len(c) for c in calls)
     print(f"{total} blocks of {TOKENS_PER_BLOCK} tokens in {len(calls)} batches "
           f"({len(calls[0])} blocks per batch)")  # fmt: skip
+    unfrozen = run_in_process("inproc", calls)
+    # The tree's blocks are long-lived objects; a server freezes them out of the cyclic
+    # collector after start-up so that collections do not keep traversing them.
+    gc.freeze()
     costs = component_costs(calls)
     print(f"{'step alone (same run, best of 3)':<34}{'us/block':>11}")
     for name, sec in costs.items():
@@ -248,6 +255,7 @@ def main() -> None:
         "inproc, 1 process": run_in_process("inproc", calls),
         "tcp loopback, 1 process": run_in_process("tcp", calls),
         "tcp loopback, subscriber process": run_subscriber_process(calls),
+        "inproc, 1 process, gc not frozen": unfrozen,
     }
     print(f"{'set-up':<34}{'blocks/s':>11}{'pub us/blk':>12}{'publish()':>11}"
           f"{'cpu us/blk':>12}{'dropped':>9}{'resyncs':>9}")  # fmt: skip

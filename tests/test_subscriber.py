@@ -9,9 +9,12 @@ from collections.abc import Iterator
 import pytest
 import zmq
 from zmq_helpers import (
+    END,
+    SEQ,
     FakePublisher,
     StateModel,
     cleared,
+    free_tcp_port,
     payload,
     poll_until,
     removed,
@@ -283,3 +286,55 @@ def test_restart_seen_at_seq_zero_needs_no_replay(
     poll_until(sub, model, lambda: len(_seqs(model, 0)) == 3)
     assert model.blocks[0] == {9}
     assert sub.status(0).restarts == 1 and sub.status(0).state == "ok"
+
+
+def test_subscriber_binds_when_the_publisher_connects(ctx: Ctx) -> None:
+    live, replay = f"tcp://127.0.0.1:{free_tcp_port()}", f"tcp://127.0.0.1:{free_tcp_port()}"
+    model = StateModel()
+    with ZmqEventSubscriber(context=ctx, replay_timeout_ms=150) as sub:
+        sub.add_worker(0, live, replay, bind=True)
+        # tcp://127.0.0.1:PORT is connect mode for the publisher (WIRE.md 4)
+        with ZmqEventPublisher(live, replay, context=ctx, drop_live=lambda s: s == 1) as pub:
+            assert pub.endpoint == live
+            poll_until(sub, model, lambda: pub.stats.subscribers == 1)
+            for i in range(3):
+                pub.publish([stored(i, 10 + i)])
+            poll_until(sub, model, lambda: _seqs(model, 0) == [0, 1, 2])
+            assert model.blocks[0] == {10, 11, 12} and sub.status(0).replayed >= 1
+
+
+def test_bound_dealer_skips_replies_to_an_abandoned_request(ctx: Ctx) -> None:
+    live = f"tcp://127.0.0.1:{free_tcp_port()}"
+    replay = f"tcp://127.0.0.1:{free_tcp_port()}"
+    model = StateModel()
+    pub = ctx.socket(zmq.XPUB)
+    router = ctx.socket(zmq.ROUTER)
+    with ZmqEventSubscriber(context=ctx, replay_timeout_ms=100) as sub:
+        try:
+            sub.add_worker(0, live, replay, bind=True)
+            pub.connect(live)
+            router.connect(replay)
+            poll_until(sub, model, lambda: bool(pub.poll(0)))
+            pub.recv()
+            body = [payload([stored(i, 10 + i)], ts=i) for i in range(5)]
+            for seq in (0, 2):  # 1 is missing: a replay request that nobody answers in time
+                pub.send_multipart([b"", SEQ.pack(seq), body[seq]])
+            poll_until(sub, model, lambda: bool(model.resyncs.get(0)))
+            assert "silent" in model.resyncs[0][0]
+            ident, _, start = router.recv_multipart()
+            assert SEQ.unpack(start)[0] == 1
+            # the late answer (claiming seq 3) must not be taken for the next request's reply
+            router.send_multipart([ident, b"", b"", SEQ.pack(3), payload([stored(3, 666)])])
+            router.send_multipart([ident, b"", b"", END, b""])
+            pub.send_multipart([b"", SEQ.pack(4), body[4]])  # 3 is missing: a new request
+            poll_until(sub, model, lambda: bool(router.poll(0)))
+            ident, _, start = router.recv_multipart()
+            assert SEQ.unpack(start)[0] == 3
+            router.send_multipart([ident, b"", b"", SEQ.pack(3), body[3]])
+            router.send_multipart([ident, b"", b"", END, b""])
+            poll_until(sub, model, lambda: _seqs(model, 0)[-1:] == [4])
+            assert _seqs(model, 0) == [0, 2, 3, 4]
+            assert model.blocks[0] == {12, 13, 14}  # 666 never applied
+        finally:
+            pub.close(linger=0)
+            router.close(linger=0)

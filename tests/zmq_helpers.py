@@ -155,3 +155,14 @@ class FakePublisher:
     def close(self) -> None:
         self.pub.close(linger=0)
         self.router.close(linger=0)
+
+
+def free_tcp_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on right now (for a peer that must connect to
+    a fixed address; another process could take it in between, which tests accept)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
