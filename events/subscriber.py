@@ -18,14 +18,20 @@ drops everything it knows about that worker; deliveries after it rebuild what th
   ``replay_timeout_ms``, or there is no replay endpoint -> ``ResyncRequired``, then the stream
   continues from the first seq still available.
 * **publisher restart**: a seq below the next one whose payload differs from the one received
-  under that seq (or that is 0, or older than the remembered window) -> ``ResyncRequired``
-  ("publisher restarted") and the new stream is replayed from seq 0. A duplicate carries the
-  same bytes as the original, so it is never mistaken for a restart. A restart whose first
-  frame seen is already past the old next seq cannot be told from a gap on this wire (it has
-  no incarnation id); the replay then fills the gap from the new publisher's ring.
+  under that seq (when that seq was never received: a seq of 0, or one older than the last
+  ``DIGEST_WINDOW`` seqs) -> ``ResyncRequired`` ("publisher restarted") and the new stream is
+  replayed from seq 0. A duplicate carries the same bytes as the original, so it is never
+  mistaken for a restart. A restart whose first frame seen is already past the old next seq
+  cannot be told from a gap on this wire (it has no incarnation id): it is replayed as a gap,
+  from the new publisher's ring. A publisher that starts with ``AllBlocksCleared`` as its first
+  batch makes every subscriber exact again whatever it detected.
 * **new subscriber**: a worker whose first live seq is above 0 replays from seq 0.
 * an undecodable payload counts as ``decode_errors`` and as a lost batch: a live one is
   replayed, a replayed one is unrecoverable.
+
+Call ``poll()`` regularly: replay deadlines are checked there, and ZeroMQ completes a SUB's
+resubscription after a reconnect only while the socket is being used. The subscriber is not
+thread-safe: use it from one thread.
 
 State: a worker is ``"ok"`` when its delivered history is provably complete: every batch since
 seq 0 of the current publisher, or since a delivered ``AllBlocksCleared`` (the publisher's state
@@ -442,7 +448,11 @@ class ZmqEventSubscriber:
 
     def _request_replay(self, w: _Worker) -> None:
         assert w.dealer is not None and w.next_seq is not None
-        w.dealer.send_multipart((b"", _SEQ.pack(w.next_seq)), zmq.NOBLOCK)
+        try:
+            w.dealer.send_multipart((b"", _SEQ.pack(w.next_seq)), zmq.NOBLOCK)
+        except zmq.Again:
+            # a bound DEALER with no publisher connected: the request times out like a silent one
+            log.warning("worker %d: replay request not sent: no replay peer", w.worker)
         w.replay_deadline = time.monotonic() + self._replay_timeout_s
         w.replay_progress = False
 
