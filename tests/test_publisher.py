@@ -15,6 +15,7 @@ from zmq_helpers import END, SEQ, removed, stored, tcp_any, wait_until, zmq_cont
 from events.codec import decode_batch, encode_batch
 from events.publisher import PublisherError, ZmqEventPublisher
 
+pytestmark = pytest.mark.timeout(60)
 Ctx = zmq.Context[zmq.Socket[bytes]]
 #: [2.0, [], None] packed by hand: publish_payload must pass bytes through untouched
 RAW = b"\x93\xcb@\x00\x00\x00\x00\x00\x00\x00\x90\xc0"

@@ -29,6 +29,7 @@ from events.subscriber import (
     ZmqEventSubscriber,
 )
 
+pytestmark = pytest.mark.timeout(60)
 Ctx = zmq.Context[zmq.Socket[bytes]]
 
 

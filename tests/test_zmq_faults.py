@@ -30,6 +30,7 @@ from events.subscriber import ResyncRequired, ZmqEventSubscriber
 
 Ctx = zmq.Context[zmq.Socket[bytes]]
 W = 0  # the worker id used throughout
+pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
@@ -40,7 +41,8 @@ def ctx() -> Iterator[Ctx]:
 class Workload:
     """Random batches of stores and removals; remembers each seq's events and the truth."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, worker: int = W) -> None:
+        self.worker = worker
         self.rng = random.Random(seed)
         self.truth = StateModel()
         self.by_seq: dict[int, list[KVCacheEvent]] = {}
@@ -48,7 +50,7 @@ class Workload:
         self.event_id = 0
 
     def batch(self) -> list[KVCacheEvent]:
-        held = sorted(self.truth.blocks.get(W, set()), key=str)
+        held = sorted(self.truth.blocks.get(self.worker, set()), key=str)
         events: list[KVCacheEvent] = []
         if held and self.rng.random() < 0.4:
             gone = self.rng.sample(held, k=min(len(held), self.rng.randint(1, 3)))
@@ -62,7 +64,7 @@ class Workload:
         events = self.batch() if events is None else events
         seq = pub.publish(events)
         self.by_seq[seq] = events
-        self.truth.apply_events(W, events)
+        self.truth.apply_events(self.worker, events)
         return seq
 
     def since_last_resync(self, model: StateModel) -> set[int | str]:
@@ -306,3 +308,49 @@ def test_publisher_restart_is_detected_and_replayed(
             assert sub.status(W).state == "ok"  # replayed from seq 0 of the new publisher
         finally:
             pub.close()
+
+
+def _soak(ctx: Ctx, batches: int, seed: int) -> None:
+    """Random live loss (seeded) over tcp with several workers; the views must end exact."""
+    rng = random.Random(seed)
+    lost = {w: {s for s in range(batches) if rng.random() < 0.05} for w in range(3)}
+    works = {w: Workload(seed * 10 + w, worker=w) for w in range(3)}
+    model = TrackingModel()
+    pubs = {
+        w: ZmqEventPublisher(
+            tcp_any(), tcp_any(), context=ctx, drop_live=lambda s, w=w: s in lost[w]
+        )
+        for w in range(3)
+    }
+    try:
+        with ZmqEventSubscriber(context=ctx) as sub:
+            for w, pub in pubs.items():
+                sub.add_worker(w, pub.endpoint, pub.replay_endpoint)
+                assert pub.wait_for_subscribers(1, DEADLINE_S)
+            last = 0
+            for i in range(batches):
+                for w, pub in pubs.items():
+                    last = works[w].publish(pub)
+                if i % 7 == 0:
+                    model.apply(sub.poll(0))
+            for pub in pubs.values():  # a final batch exposes any tail loss
+                last = pub.publish([])
+            poll_until(
+                sub, model, lambda: all(model.seqs.get(w, [-1])[-1] == last for w in pubs), 30
+            )
+            for w in pubs:
+                assert model.seqs[w] == list(range(last + 1))
+                assert model.blocks[w] == works[w].truth.blocks[w]
+                assert sub.status(w).state == "ok" and sub.status(w).resyncs == 0
+    finally:
+        for pub in pubs.values():
+            pub.close()
+
+
+def test_random_loss_across_workers(ctx: Ctx) -> None:
+    _soak(ctx, batches=150, seed=11)
+
+
+@pytest.mark.slow
+def test_random_loss_across_workers_soak(ctx: Ctx) -> None:
+    _soak(ctx, batches=5000, seed=12)
