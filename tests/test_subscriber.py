@@ -23,6 +23,7 @@ from zmq_helpers import (
     zmq_context,
 )
 
+from events.codec import DecodeLimits
 from events.publisher import ZmqEventPublisher
 from events.subscriber import (
     SubscriberError,
@@ -339,3 +340,31 @@ def test_bound_dealer_skips_replies_to_an_abandoned_request(ctx: Ctx) -> None:
         finally:
             pub.close(linger=0)
             router.close(linger=0)
+
+
+def test_wait_connected_is_false_until_a_publisher_listens(ctx: Ctx) -> None:
+    port = free_tcp_port()
+    with ZmqEventSubscriber(context=ctx) as sub:
+        sub.add_worker(0, f"tcp://127.0.0.1:{port}")
+        assert sub.wait_connected(0.2) is False
+        assert sub.status(0).connected is False
+        with ZmqEventPublisher(f"tcp://127.0.0.1:{port}", context=ctx, bind=True):
+            assert sub.wait_connected(5)
+            assert sub.status(0).connected
+
+
+def test_decode_limits_apply_to_live_and_replayed_batches(ctx: Ctx, fake: FakePublisher) -> None:
+    model = StateModel()
+    with ZmqEventSubscriber(context=ctx, limits=DecodeLimits(max_events=1)) as sub:
+        sub.add_worker(0, fake.endpoint, fake.replay_endpoint)
+        fake.wait_subscribed()
+        too_big = payload([stored(0, 1), stored(1, 2)])
+        fake.send(0, too_big)
+        poll_until(sub, model, lambda: sub.status(0).replaying)
+        ident, start = fake.next_request()
+        assert start == 0
+        fake.answer(ident, [(0, too_big)])
+        fake.send(1, payload([stored(2, 3)]))
+        poll_until(sub, model, lambda: _seqs(model, 0) == [1])
+        assert "DecodeLimits.max_events" in model.resyncs[0][0]
+        assert sub.status(0).decode_errors == 2
