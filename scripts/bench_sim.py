@@ -5,13 +5,15 @@ quality figures (hit rate and its ratio to the compulsory-miss bound, TTFT p50/p
 max/mean), all from one invocation. Not part of the test suite.
 
     python scripts/bench_sim.py                                   # kv_overlap, 8 workers
-    python scripts/bench_sim.py --policies round_robin,random,kv_overlap,predicted_ttft
+    python scripts/bench_sim.py --policies round_robin random kv_overlap predicted_ttft
+    python scripts/bench_sim.py --policies 'kv_overlap:{"overlap_weight": 4}' --spread-ms 3000
     python scripts/bench_sim.py --device-blocks 65536,4096 --tokens-per-block 512,128
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 from router_sim.bound import compulsory_bound
@@ -22,7 +24,10 @@ from router_sim.trace import load_trace
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", default="mooncake")
-    parser.add_argument("--policies", default="kv_overlap")
+    parser.add_argument(
+        "--policies", nargs="+", default=["kv_overlap"], help="NAME or NAME:{json options}"
+    )
+    parser.add_argument("--spread-ms", type=float, default=0.0)
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--tokens-per-block", default="512")
     parser.add_argument("--device-blocks", default="65536")
@@ -30,10 +35,13 @@ def main() -> None:
     args = parser.parse_args()
 
     t0 = time.perf_counter()
-    requests = load_trace(args.trace, max_requests=args.max_requests)
-    print(f"loaded {len(requests)} requests in {time.perf_counter() - t0:.2f} s")
+    requests = load_trace(args.trace, max_requests=args.max_requests, spread_ms=args.spread_ms)
+    print(
+        f"loaded {len(requests)} requests in {time.perf_counter() - t0:.2f} s "
+        f"(spread {args.spread_ms:g} ms, {args.workers} workers)"
+    )
     header = (
-        f"{'policy':<15}{'tpb':>5}{'dev blocks':>11}{'wall s':>8}{'hit %':>7}{'of bound':>9}"
+        f"{'policy':<34}{'tpb':>5}{'dev blocks':>11}{'wall s':>8}{'hit %':>7}{'of bound':>9}"
         f"{'TTFT p50':>9}{'p99':>8}{'max/mean':>9}{'busy m/m':>9}{'given up':>9}"
     )
     for tpb in (int(x) for x in args.tokens_per_block.split(",")):
@@ -45,14 +53,20 @@ def main() -> None:
         )
         print(header)
         for blocks in (int(x) for x in args.device_blocks.split(",")):
-            for policy in args.policies.split(","):
-                config = SimConfig(workers=args.workers, tokens_per_block=tpb, device_blocks=blocks)
+            for spec in args.policies:
+                policy, _, options = spec.partition(":")
+                config = SimConfig(
+                    workers=args.workers,
+                    tokens_per_block=tpb,
+                    device_blocks=blocks,
+                    policy_options={policy: json.loads(options)} if options else {},
+                )
                 t0 = time.perf_counter()
                 f = simulate(requests, policy, config).as_dict()
                 wall = time.perf_counter() - t0
                 hit = float(f["hit_rate"])
                 print(
-                    f"{policy:<15}{tpb:>5}{blocks:>11}{wall:>8.1f}{hit:>7.1%}"
+                    f"{spec:<34}{tpb:>5}{blocks:>11}{wall:>8.1f}{hit:>7.1%}"
                     f"{hit / bound.token_hit_rate:>9.1%}{f['ttft_p50_ms']:>9.0f}"
                     f"{f['ttft_p99_ms']:>8.0f}{f['load_max_over_mean']:>9.3f}"
                     f"{f['busy_max_over_mean']:>9.3f}{f['locality_given_up']:>9.2%}",
