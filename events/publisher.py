@@ -82,6 +82,12 @@ class ZmqEventPublisher:
     that frame from the live socket while keeping it replayable, as a frame lost on the network.
     ``bind`` overrides the bind/connect rule for both endpoints (None: follow the rule), e.g. to
     bind one interface's fixed port again after a restart.
+
+    Bounds: ``max_queue`` batches wait for the sender thread; the ring keeps the last
+    ``buffer_steps`` encoded batches (its memory is that many payloads); ``hwm`` frames per
+    subscriber wait in ZeroMQ before it drops (0: no limit). ``dp_rank`` also fills the
+    payload's ``data_parallel_rank``. The context defaults to ``zmq.Context.instance()``; inproc
+    endpoints need the subscriber on the same context.
     """
 
     def __init__(
