@@ -212,6 +212,148 @@ done:
     return result;
 }
 
+/* Index of the first item of a list that is not an exact int in [0, 2**31), or -1: the wire
+ * decoder's check of a token_ids array, one C pass instead of several Python-level ones. */
+static PyObject *first_bad_token(PyObject *self, PyObject *arg) {
+    (void)self;
+    if (!PyList_Check(arg)) {
+        PyErr_Format(PyExc_TypeError, "first_bad_token expects a list, got %s",
+                     Py_TYPE(arg)->tp_name);
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(arg);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(arg, i);
+        int overflow = 0;
+        /* exact ints only: a msgpack bool is not a token id */
+        long v = PyLong_CheckExact(item) ? PyLong_AsLongAndOverflow(item, &overflow) : -1;
+        if (overflow != 0 || v < 0 || v > INT32_MAX) {
+            return PyLong_FromSsize_t(i);
+        }
+    }
+    return PyLong_FromLong(-1);
+}
+
+/* Size of what follows a msgpack type byte: *skip payload bytes, or *items child objects for
+ * a container (*container set, even when empty). Returns 0, or -1 when the byte is invalid or
+ * the bytes end before the length field does. */
+static int msgpack_header(const unsigned char *p, Py_ssize_t left, Py_ssize_t *head,
+                          uint64_t *skip, uint64_t *items, int *is_container) {
+    unsigned char b = p[0];
+    *skip = 0;
+    *items = 0;
+    *head = 1;
+    *is_container = (b & 0xe0) == 0x80 || (b >= 0xdc && b <= 0xdf);
+    if (b <= 0x7f || b >= 0xe0 || b == 0xc0 || b == 0xc2 || b == 0xc3) {
+        return 0; /* fixints, nil, bools */
+    }
+    if ((b & 0xf0) == 0x80) {
+        *items = 2 * (uint64_t)(b & 0x0f);
+        return 0;
+    }
+    if ((b & 0xf0) == 0x90) {
+        *items = b & 0x0f;
+        return 0;
+    }
+    if ((b & 0xe0) == 0xa0) {
+        *skip = b & 0x1f;
+        return 0;
+    }
+    /* length-prefixed types: width of the big-endian length field, and a fixed extra */
+    int width = 0, extra = 0, container = 0;
+    switch (b) {
+    case 0xc4: case 0xd9: width = 1; break;             /* bin8, str8 */
+    case 0xc5: case 0xda: width = 2; break;             /* bin16, str16 */
+    case 0xc6: case 0xdb: width = 4; break;             /* bin32, str32 */
+    case 0xc7: width = 1; extra = 1; break;             /* ext8 (+ type byte) */
+    case 0xc8: width = 2; extra = 1; break;             /* ext16 */
+    case 0xc9: width = 4; extra = 1; break;             /* ext32 */
+    case 0xdc: width = 2; container = 1; break;         /* array16 */
+    case 0xdd: width = 4; container = 1; break;         /* array32 */
+    case 0xde: width = 2; container = 2; break;         /* map16 */
+    case 0xdf: width = 4; container = 2; break;         /* map32 */
+    case 0xca: case 0xd2: case 0xce: *skip = 4; return 0;
+    case 0xcb: case 0xd3: case 0xcf: *skip = 8; return 0;
+    case 0xcc: case 0xd0: *skip = 1; return 0;
+    case 0xcd: case 0xd1: *skip = 2; return 0;
+    case 0xd4: *skip = 2; return 0;                      /* fixext1: type + 1 */
+    case 0xd5: *skip = 3; return 0;
+    case 0xd6: *skip = 5; return 0;
+    case 0xd7: *skip = 9; return 0;
+    case 0xd8: *skip = 17; return 0;
+    default: return -1;                                  /* 0xc1: never used */
+    }
+    if (left < 1 + width) {
+        return -1;
+    }
+    uint64_t n = 0;
+    for (int i = 1; i <= width; i++) {
+        n = (n << 8) | p[i];
+    }
+    *head = 1 + width;
+    if (container) {
+        *items = n * (uint64_t)container;
+    } else {
+        *skip = n + (uint64_t)extra;
+    }
+    return 0;
+}
+
+/* True when arrays/maps in the msgpack bytes nest deeper than limit (the outermost container
+ * is depth 1). Walks headers only, allocating nothing per element, so a hostile payload is
+ * refused before the unpacker builds a single list. Malformed or truncated bytes answer
+ * False: the unpacker then reports them with its own message. */
+static PyObject *nesting_exceeds(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer buf;
+    Py_ssize_t limit;
+    if (!PyArg_ParseTuple(args, "y*n:nesting_exceeds", &buf, &limit)) {
+        return NULL;
+    }
+    if (limit < 0) {
+        limit = 0;
+    }
+    /* remaining[d]: children still to read in the container open at depth d (0: the root) */
+    uint64_t *remaining = PyMem_Malloc(sizeof(uint64_t) * (size_t)(limit + 2));
+    if (remaining == NULL) {
+        PyBuffer_Release(&buf);
+        return PyErr_NoMemory();
+    }
+    const unsigned char *p = (const unsigned char *)buf.buf;
+    Py_ssize_t pos = 0, depth = 0;
+    int exceeds = 0;
+    remaining[0] = 1;
+    while (pos < buf.len) {
+        Py_ssize_t head;
+        uint64_t skip, items;
+        int is_container;
+        if (msgpack_header(p + pos, buf.len - pos, &head, &skip, &items, &is_container) < 0) {
+            break;
+        }
+        if (skip > (uint64_t)(buf.len - pos - head)) {
+            break; /* truncated */
+        }
+        pos += head + (Py_ssize_t)skip;
+        remaining[depth]--;
+        if (is_container && depth + 1 > limit) {
+            exceeds = 1; /* an empty container counts as a level too */
+            break;
+        }
+        if (items > 0) {
+            remaining[++depth] = items;
+        }
+        while (depth > 0 && remaining[depth] == 0) {
+            depth--;
+        }
+        if (depth == 0 && remaining[0] == 0) {
+            break; /* the root object is complete */
+        }
+    }
+    PyMem_Free(remaining);
+    PyBuffer_Release(&buf);
+    return PyBool_FromLong(exceeds);
+}
+
 static PyMethodDef methods[] = {
     {"block_hash", v1_block_hash, METH_VARARGS,
      "block_hash(tokens, parent_hash, lora_id, salt_id) -> int: V1 hash of one block of packed "
@@ -219,6 +361,11 @@ static PyMethodDef methods[] = {
     {"chain", v1_chain, METH_VARARGS,
      "chain(tokens, tokens_per_block, lora_id, salt_id) -> list[int]: V1 hashes of every full "
      "block of packed int32 token ids."},
+    {"nesting_exceeds", nesting_exceeds, METH_VARARGS,
+     "nesting_exceeds(msgpack_bytes, limit) -> bool: arrays/maps nest deeper than limit."},
+    {"first_bad_token", first_bad_token, METH_O,
+     "first_bad_token(list) -> int: index of the first item that is not an int in [0, 2**31), "
+     "or -1."},
     {NULL, NULL, 0, NULL},
 };
 

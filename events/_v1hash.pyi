@@ -7,3 +7,9 @@ def chain(
     tokens: object, tokens_per_block: int, lora_id: int | None, salt_id: int | None
 ) -> list[int]:
     """V1 hashes of every full block of packed native-endian int32 token ids."""
+
+def first_bad_token(tokens: list[object]) -> int:
+    """Index of the first item that is not an exact int in [0, 2**31), or -1."""
+
+def nesting_exceeds(data: bytes | bytearray | memoryview, limit: int) -> bool:
+    """True when msgpack arrays/maps in ``data`` nest deeper than ``limit``."""

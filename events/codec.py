@@ -62,6 +62,13 @@ from events.model import (
     medium_of,
 )
 
+try:  # C passes over the raw bytes and token_ids when the optional extension is built
+    from events._v1hash import first_bad_token as _native_first_bad_token
+    from events._v1hash import nesting_exceeds as _native_nesting_exceeds
+except ImportError:  # pragma: no cover - depends on the install
+    _native_first_bad_token = None  # type: ignore[assignment]
+    _native_nesting_exceeds = None  # type: ignore[assignment]
+
 _DEFAULT_ALGO: Final = "v1_block_key"
 _DEFAULT_PRIORITY: Final = 35
 _SHA256_BYTES: Final = 32
@@ -271,6 +278,12 @@ def _unpack(payload: bytes | bytearray | memoryview, limits: DecodeLimits) -> ob
             f"payload of {size} bytes exceeds DecodeLimits.max_payload_bytes "
             f"({limits.max_payload_bytes})"
         )
+    # A header-only scan refuses deep nesting before the unpacker builds anything (without the
+    # extension, msgpack's own stack limit and _check_depth below bound it instead).
+    if _native_nesting_exceeds is not None and _native_nesting_exceeds(payload, limits.max_depth):
+        raise DecodeError(
+            f"arrays/maps nested deeper than DecodeLimits.max_depth ({limits.max_depth})"
+        )
     # Every element costs at least one byte, so no declared length may exceed the size: a
     # 5-byte header announcing 2**32 elements is refused before anything is allocated.
     max_array = min(size, max(limits.max_events, limits.max_tokens_per_event))
@@ -335,19 +348,29 @@ def _hashes(value: object, where: str, limit: int) -> list[BlockHash]:
     return [_hash(h, f"{where}[{i}]") for i, h in enumerate(items)]
 
 
+def _first_bad_token(items: list[Any]) -> int:
+    """Index of the first item that is not an int in [0, 2**31), or -1."""
+    if _native_first_bad_token is not None:
+        return _native_first_bad_token(items)
+    if not items or (
+        set(map(type, items)) == {int} and min(items) >= 0 and max(items) < TOKEN_LIMIT
+    ):
+        return -1
+    return next(i for i, t in enumerate(items) if type(t) is not int or not 0 <= t < TOKEN_LIMIT)
+
+
 def _tokens(value: object, where: str, limit: int) -> list[int]:
     items = expect_list(value, where)
     if len(items) > limit:
         raise DecodeError(
             f"{where}: {len(items)} tokens exceed DecodeLimits.max_tokens_per_event ({limit})"
         )
-    if items:
-        if set(map(type, items)) != {int}:
-            bad = next(t for t in items if type(t) is not int)
-            raise DecodeError(f"{where}: token ids must be ints, got {type(bad).__name__}")
-        if min(items) < 0 or max(items) >= TOKEN_LIMIT:
-            bad = next(t for t in items if not 0 <= t < TOKEN_LIMIT)
-            raise DecodeError(f"{where}: token id {bad} is outside [0, 2**31)")
+    bad = _first_bad_token(items)
+    if bad >= 0:
+        item = items[bad]
+        if type(item) is not int:
+            raise DecodeError(f"{where}[{bad}]: token ids must be ints, got {type(item).__name__}")
+        raise DecodeError(f"{where}[{bad}]: token id {item} is outside [0, 2**31)")
     return items
 
 

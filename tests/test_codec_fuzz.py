@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from events import codec as codec_module
 from events.codec import DecodeError, DecodeLimits, decode_batch, encode_batch
 from events.model import (
     AllBlocksCleared,
@@ -212,3 +213,39 @@ def test_deep_nesting(depth: int, opener: bytes) -> None:
     ):
         with pytest.raises(DecodeError):
             decode_batch(payload)
+
+
+def _depth(value: Any) -> int:
+    if isinstance(value, list):
+        return 1 + max((_depth(v) for v in value), default=0)
+    if isinstance(value, dict):
+        return 1 + max((_depth(v) for v in value.values()), default=0)
+    return 0
+
+
+WIDE = st.recursive(
+    SCALARS,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=20), st.dictionaries(st.text(max_size=3), inner, max_size=18)
+    ),
+    max_leaves=40,
+)
+
+
+@pytest.mark.skipif(
+    codec_module._native_nesting_exceeds is None, reason="native extension not built"
+)
+@FUZZ
+@given(value=WIDE, limit=st.integers(0, 10))
+def test_native_nesting_scan_agrees_with_the_unpacked_depth(value: Any, limit: int) -> None:
+    payload = msgpack.packb(value, use_bin_type=True)
+    assert codec_module._native_nesting_exceeds(payload, limit) == (_depth(value) > limit)
+
+
+@pytest.mark.skipif(
+    codec_module._native_nesting_exceeds is None, reason="native extension not built"
+)
+@FUZZ
+@given(payload=st.binary(max_size=300), limit=st.integers(0, 10))
+def test_native_nesting_scan_survives_any_bytes(payload: bytes, limit: int) -> None:
+    assert codec_module._native_nesting_exceeds(payload, limit) in (True, False)

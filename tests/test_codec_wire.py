@@ -335,7 +335,16 @@ def test_huge_declared_lengths_are_refused_before_allocation() -> None:
             decode_batch(prefix + header)
 
 
-def test_deep_nesting_is_rejected_even_in_ignored_fields() -> None:
+@pytest.mark.parametrize("native", [True, False], ids=["header-scan", "python-walk"])
+def test_deep_nesting_is_rejected_even_in_ignored_fields(
+    monkeypatch: pytest.MonkeyPatch, native: bool
+) -> None:
+    import events.codec as codec_module
+
+    if not native:
+        monkeypatch.setattr(codec_module, "_native_nesting_exceeds", None)
+    elif codec_module._native_nesting_exceeds is None:
+        pytest.skip("native extension not built")
     nested: Any = 1
     for _ in range(6):
         nested = [nested]
@@ -343,7 +352,34 @@ def test_deep_nesting_is_rejected_even_in_ignored_fields() -> None:
         decode_batch(_pack([0.0, [_stored_map(future=nested)]]))
     with pytest.raises(DecodeError, match="max_depth"):
         decode_batch(_pack([0.0, [{"type": "FromTheFuture", "x": nested}]]))
-    with pytest.raises(DecodeError, match="nested too deep"):
+    with pytest.raises(DecodeError, match=r"nested (too deep|deeper)"):
         decode_batch(b"\x92\xcb" + b"\x00" * 8 + b"\x91" * 5000 + b"\x90")
     # within the limit, an unknown field is simply ignored
     assert len(decode_batch(_pack([0.0, [_stored_map(future=[[[1]]])]])).events) == 1
+    # a tighter limit refuses what the default accepts
+    with pytest.raises(DecodeError, match="max_depth"):
+        decode_batch(_pack([0.0, [_stored_map(future=[[[1]]])]]), DecodeLimits(max_depth=5))
+
+
+@pytest.mark.parametrize(
+    ("tokens", "message"),
+    [
+        ([1, 2, 3, 4, 5, -6], "token_ids[5]: token id -6"),
+        ([1, 2, 3, 4, 2**31, 6], "token_ids[4]: token id 2147483648"),
+        ([1, 2, False, 4, 5, 6], "token_ids[2]: token ids must be ints, got bool"),
+        ([1, 2, 3, 4, 5, 6.0], "token_ids[5]: token ids must be ints, got float"),
+    ],
+)
+@pytest.mark.parametrize("native", [True, False], ids=["native-check", "python-check"])
+def test_token_checks_agree_with_and_without_the_extension(
+    monkeypatch: pytest.MonkeyPatch, tokens: list[Any], message: str, native: bool
+) -> None:
+    import events.codec as codec_module
+
+    if not native:
+        monkeypatch.setattr(codec_module, "_native_first_bad_token", None)
+    elif codec_module._native_first_bad_token is None:
+        pytest.skip("native extension not built")
+    with pytest.raises(DecodeError, match=re.escape(message)):
+        decode_batch(_pack([0.0, [_stored_map(token_ids=tokens)]]))
+    assert len(decode_batch(_pack([0.0, [_stored_map()]])).events) == 1
