@@ -233,6 +233,42 @@ def component_costs(calls: list[list[BlockView]]) -> dict[str, float]:
     return best
 
 
+def transport_costs(calls: list[list[BlockView]]) -> dict[str, float]:
+    """CPU seconds per block of the ZeroMQ legs alone (inproc, one process, no overlap): the
+    publisher handing pre-encoded payloads to its thread and socket, then the subscriber
+    receiving and decoding them."""
+    mgr = KVCacheEventManager(max_entries=1 << 20)
+    payloads = []
+    for blocks in calls:
+        mgr.on_stored(blocks)
+        mgr.flush()
+        payloads.append(encode_batch(mgr.get_latest_events(), 0.0, 0))
+    total = sum(len(c) for c in calls)
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    pub = ZmqEventPublisher(
+        "inproc://legs", "inproc://legs-r", context=ctx, max_queue=1 << 20, hwm=1 << 20
+    )
+    sub = ZmqEventSubscriber(context=ctx, rcvhwm=1 << 20)
+    sub.add_worker(0, pub.endpoint, pub.replay_endpoint)
+    if not pub.wait_for_subscribers(1, 5):
+        raise RuntimeError("subscriber did not connect")
+    t0 = time.process_time()
+    for payload in payloads:
+        pub.publish_payload(payload)
+    if not pub.flush(DEADLINE_S):
+        raise TimeoutError("publisher did not drain")
+    t1 = time.process_time()
+    consume(sub, len(payloads) - 1)
+    t2 = time.process_time()
+    sub.close()
+    pub.close()
+    ctx.term()
+    return {
+        "publisher: publish_payload + send": (t1 - t0) / total,
+        "subscriber: poll (decode included)": (t2 - t1) / total,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=400)
@@ -246,11 +282,15 @@ def main() -> None:
     # collector after start-up so that collections do not keep traversing them.
     gc.freeze()
     costs = component_costs(calls)
-    print(f"{'step alone (same run, best of 3)':<34}{'us/block':>11}")
+    print(f"{'step alone (same run, CPU time)':<34}{'us/block':>11}")
     for name, sec in costs.items():
         print(f"{name:<34}{sec * 1e6:>11.2f}")
     serial = sum(costs.values())
-    print(f"{'sum: one-core bound':<34}{serial * 1e6:>11.2f}   = {1 / serial:,.0f} blocks/s")
+    print(
+        f"{'sum of the three':<34}{serial * 1e6:>11.2f}   = {1 / serial:,.0f} blocks/s on one core"
+    )
+    for name, sec in transport_costs(calls).items():
+        print(f"{name:<34}{sec * 1e6:>11.2f}")
     results = {
         "inproc, 1 process": run_in_process("inproc", calls),
         "tcp loopback, 1 process": run_in_process("tcp", calls),
