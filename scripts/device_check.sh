@@ -23,7 +23,7 @@ PY
 cat "$OUT/env.txt"
 
 echo "== storage tests"
-timeout 120 python3 -m pytest -q -rs -p no:cacheprovider \
+timeout 120 python3 -m pytest -q -rs \
     tests/test_storage.py tests/test_storage_manager.py tests/test_recompute.py \
     --junitxml="$OUT/storage_tests.xml" 2>&1 | tee "$OUT/storage_tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
