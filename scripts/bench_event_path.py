@@ -6,6 +6,8 @@ them as an engine loop does, one iteration per prompt: ``KVCacheEventManager.on_
 ``flush`` + ``get_latest_events`` + ``ZmqEventPublisher.publish`` on the publishing thread;
 the publisher encodes and sends on its own thread; a ``ZmqEventSubscriber`` polls and decodes.
 
+* each step alone, in CPU time per block: the event manager, encode, decode, and the two
+  ZeroMQ legs (publisher hand-over + send of pre-encoded payloads; subscriber poll + decode);
 * throughput: stored blocks delivered (decoded) per second, from the first publish to the
   delivery of the last batch;
 * publishing-thread cost: CPU time of the publishing thread (``time.thread_time``) spent in
