@@ -223,3 +223,29 @@ def test_bind_conflict_is_a_clear_error(ctx: Ctx) -> None:
 def test_bad_sizes_are_rejected(ctx: Ctx) -> None:
     with pytest.raises(ValueError, match="max_queue"):
         ZmqEventPublisher("inproc://bad", context=ctx, max_queue=0)
+
+
+def test_concurrent_publishers_get_unique_seqs_and_nothing_is_left_unsent(ctx: Ctx) -> None:
+    # many threads racing the sender thread's doorbell: a lost wake-up leaves batches queued,
+    # which flush() would then report
+    with ZmqEventPublisher("inproc://many", context=ctx, max_queue=1 << 16) as pub:
+        sub = _sub(ctx, pub.endpoint)
+        assert pub.wait_for_subscribers(1, timeout_s=5)
+        seqs: list[list[int]] = [[] for _ in range(4)]
+
+        def burst(i: int) -> None:
+            for n in range(500):
+                seqs[i].append(pub.publish_payload(b"%d-%d" % (i, n)))
+                if n % 50 == 0:
+                    assert pub.flush(5)
+
+        threads = [threading.Thread(target=burst, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert pub.flush(5)
+        assert sorted(s for part in seqs for s in part) == list(range(2000))
+        received = [SEQ.unpack(_recv(sub)[1])[0] for _ in range(2000)]
+        assert received == list(range(2000))  # in seq order on the wire
+        sub.close()
