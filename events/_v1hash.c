@@ -235,8 +235,8 @@ static PyObject *first_bad_token(PyObject *self, PyObject *arg) {
 }
 
 /* Size of what follows a msgpack type byte: *skip payload bytes, or *items child objects for
- * a container (*container set, even when empty). Returns 0, or -1 when the byte is invalid or
- * the bytes end before the length field does. */
+ * a container (*is_container set, even when empty). Returns 0, -1 for the invalid type byte,
+ * or -2 when the bytes end before the length field does. */
 static int msgpack_header(const unsigned char *p, Py_ssize_t left, Py_ssize_t *head,
                           uint64_t *skip, uint64_t *items, int *is_container) {
     unsigned char b = p[0];
@@ -284,7 +284,7 @@ static int msgpack_header(const unsigned char *p, Py_ssize_t left, Py_ssize_t *h
     default: return -1;                                  /* 0xc1: never used */
     }
     if (left < 1 + width) {
-        return -1;
+        return -2;
     }
     uint64_t n = 0;
     for (int i = 1; i <= width; i++) {
@@ -299,15 +299,22 @@ static int msgpack_header(const unsigned char *p, Py_ssize_t left, Py_ssize_t *h
     return 0;
 }
 
-/* True when arrays/maps in the msgpack bytes nest deeper than limit (the outermost container
- * is depth 1). Walks headers only, allocating nothing per element, so a hostile payload is
- * refused before the unpacker builds a single list. Malformed or truncated bytes answer
- * False: the unpacker then reports them with its own message. */
-static PyObject *nesting_exceeds(PyObject *self, PyObject *args) {
+/* msgpack_scan results */
+#define SCAN_OK 0
+#define SCAN_TOO_DEEP 1
+#define SCAN_TRUNCATED 2
+#define SCAN_INVALID_BYTE 3
+#define SCAN_TRAILING 4
+
+/* Walks the headers of one msgpack object without building anything: reports arrays/maps
+ * nested deeper than limit (the outermost container is depth 1; an empty one counts), bytes
+ * that end before the object does, the never-used type byte 0xc1, or bytes left after the
+ * object. A hostile payload is thus refused before the unpacker allocates a single list. */
+static PyObject *msgpack_scan(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer buf;
     Py_ssize_t limit;
-    if (!PyArg_ParseTuple(args, "y*n:nesting_exceeds", &buf, &limit)) {
+    if (!PyArg_ParseTuple(args, "y*n:msgpack_scan", &buf, &limit)) {
         return NULL;
     }
     if (limit < 0) {
@@ -321,13 +328,15 @@ static PyObject *nesting_exceeds(PyObject *self, PyObject *args) {
     }
     const unsigned char *p = (const unsigned char *)buf.buf;
     Py_ssize_t pos = 0, depth = 0;
-    int exceeds = 0;
+    int status = SCAN_TRUNCATED; /* until the root object completes */
     remaining[0] = 1;
     while (pos < buf.len) {
         Py_ssize_t head;
         uint64_t skip, items;
         int is_container;
-        if (msgpack_header(p + pos, buf.len - pos, &head, &skip, &items, &is_container) < 0) {
+        int rc = msgpack_header(p + pos, buf.len - pos, &head, &skip, &items, &is_container);
+        if (rc < 0) {
+            status = rc == -1 ? SCAN_INVALID_BYTE : SCAN_TRUNCATED;
             break;
         }
         if (skip > (uint64_t)(buf.len - pos - head)) {
@@ -336,7 +345,7 @@ static PyObject *nesting_exceeds(PyObject *self, PyObject *args) {
         pos += head + (Py_ssize_t)skip;
         remaining[depth]--;
         if (is_container && depth + 1 > limit) {
-            exceeds = 1; /* an empty container counts as a level too */
+            status = SCAN_TOO_DEEP;
             break;
         }
         if (items > 0) {
@@ -346,12 +355,13 @@ static PyObject *nesting_exceeds(PyObject *self, PyObject *args) {
             depth--;
         }
         if (depth == 0 && remaining[0] == 0) {
-            break; /* the root object is complete */
+            status = pos == buf.len ? SCAN_OK : SCAN_TRAILING;
+            break;
         }
     }
     PyMem_Free(remaining);
     PyBuffer_Release(&buf);
-    return PyBool_FromLong(exceeds);
+    return PyLong_FromLong(status);
 }
 
 static PyMethodDef methods[] = {
@@ -361,8 +371,9 @@ static PyMethodDef methods[] = {
     {"chain", v1_chain, METH_VARARGS,
      "chain(tokens, tokens_per_block, lora_id, salt_id) -> list[int]: V1 hashes of every full "
      "block of packed int32 token ids."},
-    {"nesting_exceeds", nesting_exceeds, METH_VARARGS,
-     "nesting_exceeds(msgpack_bytes, limit) -> bool: arrays/maps nest deeper than limit."},
+    {"msgpack_scan", msgpack_scan, METH_VARARGS,
+     "msgpack_scan(data, max_depth) -> int: 0 one well-formed object, 1 nested deeper than "
+     "max_depth, 2 truncated, 3 invalid type byte, 4 trailing bytes."},
     {"first_bad_token", first_bad_token, METH_O,
      "first_bad_token(list) -> int: index of the first item that is not an int in [0, 2**31), "
      "or -1."},

@@ -11,5 +11,6 @@ def chain(
 def first_bad_token(tokens: list[object]) -> int:
     """Index of the first item that is not an exact int in [0, 2**31), or -1."""
 
-def nesting_exceeds(data: bytes | bytearray | memoryview, limit: int) -> bool:
-    """True when msgpack arrays/maps in ``data`` nest deeper than ``limit``."""
+def msgpack_scan(data: bytes | bytearray | memoryview, max_depth: int) -> int:
+    """0: one well-formed msgpack object; 1: nested deeper than max_depth; 2: truncated;
+    3: invalid type byte; 4: trailing bytes after the object."""

@@ -64,11 +64,17 @@ from events.model import (
 
 try:  # C passes over the raw bytes and token_ids when the optional extension is built
     from events._v1hash import first_bad_token as _native_first_bad_token
-    from events._v1hash import nesting_exceeds as _native_nesting_exceeds
+    from events._v1hash import msgpack_scan as _native_msgpack_scan
 except ImportError:  # pragma: no cover - depends on the install
     _native_first_bad_token = None  # type: ignore[assignment]
-    _native_nesting_exceeds = None  # type: ignore[assignment]
+    _native_msgpack_scan = None  # type: ignore[assignment]
 
+_SCAN_ERRORS: Final = {
+    1: "arrays/maps nested deeper than DecodeLimits.max_depth ({max_depth})",
+    2: "not a valid msgpack payload: truncated (incomplete input)",
+    3: "not a valid msgpack payload: invalid type byte 0xc1",
+    4: "trailing bytes after the payload's msgpack array",
+}
 _DEFAULT_ALGO: Final = "v1_block_key"
 _DEFAULT_PRIORITY: Final = 35
 _SHA256_BYTES: Final = 32
@@ -278,12 +284,13 @@ def _unpack(payload: bytes | bytearray | memoryview, limits: DecodeLimits) -> ob
             f"payload of {size} bytes exceeds DecodeLimits.max_payload_bytes "
             f"({limits.max_payload_bytes})"
         )
-    # A header-only scan refuses deep nesting before the unpacker builds anything (without the
-    # extension, msgpack's own stack limit and _check_depth below bound it instead).
-    if _native_nesting_exceeds is not None and _native_nesting_exceeds(payload, limits.max_depth):
-        raise DecodeError(
-            f"arrays/maps nested deeper than DecodeLimits.max_depth ({limits.max_depth})"
-        )
+    # A header-only scan refuses deep nesting and broken framing before the unpacker builds
+    # anything (without the extension, msgpack's own stack limit, its errors and _check_depth
+    # bound the same cases, more slowly).
+    if _native_msgpack_scan is not None:
+        status = _native_msgpack_scan(payload, limits.max_depth)
+        if status:
+            raise DecodeError(_SCAN_ERRORS[status].format(max_depth=limits.max_depth))
     # Every element costs at least one byte, so no declared length may exceed the size: a
     # 5-byte header announcing 2**32 elements is refused before anything is allocated.
     max_array = min(size, max(limits.max_events, limits.max_tokens_per_event))

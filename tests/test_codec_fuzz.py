@@ -52,7 +52,22 @@ def _decodes_or_rejects(payload: bytes, limits: DecodeLimits | None = None) -> N
     assert isinstance(batch, DecodedBatch)
 
 
-FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+
+
+@pytest.fixture(autouse=True, params=["native", "pure"])
+def decoder_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs with the extension's checks and with the pure-Python fallback."""
+    if request.param == "pure":
+        monkeypatch.setattr(codec_module, "_native_msgpack_scan", None)
+        monkeypatch.setattr(codec_module, "_native_first_bad_token", None)
+    elif codec_module._native_msgpack_scan is None:
+        pytest.skip("native extension not built")
+    return str(request.param)
 
 
 @FUZZ
@@ -173,7 +188,7 @@ def wrong_types(draw: st.DrawFn) -> Any:
     return draw(ANY) if draw(rarely) else envelope
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@FUZZ
 @given(value=wrong_types())
 def test_wrong_types_anywhere(value: Any) -> None:
     _decodes_or_rejects(msgpack.packb(value, use_bin_type=True))
@@ -213,39 +228,3 @@ def test_deep_nesting(depth: int, opener: bytes) -> None:
     ):
         with pytest.raises(DecodeError):
             decode_batch(payload)
-
-
-def _depth(value: Any) -> int:
-    if isinstance(value, list):
-        return 1 + max((_depth(v) for v in value), default=0)
-    if isinstance(value, dict):
-        return 1 + max((_depth(v) for v in value.values()), default=0)
-    return 0
-
-
-WIDE = st.recursive(
-    SCALARS,
-    lambda inner: st.one_of(
-        st.lists(inner, max_size=20), st.dictionaries(st.text(max_size=3), inner, max_size=18)
-    ),
-    max_leaves=40,
-)
-
-
-@pytest.mark.skipif(
-    codec_module._native_nesting_exceeds is None, reason="native extension not built"
-)
-@FUZZ
-@given(value=WIDE, limit=st.integers(0, 10))
-def test_native_nesting_scan_agrees_with_the_unpacked_depth(value: Any, limit: int) -> None:
-    payload = msgpack.packb(value, use_bin_type=True)
-    assert codec_module._native_nesting_exceeds(payload, limit) == (_depth(value) > limit)
-
-
-@pytest.mark.skipif(
-    codec_module._native_nesting_exceeds is None, reason="native extension not built"
-)
-@FUZZ
-@given(payload=st.binary(max_size=300), limit=st.integers(0, 10))
-def test_native_nesting_scan_survives_any_bytes(payload: bytes, limit: int) -> None:
-    assert codec_module._native_nesting_exceeds(payload, limit) in (True, False)

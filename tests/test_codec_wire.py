@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from events import codec as codec_module
 from events.codec import DecodeError, DecodeLimits, decode_batch, encode_batch, from_json
 from events.hashing import chain_hashes
 from events.model import (
@@ -28,6 +29,7 @@ from events.model import (
 from kvcache.scope import ReuseScope
 
 WIRE_DIR = Path(__file__).parent / "data" / "wire"
+NATIVE_SCAN = codec_module._native_msgpack_scan
 GOLDEN = ["vllm_map_form", "vllm_array_form", "encoder_map_form"]
 
 
@@ -324,26 +326,30 @@ def test_limits_bound_the_payload_before_and_while_unpacking() -> None:
     assert len(decode_batch(payload, DecodeLimits(max_events=3)).events) == 3
 
 
-def test_huge_declared_lengths_are_refused_before_allocation() -> None:
+@pytest.mark.parametrize("native", [True, False], ids=["header-scan", "unpacker-caps"])
+def test_huge_declared_lengths_are_refused_before_allocation(
+    monkeypatch: pytest.MonkeyPatch, native: bool
+) -> None:
+
+    if not native:
+        monkeypatch.setattr(codec_module, "_native_msgpack_scan", None)
     prefix = b"\x92\xcb" + b"\x00" * 8
-    # containers: refused by the length caps; str/bin: by the bytes actually present
-    for header in (b"\xdd\xff\xff\xff\xff", b"\xdf\xff\xff\xff\xff"):
-        with pytest.raises(DecodeError, match="exceeds max_"):
-            decode_batch(prefix + header)
-    for header in (b"\xdb\xff\xff\xff\xff", b"\xc6\xff\xff\xff\xff"):
-        with pytest.raises(DecodeError, match="incomplete input"):
-            decode_batch(prefix + header)
+    # the header scan sees the bytes end first; the unpacker refuses container lengths beyond
+    # its caps, and str/bin lengths beyond the bytes present
+    headers = [b"\xdd\xff\xff\xff\xff", b"\xdf\xff\xff\xff\xff", b"\xdb\xff\xff\xff\xff"]
+    for header in [*headers, b"\xc6\xff\xff\xff\xff"]:
+        with pytest.raises(DecodeError, match=r"exceeds max_|incomplete input"):
+            decode_batch(prefix + header + bytes(64))
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["header-scan", "python-walk"])
 def test_deep_nesting_is_rejected_even_in_ignored_fields(
     monkeypatch: pytest.MonkeyPatch, native: bool
 ) -> None:
-    import events.codec as codec_module
 
     if not native:
-        monkeypatch.setattr(codec_module, "_native_nesting_exceeds", None)
-    elif codec_module._native_nesting_exceeds is None:
+        monkeypatch.setattr(codec_module, "_native_msgpack_scan", None)
+    elif codec_module._native_msgpack_scan is None:
         pytest.skip("native extension not built")
     nested: Any = 1
     for _ in range(6):
@@ -374,7 +380,6 @@ def test_deep_nesting_is_rejected_even_in_ignored_fields(
 def test_token_checks_agree_with_and_without_the_extension(
     monkeypatch: pytest.MonkeyPatch, tokens: list[Any], message: str, native: bool
 ) -> None:
-    import events.codec as codec_module
 
     if not native:
         monkeypatch.setattr(codec_module, "_native_first_bad_token", None)
@@ -383,3 +388,49 @@ def test_token_checks_agree_with_and_without_the_extension(
     with pytest.raises(DecodeError, match=re.escape(message)):
         decode_batch(_pack([0.0, [_stored_map(token_ids=tokens)]]))
     assert len(decode_batch(_pack([0.0, [_stored_map()]])).events) == 1
+
+
+# --- the extension's header scan ---------------------------------------------------------
+
+
+def _depth(value: Any) -> int:
+    if isinstance(value, list):
+        return 1 + max((_depth(v) for v in value), default=0)
+    if isinstance(value, dict):
+        return 1 + max((_depth(v) for v in value.values()), default=0)
+    return 0
+
+
+WIDE = st.recursive(
+    st.one_of(
+        st.none(),
+        st.integers(-(2**63), 2**64 - 1),
+        st.floats(),
+        st.text(max_size=40),
+        st.binary(max_size=300),
+        st.builds(msgpack.ExtType, st.integers(0, 127), st.binary(max_size=20)),
+        st.booleans(),
+    ),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=20), st.dictionaries(st.text(max_size=3), inner, max_size=18)
+    ),
+    max_leaves=25,
+)
+
+
+@pytest.mark.skipif(NATIVE_SCAN is None, reason="native extension not built")
+@settings(max_examples=150, deadline=None)
+@given(value=WIDE, limit=st.integers(0, 10))
+def test_native_scan_agrees_with_the_unpacker(value: Any, limit: int) -> None:
+    payload = msgpack.packb(value, use_bin_type=True)
+    assert NATIVE_SCAN(payload, limit) == (1 if _depth(value) > limit else 0)
+    if len(payload) > 1:  # every proper prefix is truncated (or, cut inside, too deep)
+        assert NATIVE_SCAN(payload[:-1], limit) in (1, 2)
+    assert NATIVE_SCAN(payload + b"\xc0", 99) == 4
+
+
+@pytest.mark.skipif(NATIVE_SCAN is None, reason="native extension not built")
+@settings(max_examples=150, deadline=None)
+@given(payload=st.binary(max_size=300), limit=st.integers(0, 10))
+def test_native_scan_survives_any_bytes(payload: bytes, limit: int) -> None:
+    assert NATIVE_SCAN(payload, limit) in (0, 1, 2, 3, 4)
