@@ -68,15 +68,23 @@ class KVCacheManager:
     Not thread-safe: drive it from one thread (an engine's scheduler loop).
     """
 
-    def __init__(self, config: KVCacheManagerConfig, event_sink: EventSink | None = None) -> None:
+    def __init__(
+        self,
+        config: KVCacheManagerConfig,
+        event_sink: EventSink | None = None,
+        *,
+        storage: PageStorage | None = None,
+    ) -> None:
+        """``storage`` replaces the ``TorchPageStorage`` a ``kv_layout`` would create (another
+        backend, or a test double); without either, the pools keep books only."""
         if not isinstance(config, KVCacheManagerConfig):
             raise TypeError(f"config must be a KVCacheManagerConfig, got {type(config).__name__}")
         self.config = config
         self.tokens_per_block = config.tokens_per_block
         self._step = 4 * config.tokens_per_block
         self._tree = RadixTree()
-        self._storage: PageStorage | None = None
-        if config.kv_layout is not None:
+        self._storage: PageStorage | None = storage
+        if storage is None and config.kv_layout is not None:
             # Imported here so that kvcache without a layout never imports torch.
             module: Any = importlib.import_module("kvcache.storage")
             self._storage = module.TorchPageStorage(config)

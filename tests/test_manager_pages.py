@@ -7,7 +7,13 @@ from collections.abc import Sequence
 import pytest
 from kv_helpers import manager, run, seen
 
-from kvcache import CacheStateError, KVCacheManager, OutOfPagesError
+from kvcache import (
+    CacheStateError,
+    KVCacheManager,
+    KVCacheManagerConfig,
+    OutOfPagesError,
+    TierConfig,
+)
 
 
 def books(m: KVCacheManager) -> object:
@@ -121,9 +127,10 @@ class CopySpy:
 
 
 def spied(*sizes: int) -> tuple[KVCacheManager, CopySpy]:
-    m, _ = manager(2, *sizes)
+    tiers = [TierConfig(name=f"tier{i}", num_blocks=n) for i, n in enumerate(sizes)]
     spy = CopySpy()
-    m._storage = m._pages.storage = spy
+    m = KVCacheManager(KVCacheManagerConfig(tokens_per_block=2, tiers=tiers), storage=spy)
+    assert m.storage is spy
     return m, spy
 
 
@@ -141,7 +148,7 @@ def test_copies_are_batched_per_tier_pair_and_ordered_safely() -> None:
     ]
     assert seq.page_indices() == [0, 1]
     seq.close()
-    assert m.stats.tiers["device"].bytes_used == 200
+    assert m.stats.tiers["tier0"].bytes_used == 200
 
 
 def test_copy_on_write_copies_only_the_matched_tokens() -> None:

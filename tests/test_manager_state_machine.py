@@ -10,7 +10,10 @@ an upper bound. After every step the manager's books are rechecked from scratch
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import hypothesis.strategies as st
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import (
     Bundle,
@@ -19,6 +22,7 @@ from hypothesis.stateful import (
     initialize,
     invariant,
     multiple,
+    precondition,
     rule,
 )
 
@@ -32,8 +36,52 @@ from kvcache import (
     TierConfig,
 )
 
+
+class TokenStorage:
+    """A page storage whose "KV" is the token ids themselves, so a page's content says whether
+    every copy the manager asked for was issued, in an order that kept the data."""
+
+    def __init__(self, tpb: int) -> None:
+        self.tpb = tpb
+        self.pages: dict[tuple[int, int], list[int | None]] = {}
+
+    def page(self, tier: int, page: int) -> list[int | None]:
+        return self.pages.setdefault((tier, page), [None] * self.tpb)
+
+    def copy_pages(
+        self,
+        src_tier: int,
+        src_pages: Sequence[int],
+        dst_tier: int,
+        dst_pages: Sequence[int],
+        num_tokens: Sequence[int] | None = None,
+    ) -> None:
+        assert len(src_pages) == len(dst_pages) == len(set(dst_pages))
+        counts = list(num_tokens) if num_tokens is not None else [self.tpb] * len(src_pages)
+        data = [self.page(src_tier, p)[:n] for p, n in zip(src_pages, counts, strict=True)]
+        for p, d in zip(dst_pages, data, strict=True):  # all reads before any write
+            self.page(dst_tier, p)[: len(d)] = d
+
+    def write(self, page: int, offset: int, tokens: list[int]) -> None:
+        self.page(0, page)[offset : offset + len(tokens)] = tokens
+
+    def page_nbytes(self) -> int:
+        return 4 * self.tpb
+
+    def synchronize(self) -> None:
+        pass
+
+
 SCOPES = [ReuseScope(), ReuseScope(lora_id=1), ReuseScope(salt=1), ReuseScope(1, 1)]
-tokens_st = st.lists(st.integers(0, 2), max_size=9)
+# Prompts share prefixes often: a prefix of one of a few base documents, then a short tail.
+BASES = [[0, 1, 2, 0, 1, 2, 0, 1, 2], [0, 1, 2, 2, 1, 0, 0, 1, 1], [1, 1, 1, 1, 0, 0, 2, 2, 2]]
+tokens_st = st.builds(
+    lambda base, n, tail: BASES[base][:n] + tail,
+    st.integers(0, len(BASES) - 1),
+    st.integers(0, 9),
+    st.lists(st.integers(0, 2), max_size=3),
+)
+FINISH = ["created", "open", "stop", "close"]
 
 
 class Model:
@@ -85,7 +133,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @initialize(
         tpb=st.sampled_from([2, 3]),
-        device=st.integers(3, 8),
+        device=st.integers(4, 8),
         host=st.integers(0, 4),
         partial=st.booleans(),
     )
@@ -94,7 +142,8 @@ class CacheMachine(RuleBasedStateMachine):
         if host:
             tiers.append(TierConfig(name="host", num_blocks=host))
         cfg = KVCacheManagerConfig(tokens_per_block=tpb, tiers=tiers, enable_partial_reuse=partial)
-        self.manager = KVCacheManager(cfg)
+        self.storage = TokenStorage(tpb)
+        self.manager = KVCacheManager(cfg, storage=self.storage)
         self.model = Model(tpb, partial)
         self.tokens: dict[KVCache, list[int]] = {}
         self.exact = True
@@ -105,8 +154,7 @@ class CacheMachine(RuleBasedStateMachine):
     def _expect_unchanged(self, before: object) -> None:
         assert snapshot(self.manager) == before, "OutOfPagesError changed the cache"
 
-    @rule(target=seqs, tokens=tokens_st, scope=st.sampled_from(SCOPES), prio=st.integers(0, 100))
-    def create(self, tokens: list[int], scope: ReuseScope, prio: int) -> object:
+    def _create(self, tokens: list[int], scope: ReuseScope, prio: int) -> KVCache | None:
         expected = self.model.reuse(scope, tokens)
         probed = self.manager.probe_reuse(tokens, scope)
         before = snapshot(self.manager)
@@ -117,29 +165,74 @@ class CacheMachine(RuleBasedStateMachine):
             seq = self.manager.create_kv_cache(tokens, scope, prio)
         except OutOfPagesError:
             self._expect_unchanged(before)
-            return multiple()
+            return None
         assert seq.num_reused_tokens == probed
         assert seq.tokens == tokens[:probed]
         self.tokens[seq] = list(tokens)
         return seq
+
+    def _compute(self, seq: KVCache, extra: list[int]) -> bool:
+        """What an engine does: write the KV of ``extra`` into held pages, then commit it.
+        False (and nothing changed) when the pages cannot be had."""
+        before = snapshot(self.manager)
+        try:
+            start = seq.num_tokens
+            seq.resize(start + len(extra))
+            table = seq.page_indices()
+            tpb = self.model.tpb
+            for pos, tok in enumerate(extra, start):
+                self.storage.write(table[pos // tpb], pos % tpb, [tok])
+            seq.commit(extra)
+        except OutOfPagesError:
+            self._expect_unchanged(before)
+            return False
+        self.model.add(seq.scope, seq.tokens, stopped=False)
+        return True
+
+    def _request(self, tokens: list[int], scope: ReuseScope, prio: int, finish: str) -> object:
+        """Create, compute the prompt, then leave the sequence open, stopped or closed."""
+        seq = self._create(tokens, scope, prio)
+        if seq is None:
+            return multiple()
+        if finish != "created" and self._compute(seq, tokens[seq.num_tokens :]):
+            if finish in ("stop", "close"):
+                seq.stop_committing()
+                self.model.add(seq.scope, seq.tokens, stopped=True)
+            if finish == "close":
+                seq.close()
+        return seq
+
+    @rule(
+        target=seqs,
+        tokens=tokens_st,
+        scope=st.sampled_from(SCOPES),
+        prio=st.integers(0, 100),
+        finish=st.sampled_from(FINISH),
+    )
+    def request(self, tokens: list[int], scope: ReuseScope, prio: int, finish: str) -> object:
+        return self._request(tokens, scope, prio, finish)
 
     @rule(
         target=seqs,
         seq=seqs,
         extra=st.lists(st.integers(0, 2), max_size=3),
         same_scope=st.booleans(),
+        prio=st.integers(0, 100),
+        finish=st.sampled_from(FINISH),
     )
-    def recreate(self, seq: KVCache, extra: list[int], same_scope: bool) -> object:
+    def recreate(
+        self, seq: KVCache, extra: list[int], same_scope: bool, prio: int, finish: str
+    ) -> object:
         """Ask again for what a sequence holds (plus a little): the reuse paths."""
         scope = seq.scope if same_scope else SCOPES[(SCOPES.index(seq.scope) + 1) % len(SCOPES)]
-        return self.create(seq.tokens + extra, scope, 35)
+        return self._request([*seq.tokens, *extra], scope, prio, finish)
 
-    @rule(target=seqs, seq=seqs)
-    def reask_aligned(self, seq: KVCache) -> object:
+    @rule(target=seqs, seq=seqs, finish=st.sampled_from(FINISH))
+    def reask_aligned(self, seq: KVCache, finish: str) -> object:
         """Ask for exactly the full blocks a sequence holds: at most all but one token is
         reused, the engine must still compute the last one."""
         tpb = self.model.tpb
-        return self.create(seq.tokens[: len(seq.tokens) // tpb * tpb], seq.scope, 35)
+        return self._request(seq.tokens[: len(seq.tokens) // tpb * tpb], seq.scope, 35, finish)
 
     @rule(seq=seqs, n=st.integers(1, 9))
     def commit(self, seq: KVCache, n: int) -> None:
@@ -147,16 +240,11 @@ class CacheMachine(RuleBasedStateMachine):
             return
         wanted = self.tokens[seq]
         extra = wanted[seq.num_tokens : seq.num_tokens + n] or [0] * n
-        before = snapshot(self.manager)
-        try:
-            seq.commit(extra)
-        except OutOfPagesError:
-            self._expect_unchanged(before)
+        if seq.suspended or self._stopped(seq):
+            with pytest.raises(CacheStateError):
+                seq.commit(extra)
             return
-        except CacheStateError:
-            assert seq.suspended or self._stopped(seq)
-            return
-        self.model.add(seq.scope, seq.tokens, stopped=False)
+        self._compute(seq, extra)
 
     def _stopped(self, seq: KVCache) -> bool:
         return bool(seq._stopped)
@@ -205,19 +293,40 @@ class CacheMachine(RuleBasedStateMachine):
         seq.close()
         seq.close()
 
-    @rule()
-    def clear(self) -> None:
+    @precondition(lambda self: self.manager.num_cached_blocks > 0)
+    @rule(really=st.booleans())
+    def clear(self, really: bool) -> None:
+        if not really:
+            return
         self.manager.clear_reusable_blocks()
         self.exact = False
 
-    @rule()
-    def evict(self) -> None:
+    @precondition(lambda self: self.manager.num_cached_blocks > 0)
+    @rule(really=st.booleans())
+    def evict(self, really: bool) -> None:
         """Fill the device tier with a private sequence, which evicts every cached page."""
+        if not really:
+            return
         avail = self.manager.num_available_pages(0)
         tpb = self.model.tpb
         with self.manager.create_kv_cache([], ReuseScope(lora_id=99)) as filler:
             filler.resize(avail * tpb)
             assert self.manager.num_available_pages(0) == 0
+
+    @invariant()
+    def pages_hold_their_tokens(self) -> None:
+        if not hasattr(self, "manager"):
+            return
+        tpb = self.model.tpb
+        for b in self.manager._tree.iter_blocks():
+            assert self.storage.page(b.tier, b.page)[: len(b.tokens)] == list(b.tokens), b
+        for seq in self.tokens:
+            if seq.closed:
+                continue
+            toks = seq.tokens
+            for i, b in enumerate(seq._blocks):
+                held = toks[i * tpb : (i + 1) * tpb]
+                assert self.storage.page(b.tier, b.page)[: len(held)] == held, (seq, b)
 
     @invariant()
     def books_balance(self) -> None:
