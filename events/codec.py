@@ -1,4 +1,7 @@
-"""Event codecs: the msgpack wire format of WIRE.md section 4, and the JSON shape (re-exported).
+"""Event codecs: the msgpack wire format of WIRE.md section 4 and the JSON shape of section 6.
+
+This module holds the wire encoder and re-exports the decoder (``events.wire_decode``) and
+the JSON codec (``events.json_codec``), so ``events.codec`` is the one import callers need.
 
 Payload: a msgpack array ``[ts: float64, events: array, data_parallel_rank: int | nil]``.
 :func:`encode_batch` writes vLLM-style tagged maps:
@@ -28,21 +31,14 @@ event types skipped) and strict about everything else: any malformed payload rai
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any, Final, cast
 
 import msgpack
 
 from events.json_codec import (
-    TOKEN_LIMIT,
     U64_LIMIT,
     DecodeError,
-    expect_int,
-    expect_list,
-    expect_optional_int,
-    expect_str,
     from_json,
     to_json,
 )
@@ -50,86 +46,18 @@ from events.model import (
     AllBlocksCleared,
     BlockHash,
     Created,
-    DecodedBatch,
-    EventData,
     EventDiff,
     KVCacheEvent,
     Removed,
     Stored,
     StoredBlock,
     Updated,
-    cache_level_of,
     medium_of,
 )
+from events.wire_decode import DEFAULT_LIMITS, DecodeLimits, decode_batch
 
-try:  # C passes over the raw bytes and token_ids when the optional extension is built
-    from events._v1hash import first_bad_token as _native_first_bad_token
-    from events._v1hash import msgpack_scan as _native_msgpack_scan
-except ImportError:  # pragma: no cover - depends on the install
-    _native_first_bad_token = None  # type: ignore[assignment]
-    _native_msgpack_scan = None  # type: ignore[assignment]
-
-_SCAN_ERRORS: Final = {
-    1: "arrays/maps nested deeper than DecodeLimits.max_depth ({max_depth})",
-    2: "not a valid msgpack payload: truncated (incomplete input)",
-    3: "not a valid msgpack payload: invalid type byte 0xc1",
-    4: "trailing bytes after the payload's msgpack array",
-}
 _DEFAULT_ALGO: Final = "v1_block_key"
-_DEFAULT_PRIORITY: Final = 35
 _SHA256_BYTES: Final = 32
-
-
-@dataclass(frozen=True, slots=True)
-class DecodeLimits:
-    """Bounds on what one payload may cost the decoder; anything beyond raises DecodeError.
-
-    The payload size is checked before unpacking, and every msgpack length is capped before
-    anything is allocated, so memory stays proportional to ``max_payload_bytes``.
-    """
-
-    max_payload_bytes: int = 16 << 20
-    max_events: int = 1 << 16
-    max_tokens_per_event: int = 1 << 20
-    max_blocks_per_event: int = 1 << 16
-    max_str_len: int = 1 << 16
-    max_bin_len: int = 1 << 16
-    max_fields: int = 64
-    #: nesting of arrays and maps, the envelope counting 1 (the format itself needs 4)
-    max_depth: int = 8
-
-
-DEFAULT_LIMITS: Final = DecodeLimits()
-
-# Field order of the legacy positional form (element 0 is the type name).
-_POSITIONAL: Final[dict[str, tuple[str, ...]]] = {
-    "BlockStored": (
-        "block_hashes",
-        "parent_block_hash",
-        "token_ids",
-        "block_size",
-        "lora_id",
-        "medium",
-        "lora_name",
-    ),
-    "BlockRemoved": ("block_hashes", "medium"),
-    "AllBlocksCleared": (),
-    "BlockUpdated": ("block_hash", "cache_level", "priority"),
-    "CacheCreated": ("num_blocks_per_cache_level",),
-}
-_COMMON_FIELDS: Final = ("type", "event_id", "window_size", "hash_algo", "attention_dp_rank")
-_KNOWN_FIELDS: Final[dict[str, frozenset[str]]] = {
-    "BlockStored": frozenset(
-        (*_COMMON_FIELDS, *_POSITIONAL["BlockStored"], "cache_salt_id", "priority")
-    ),
-    "BlockRemoved": frozenset((*_COMMON_FIELDS, *_POSITIONAL["BlockRemoved"])),
-    "AllBlocksCleared": frozenset(_COMMON_FIELDS),
-    "BlockUpdated": frozenset((*_COMMON_FIELDS, *_POSITIONAL["BlockUpdated"])),
-    "CacheCreated": frozenset((*_COMMON_FIELDS, *_POSITIONAL["CacheCreated"])),
-}
-
-
-# --- encode -----------------------------------------------------------------------------------
 
 
 def _wire_hash(h: BlockHash) -> int | bytes:
@@ -268,268 +196,6 @@ def encode_batch(events: Iterable[KVCacheEvent], ts: float, dp_rank: int | None 
         _encode_event(event, dp_rank, wire)
     packed: bytes = msgpack.packb([float(ts), wire, dp_rank], use_bin_type=True)
     return packed
-
-
-# --- decode -----------------------------------------------------------------------------------
-
-
-def _unpack(payload: bytes | bytearray | memoryview, limits: DecodeLimits) -> object:
-    if not isinstance(payload, (bytes, bytearray, memoryview)):
-        raise DecodeError(f"payload must be bytes, got {type(payload).__name__}")
-    size = memoryview(payload).nbytes
-    if size == 0:
-        raise DecodeError("empty payload")
-    if size > limits.max_payload_bytes:
-        raise DecodeError(
-            f"payload of {size} bytes exceeds DecodeLimits.max_payload_bytes "
-            f"({limits.max_payload_bytes})"
-        )
-    # A header-only scan refuses deep nesting and broken framing before the unpacker builds
-    # anything (without the extension, msgpack's own stack limit, its errors and _check_depth
-    # bound the same cases, more slowly).
-    if _native_msgpack_scan is not None:
-        status = _native_msgpack_scan(payload, limits.max_depth)
-        if status:
-            raise DecodeError(_SCAN_ERRORS[status].format(max_depth=limits.max_depth))
-    # Every element costs at least one byte, so no declared length may exceed the size: a
-    # 5-byte header announcing 2**32 elements is refused before anything is allocated.
-    max_array = min(size, max(limits.max_events, limits.max_tokens_per_event))
-    try:
-        return msgpack.unpackb(
-            payload,
-            raw=False,
-            strict_map_key=True,
-            use_list=True,
-            max_str_len=min(size, limits.max_str_len),
-            max_bin_len=min(size, limits.max_bin_len),
-            max_array_len=max_array,
-            max_map_len=min(size, limits.max_fields),
-            max_ext_len=0,  # the format has no ext types
-        )
-    except msgpack.ExtraData:
-        raise DecodeError("trailing bytes after the payload's msgpack array") from None
-    except msgpack.exceptions.StackError:
-        raise DecodeError("arrays/maps nested too deep for a KV event payload") from None
-    except Exception as exc:  # msgpack raises several types; all mean "not a valid payload"
-        raise DecodeError(f"not a valid msgpack payload: {type(exc).__name__}: {exc}") from None
-
-
-def _check_depth(value: object, budget: int, where: str) -> None:
-    """Rejects arrays/maps nested more than ``budget`` levels inside ``value`` (ignored data
-    included: it still costs memory and time)."""
-    level = [value]
-    depth = 0
-    while level:
-        depth += 1
-        if depth > budget:
-            raise DecodeError(f"{where}: nested deeper than DecodeLimits.max_depth allows")
-        nxt: list[object] = []
-        for item in level:
-            if type(item) is list:
-                nxt.extend(x for x in item if type(x) is list or type(x) is dict)
-            elif type(item) is dict:
-                nxt.extend(x for x in item.values() if type(x) is list or type(x) is dict)
-        level = nxt
-
-
-def _hash(value: object, where: str) -> BlockHash:
-    if type(value) is int:
-        # msgpack ints lie in [-2**63, 2**64): a negative one is a signed sender's uint64.
-        return value + U64_LIMIT if value < 0 else value
-    if type(value) is bytes and len(value) == _SHA256_BYTES:
-        return value.hex()
-    raise DecodeError(
-        f"{where}: a block hash must be an int or a 32-byte bin, got {type(value).__name__}"
-        + (f" of {len(value)} bytes" if isinstance(value, bytes) else "")
-    )
-
-
-def _hashes(value: object, where: str, limit: int) -> list[BlockHash]:
-    items = expect_list(value, where)
-    if len(items) > limit:
-        raise DecodeError(f"{where}: {len(items)} hashes exceed the limit of {limit}")
-    if items and set(map(type, items)) == {int}:
-        if min(items) >= 0:
-            return items
-        return [h + U64_LIMIT if h < 0 else h for h in items]
-    return [_hash(h, f"{where}[{i}]") for i, h in enumerate(items)]
-
-
-def _first_bad_token(items: list[Any]) -> int:
-    """Index of the first item that is not an int in [0, 2**31), or -1."""
-    if _native_first_bad_token is not None:
-        return _native_first_bad_token(items)
-    if not items or (
-        set(map(type, items)) == {int} and min(items) >= 0 and max(items) < TOKEN_LIMIT
-    ):
-        return -1
-    return next(i for i, t in enumerate(items) if type(t) is not int or not 0 <= t < TOKEN_LIMIT)
-
-
-def _tokens(value: object, where: str, limit: int) -> list[int]:
-    items = expect_list(value, where)
-    if len(items) > limit:
-        raise DecodeError(
-            f"{where}: {len(items)} tokens exceed DecodeLimits.max_tokens_per_event ({limit})"
-        )
-    bad = _first_bad_token(items)
-    if bad >= 0:
-        item = items[bad]
-        if type(item) is not int:
-            raise DecodeError(f"{where}[{bad}]: token ids must be ints, got {type(item).__name__}")
-        raise DecodeError(f"{where}[{bad}]: token id {item} is outside [0, 2**31)")
-    return items
-
-
-def _diff(value: object, where: str) -> EventDiff | None:
-    if value is None:
-        return None
-    pair = expect_list(value, where)
-    if len(pair) != 2:
-        raise DecodeError(f"{where}: expected [old, new], got {len(pair)} elements")
-    return EventDiff(expect_int(pair[0], f"{where}[0]"), expect_int(pair[1], f"{where}[1]"))
-
-
-def _medium(value: object, where: str) -> int | None:
-    return None if value is None else cache_level_of(expect_str(value, where))
-
-
-def _stored(f: Mapping[str, Any], where: str, limits: DecodeLimits) -> Stored | None:
-    hashes = _hashes(f.get("block_hashes"), f"{where}.block_hashes", limits.max_blocks_per_event)
-    tokens = _tokens(f.get("token_ids"), f"{where}.token_ids", limits.max_tokens_per_event)
-    block_size = expect_int(f.get("block_size"), f"{where}.block_size", 1, TOKEN_LIMIT)
-    parent = f.get("parent_block_hash")
-    parent_hash = None if parent is None else _hash(parent, f"{where}.parent_block_hash")
-    lora_id = expect_optional_int(f.get("lora_id"), f"{where}.lora_id")
-    level = _medium(f.get("medium"), f"{where}.medium")
-    salt = expect_optional_int(f.get("cache_salt_id"), f"{where}.cache_salt_id")
-    priority = expect_int(f.get("priority", _DEFAULT_PRIORITY), f"{where}.priority", 0, 101)
-    lora_name = f.get("lora_name")
-    if lora_name is not None:
-        expect_str(lora_name, f"{where}.lora_name")
-    n, count = len(hashes), len(tokens)
-    if n == 0 and count == 0:
-        return None  # an empty store changes nothing
-    # Every block but the last holds exactly block_size tokens; the last holds 1..block_size.
-    if not (n - 1) * block_size < count <= n * block_size:
-        raise DecodeError(
-            f"{where}: {count} token_ids do not fit {n} blocks of block_size {block_size} "
-            f"(expected {max(n - 1, 0) * block_size + 1}..{n * block_size}); the sender's "
-            "block_size or token list is inconsistent"
-        )
-    blocks = [
-        StoredBlock(
-            block_hash=h,
-            tokens=tokens[i * block_size : (i + 1) * block_size],
-            lora_id=lora_id,
-            cache_level=level or 0,
-            priority=priority,
-            cache_salt_id=salt,
-        )
-        for i, h in enumerate(hashes)
-    ]
-    return Stored(parent_hash=parent_hash, blocks=blocks, block_size=block_size)
-
-
-def _data(kind: str, f: Mapping[str, Any], where: str, limits: DecodeLimits) -> EventData | None:
-    if kind == "BlockStored":
-        return _stored(f, where, limits)
-    if kind == "BlockRemoved":
-        return Removed(
-            block_hashes=_hashes(
-                f.get("block_hashes"), f"{where}.block_hashes", limits.max_blocks_per_event
-            ),
-            cache_level=_medium(f.get("medium"), f"{where}.medium"),
-        )
-    if kind == "AllBlocksCleared":
-        return AllBlocksCleared()
-    if kind == "BlockUpdated":
-        return Updated(
-            block_hash=_hash(f.get("block_hash"), f"{where}.block_hash"),
-            cache_level=_diff(f.get("cache_level"), f"{where}.cache_level"),
-            priority=_diff(f.get("priority"), f"{where}.priority"),
-        )
-    levels = expect_list(f.get("num_blocks_per_cache_level"), f"{where}.num_blocks_per_cache_level")
-    return Created([expect_int(n, f"{where}.num_blocks_per_cache_level") for n in levels])
-
-
-def _event(
-    raw: object, index: int, dp_rank: int | None, limits: DecodeLimits
-) -> KVCacheEvent | None:
-    where = f"events[{index}]"
-    extra: list[object]
-    if type(raw) is dict:
-        kind = expect_str(raw.get("type"), f"{where}.type")
-        fields: Mapping[str, Any] = raw
-        known = _KNOWN_FIELDS.get(kind)
-        extra = [v for k, v in raw.items() if known is None or k not in known]
-    elif type(raw) is list:
-        if not raw:
-            raise DecodeError(f"{where}: an event array needs its type name as element 0")
-        kind = expect_str(raw[0], f"{where}[0] (type)")
-        names = _POSITIONAL.get(kind, ())
-        fields = dict(zip(names, raw[1:], strict=False))
-        extra = raw[1 + len(names) :] if kind in _POSITIONAL else raw[1:]
-    else:
-        raise DecodeError(f"{where}: an event must be a map or an array, got {type(raw).__name__}")
-    for value in extra:  # ignored, but bounded like everything else
-        if type(value) is list or type(value) is dict:
-            _check_depth(value, limits.max_depth - 3, where)
-    if kind not in _POSITIONAL:
-        return None  # an event type this decoder does not know: skipped
-    data = _data(kind, fields, where, limits)
-    if data is None:
-        return None
-    return KVCacheEvent(
-        event_id=expect_int(fields.get("event_id", index), f"{where}.event_id"),
-        data=data,
-        window_size=expect_int(fields.get("window_size", 0), f"{where}.window_size"),
-        hash_algo=expect_str(fields.get("hash_algo", _DEFAULT_ALGO), f"{where}.hash_algo"),
-        attention_dp_rank=expect_optional_int(
-            fields.get("attention_dp_rank", dp_rank), f"{where}.attention_dp_rank"
-        ),
-    )
-
-
-def decode_batch(
-    payload: bytes | bytearray | memoryview, limits: DecodeLimits | None = None
-) -> DecodedBatch:
-    """The batch in one wire payload.
-
-    Raises :class:`DecodeError` (a ``ValueError``) for anything malformed: not msgpack, wrong
-    envelope, wrong field types, token counts that do not match ``block_size``, or a payload
-    beyond ``limits``. Unknown fields and event types are skipped.
-    """
-    lim = DEFAULT_LIMITS if limits is None else limits
-    top = _unpack(payload, lim)
-    try:
-        if type(top) is not list or len(top) not in (2, 3):
-            shape = f"{len(top)} elements" if type(top) is list else type(top).__name__
-            raise DecodeError(
-                f"payload must be an array [ts, events] or [ts, events, dp_rank], got {shape}"
-            )
-        ts = top[0]
-        if type(ts) not in (float, int) or not math.isfinite(ts):
-            raise DecodeError(f"payload[0] (ts): expected a finite number, got {ts!r:.40}")
-        events = expect_list(top[1], "payload[1] (events)")
-        if len(events) > lim.max_events:
-            raise DecodeError(
-                f"{len(events)} events exceed DecodeLimits.max_events ({lim.max_events})"
-            )
-        dp_rank = (
-            expect_optional_int(top[2], "payload[2] (dp_rank)", 0, TOKEN_LIMIT)
-            if len(top) == 3
-            else None
-        )
-        decoded = [_event(raw, i, dp_rank, lim) for i, raw in enumerate(events)]
-        return DecodedBatch(
-            ts=float(ts), events=[e for e in decoded if e is not None], dp_rank=dp_rank
-        )
-    except DecodeError:
-        raise
-    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as exc:
-        # Every field is checked above; this keeps the promise of one error type regardless.
-        raise DecodeError(f"malformed payload: {type(exc).__name__}: {exc}") from None
 
 
 __all__ = [

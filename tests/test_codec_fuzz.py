@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from events import codec as codec_module
+from events import wire_decode
 from events.codec import DecodeError, DecodeLimits, decode_batch, encode_batch
 from events.model import (
     AllBlocksCleared,
@@ -63,9 +63,9 @@ FUZZ = settings(
 def decoder_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every test runs with the extension's checks and with the pure-Python fallback."""
     if request.param == "pure":
-        monkeypatch.setattr(codec_module, "_native_msgpack_scan", None)
-        monkeypatch.setattr(codec_module, "_native_first_bad_token", None)
-    elif codec_module._native_msgpack_scan is None:
+        monkeypatch.setattr(wire_decode, "_native_msgpack_scan", None)
+        monkeypatch.setattr(wire_decode, "_native_first_bad_token", None)
+    elif wire_decode._native_msgpack_scan is None:
         pytest.skip("native extension not built")
     return str(request.param)
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events import codec as codec_module
+from events import wire_decode
 from events.codec import DecodeError, DecodeLimits, decode_batch, encode_batch, from_json
 from events.hashing import chain_hashes
 from events.model import (
@@ -29,7 +29,7 @@ from events.model import (
 from kvcache.scope import ReuseScope
 
 WIRE_DIR = Path(__file__).parent / "data" / "wire"
-NATIVE_SCAN = codec_module._native_msgpack_scan
+NATIVE_SCAN = wire_decode._native_msgpack_scan
 GOLDEN = ["vllm_map_form", "vllm_array_form", "encoder_map_form"]
 
 
@@ -332,7 +332,7 @@ def test_huge_declared_lengths_are_refused_before_allocation(
 ) -> None:
 
     if not native:
-        monkeypatch.setattr(codec_module, "_native_msgpack_scan", None)
+        monkeypatch.setattr(wire_decode, "_native_msgpack_scan", None)
     prefix = b"\x92\xcb" + b"\x00" * 8
     # the header scan sees the bytes end first; the unpacker refuses container lengths beyond
     # its caps, and str/bin lengths beyond the bytes present
@@ -348,8 +348,8 @@ def test_deep_nesting_is_rejected_even_in_ignored_fields(
 ) -> None:
 
     if not native:
-        monkeypatch.setattr(codec_module, "_native_msgpack_scan", None)
-    elif codec_module._native_msgpack_scan is None:
+        monkeypatch.setattr(wire_decode, "_native_msgpack_scan", None)
+    elif wire_decode._native_msgpack_scan is None:
         pytest.skip("native extension not built")
     nested: Any = 1
     for _ in range(6):
@@ -382,8 +382,8 @@ def test_token_checks_agree_with_and_without_the_extension(
 ) -> None:
 
     if not native:
-        monkeypatch.setattr(codec_module, "_native_first_bad_token", None)
-    elif codec_module._native_first_bad_token is None:
+        monkeypatch.setattr(wire_decode, "_native_first_bad_token", None)
+    elif wire_decode._native_first_bad_token is None:
         pytest.skip("native extension not built")
     with pytest.raises(DecodeError, match=re.escape(message)):
         decode_batch(_pack([0.0, [_stored_map(token_ids=tokens)]]))
