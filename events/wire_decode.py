@@ -78,6 +78,17 @@ class DecodeLimits:
     #: nesting of arrays and maps, the envelope counting 1 (the format itself needs 4)
     max_depth: int = 8
 
+    def __post_init__(self) -> None:
+        for name in self.__slots__:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"DecodeLimits.{name} must be a positive int, got {value!r}")
+        if self.max_depth < 4:
+            raise ValueError(
+                f"DecodeLimits.max_depth must be >= 4 (the format nests 4 deep), "
+                f"got {self.max_depth}"
+            )
+
 
 DEFAULT_LIMITS: Final = DecodeLimits()
 

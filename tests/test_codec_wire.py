@@ -326,6 +326,13 @@ def test_limits_bound_the_payload_before_and_while_unpacking() -> None:
     assert len(decode_batch(payload, DecodeLimits(max_events=3)).events) == 3
 
 
+def test_limits_are_validated() -> None:
+    with pytest.raises(ValueError, match="max_events must be a positive int"):
+        DecodeLimits(max_events=0)
+    with pytest.raises(ValueError, match="max_depth must be >= 4"):
+        DecodeLimits(max_depth=3)
+
+
 @pytest.mark.parametrize("native", [True, False], ids=["header-scan", "unpacker-caps"])
 def test_huge_declared_lengths_are_refused_before_allocation(
     monkeypatch: pytest.MonkeyPatch, native: bool
