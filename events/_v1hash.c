@@ -2,8 +2,8 @@
  * Native V1 block hashes (WIRE.md section 3): TensorRT-LLM's V1 BlockKeyHasher, 64-bit.
  *
  * events/hashing.py keeps the readable pure-Python reference; this file computes the same
- * values for packed native-endian int32 token ids (array('i'), or its bytes), so a router can
- * hash a whole prompt in one call. Tests check both agree.
+ * values for a list of token ids or packed native-endian int32s (array('i'), or its bytes), so
+ * a router can hash a whole prompt in one call. Tests check both agree.
  *
  *   block_hash(tokens, parent_hash, lora_id, salt_id) -> int
  *   chain(tokens, tokens_per_block, lora_id, salt_id) -> list[int]   (full blocks only)
@@ -99,14 +99,74 @@ static int parse_scope(PyObject *lora, PyObject *salt, scope_t *scope) {
     return parse_optional_u64(salt, "salt_id", &scope->has_salt, &scope->salt);
 }
 
-/* Checks the buffer holds whole int32s; returns the token count or -1 with an exception set. */
-static Py_ssize_t token_count(const Py_buffer *buf) {
-    if (buf->len % 4 != 0) {
-        PyErr_Format(PyExc_ValueError,
-                     "packed tokens must be whole 4-byte int32s, got %zd bytes", buf->len);
+/* Token ids as packed int32s: a list of ints is validated and packed here (one C pass instead
+ * of array('i') plus a Python-level range check); anything else must be a contiguous buffer of
+ * native-endian int32s, whose negative ids the hash loops reject as they go. */
+typedef struct {
+    Py_buffer buf;
+    int has_buf;
+    int32_t *owned;
+    const unsigned char *data;
+    Py_ssize_t n;
+} tokens_t;
+
+static void release_tokens(tokens_t *t) {
+    if (t->has_buf) {
+        PyBuffer_Release(&t->buf);
+        t->has_buf = 0;
+    }
+    PyMem_Free(t->owned);
+    t->owned = NULL;
+}
+
+/* Returns 0, or -1 with an exception set (and nothing left to release). */
+static int get_tokens(PyObject *obj, tokens_t *t) {
+    t->has_buf = 0;
+    t->owned = NULL;
+    if (PyList_Check(obj)) {
+        Py_ssize_t n = PyList_GET_SIZE(obj);
+        t->owned = PyMem_Malloc(sizeof(int32_t) * (size_t)(n > 0 ? n : 1));
+        if (t->owned == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *item = PyList_GET_ITEM(obj, i);
+            if (!PyLong_Check(item)) {
+                PyErr_Format(PyExc_TypeError, "token ids must be ints, got %s %R",
+                             Py_TYPE(item)->tp_name, item);
+                release_tokens(t);
+                return -1;
+            }
+            int overflow = 0;
+            long v = PyLong_AsLongAndOverflow(item, &overflow);
+            if (overflow != 0 || v < 0 || v > INT32_MAX) {
+                PyErr_Format(PyExc_ValueError, "token ids must be in [0, 2**31), got %R", item);
+                release_tokens(t);
+                return -1;
+            }
+            t->owned[i] = (int32_t)v;
+        }
+        t->data = (const unsigned char *)t->owned;
+        t->n = n;
+        return 0;
+    }
+    if (PyObject_GetBuffer(obj, &t->buf, PyBUF_SIMPLE) < 0) {
+        PyErr_Format(PyExc_TypeError,
+                     "tokens must be a list of ints or packed int32s (array('i'), bytes), got %s",
+                     Py_TYPE(obj)->tp_name);
         return -1;
     }
-    return buf->len / 4;
+    t->has_buf = 1;
+    if (t->buf.len % 4 != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "packed tokens must be whole 4-byte int32s, got %zd bytes", t->buf.len);
+        release_tokens(t);
+        return -1;
+    }
+    t->data = (const unsigned char *)t->buf.buf;
+    t->n = t->buf.len / 4;
+    return 0;
 }
 
 static PyObject *negative_token_error(void) {
@@ -117,17 +177,20 @@ static PyObject *negative_token_error(void) {
 
 static PyObject *v1_block_hash(PyObject *self, PyObject *args) {
     (void)self;
-    Py_buffer buf;
-    PyObject *parent_obj, *lora, *salt;
+    PyObject *tokens_obj, *parent_obj, *lora, *salt;
     scope_t scope;
-    if (!PyArg_ParseTuple(args, "y*OOO:block_hash", &buf, &parent_obj, &lora, &salt)) {
+    tokens_t toks;
+    if (!PyArg_ParseTuple(args, "OOOO:block_hash", &tokens_obj, &parent_obj, &lora, &salt)) {
+        return NULL;
+    }
+    if (get_tokens(tokens_obj, &toks) < 0) {
         return NULL;
     }
     PyObject *result = NULL;
     int has_parent;
     uint64_t parent;
-    Py_ssize_t n = token_count(&buf);
-    if (n < 0 || parse_optional_u64(parent_obj, "parent_hash", &has_parent, &parent) < 0 ||
+    Py_ssize_t n = toks.n;
+    if (parse_optional_u64(parent_obj, "parent_hash", &has_parent, &parent) < 0 ||
         parse_scope(lora, salt, &scope) < 0) {
         goto done;
     }
@@ -136,30 +199,33 @@ static PyObject *v1_block_hash(PyObject *self, PyObject *args) {
         goto done;
     }
     uint32_t sign = 0;
-    uint64_t h = hash_block((const unsigned char *)buf.buf, n, parent, &scope, &sign);
+    uint64_t h = hash_block(toks.data, n, parent, &scope, &sign);
     if (sign & UINT32_C(0x80000000)) {
         negative_token_error();
         goto done;
     }
     result = PyLong_FromUnsignedLongLong(h);
 done:
-    PyBuffer_Release(&buf);
+    release_tokens(&toks);
     return result;
 }
 
 static PyObject *v1_chain(PyObject *self, PyObject *args) {
     (void)self;
-    Py_buffer buf;
+    PyObject *tokens_obj, *lora, *salt;
     Py_ssize_t tpb;
-    PyObject *lora, *salt;
     scope_t scope;
-    if (!PyArg_ParseTuple(args, "y*nOO:chain", &buf, &tpb, &lora, &salt)) {
+    tokens_t toks;
+    if (!PyArg_ParseTuple(args, "OnOO:chain", &tokens_obj, &tpb, &lora, &salt)) {
+        return NULL;
+    }
+    if (get_tokens(tokens_obj, &toks) < 0) {
         return NULL;
     }
     PyObject *result = NULL;
     uint64_t *hashes = NULL;
-    Py_ssize_t n = token_count(&buf);
-    if (n < 0 || parse_scope(lora, salt, &scope) < 0) {
+    Py_ssize_t n = toks.n;
+    if (parse_scope(lora, salt, &scope) < 0) {
         goto done;
     }
     if (tpb < 1) {
@@ -172,10 +238,10 @@ static PyObject *v1_chain(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    const unsigned char *p = (const unsigned char *)buf.buf;
+    const unsigned char *p = toks.data;
     uint32_t sign = 0;
     uint64_t parent = 0;
-    /* The buffer export keeps the array from being resized while the GIL is released. */
+    /* The buffer export (or our own copy) keeps the tokens stable while the GIL is released. */
     PyThreadState *released = n >= RELEASE_GIL_TOKENS ? PyEval_SaveThread() : NULL;
     for (Py_ssize_t b = 0; b < nblocks; b++) {
         parent = hash_block(p + 4 * b * tpb, tpb, parent, &scope, &sign);
@@ -208,7 +274,7 @@ static PyObject *v1_chain(PyObject *self, PyObject *args) {
     }
 done:
     PyMem_Free(hashes);
-    PyBuffer_Release(&buf);
+    release_tokens(&toks);
     return result;
 }
 

@@ -141,15 +141,17 @@ def _as_array(tokens: Tokens) -> array[int]:
     return token_array(tokens)
 
 
-def _int32s(tokens: Tokens) -> array[int] | bytes | bytearray | memoryview:
-    """Tokens as packed int32s for the hash functions.
+def _int32s(tokens: Tokens) -> Tokens:
+    """Tokens in a form the hash functions take.
 
-    With the native extension, an ``array('i')`` or a bytes-like object goes through as is:
-    the native code checks the length and rejects negative ids itself, which spares a
-    Python-level pass over a long prompt.
+    With the native extension, a list, an ``array('i')`` or a bytes-like object goes through
+    as is: the native code validates a list's ids while packing them, checks a buffer's length
+    and rejects negative ids itself, which spares Python-level passes over a long prompt.
     """
     if _native is not None and (
-        isinstance(tokens, _PACKED_TYPES) or (isinstance(tokens, array) and tokens.typecode == "i")
+        type(tokens) is list
+        or isinstance(tokens, _PACKED_TYPES)
+        or (isinstance(tokens, array) and tokens.typecode == "i")
     ):
         return tokens
     return _as_array(tokens)

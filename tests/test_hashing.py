@@ -167,8 +167,15 @@ def test_native_chain_of_a_long_prompt_without_the_gil() -> None:
 
 @pytest.mark.parametrize(
     "tokens",
-    [[1, -1], [2**31], array("i", [5, -2]), array("i", [1, 2, 3, 4, 5, -9]).tobytes()],
-    ids=["list-negative", "list-too-big", "array-negative", "bytes-negative"],
+    [
+        [1, -1],
+        [2**31],
+        [3, 2**70],
+        (1, -1),
+        array("i", [5, -2]),
+        array("i", [1, 2, 3, 4, 5, -9]).tobytes(),
+    ],
+    ids=["list-negative", "list-too-big", "list-huge", "tuple", "array-negative", "bytes-negative"],
 )
 def test_out_of_range_tokens_are_rejected(tokens: Any) -> None:
     with pytest.raises(ValueError, match=r"\[0, 2\*\*31\)"):
@@ -182,6 +189,8 @@ def test_bad_arguments_are_rejected_with_clear_errors() -> None:
         v1_chain(b"\x01\x00\x00", 1)
     with pytest.raises(TypeError, match="token ids must be ints"):
         v1_block_hash([1, "2"])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="token ids must be ints"):
+        v1_chain([1, 2.0], 1)  # type: ignore[list-item]
     with pytest.raises(ValueError, match="parent_hash"):
         v1_block_hash([1], parent_hash=2**64)
     with pytest.raises(ValueError, match="lora_id"):
