@@ -430,6 +430,174 @@ static PyObject *msgpack_scan(PyObject *self, PyObject *args) {
     return PyLong_FromLong(status);
 }
 
+/* ---- record builders ------------------------------------------------------------------
+ *
+ * The event records are frozen slotted dataclasses; their generated __init__ stores each field
+ * through object.__setattr__, which costs about a microsecond per StoredBlock. These builders
+ * allocate the record with its type's tp_alloc (as object.__new__ does) and store each field
+ * through the slot's own descriptor, the same store object.__setattr__ ends in. The Python
+ * module events._records holds the readable reference and passes the type and its
+ * descriptors, in field order, on every call. */
+
+#define RECORD_FIELDS 6 /* block_hash, tokens, lora_id, cache_level, priority, cache_salt_id */
+
+/* Checks (cls, setters): a type and a tuple of RECORD_FIELDS data descriptors. */
+static int check_record_type(PyObject *cls, PyObject *setters) {
+    if (!PyType_Check(cls)) {
+        PyErr_Format(PyExc_TypeError, "record type must be a class, got %s",
+                     Py_TYPE(cls)->tp_name);
+        return -1;
+    }
+    if (!PyTuple_CheckExact(setters) || PyTuple_GET_SIZE(setters) != RECORD_FIELDS) {
+        PyErr_Format(PyExc_TypeError, "record setters must be a tuple of %d slot descriptors",
+                     RECORD_FIELDS);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < RECORD_FIELDS; i++) {
+        if (Py_TYPE(PyTuple_GET_ITEM(setters, i))->tp_descr_set == NULL) {
+            PyErr_Format(PyExc_TypeError, "record setter %zd is not a data descriptor", i);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* A new record of cls with its fields set from values[0..RECORD_FIELDS); steals nothing. */
+static PyObject *new_record(PyObject *cls, PyObject *setters, PyObject *const *values) {
+    PyTypeObject *type = (PyTypeObject *)cls;
+    PyObject *obj = type->tp_alloc(type, 0);
+    if (obj == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < RECORD_FIELDS; i++) {
+        PyObject *d = PyTuple_GET_ITEM(setters, i);
+        if (Py_TYPE(d)->tp_descr_set(d, obj, values[i]) < 0) {
+            Py_DECREF(obj);
+            return NULL;
+        }
+    }
+    return obj;
+}
+
+/* stored_blocks(cls, setters, hashes, tokens, block_size, lora_id, cache_level, priority,
+ * salt_id) -> list: record i holds hashes[i] and tokens[i*block_size : (i+1)*block_size]. */
+static PyObject *stored_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 9) {
+        PyErr_Format(PyExc_TypeError, "stored_blocks takes 9 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *cls = args[0], *setters = args[1], *hashes = args[2], *tokens = args[3];
+    if (check_record_type(cls, setters) < 0) {
+        return NULL;
+    }
+    if (!PyList_Check(hashes) || !PyList_Check(tokens)) {
+        PyErr_SetString(PyExc_TypeError, "stored_blocks needs lists of hashes and token ids");
+        return NULL;
+    }
+    Py_ssize_t bs = PyLong_AsSsize_t(args[4]);
+    if (bs == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (bs < 1) {
+        PyErr_Format(PyExc_ValueError, "block_size must be >= 1, got %zd", bs);
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(hashes), count = PyList_GET_SIZE(tokens);
+    PyObject *out = PyList_New(n);
+    if (out == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        /* clamped to the token count without ever computing an i * bs that could overflow */
+        Py_ssize_t lo = i <= count / bs ? i * bs : count;
+        Py_ssize_t hi = bs < count - lo ? lo + bs : count;
+        PyObject *slice = PyList_GetSlice(tokens, lo, hi);
+        if (slice == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyObject *values[RECORD_FIELDS] = {PyList_GET_ITEM(hashes, i), slice, args[5], args[6],
+                                           args[7], args[8]};
+        PyObject *rec = new_record(cls, setters, values);
+        Py_DECREF(slice);
+        if (rec == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, rec);
+    }
+    return out;
+}
+
+/* v1_stored_block(cls, setters, tokens, parent_hash, lora_id, salt_id, cache_level, priority)
+ * -> record: the V1 hash of packed int32 tokens chained to parent_hash (an int) and the record
+ * announcing it, its token ids as a list of ints (one C pass for the hash and the list). */
+static PyObject *v1_stored_block(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 8) {
+        PyErr_Format(PyExc_TypeError, "v1_stored_block takes 8 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *cls = args[0], *setters = args[1];
+    if (check_record_type(cls, setters) < 0) {
+        return NULL;
+    }
+    scope_t scope;
+    int has_parent;
+    uint64_t parent;
+    if (parse_optional_u64(args[3], "parent_hash", &has_parent, &parent) < 0 ||
+        parse_scope(args[4], args[5], &scope) < 0) {
+        return NULL;
+    }
+    if (!has_parent) {
+        PyErr_SetString(PyExc_TypeError, "parent_hash must be an int (0 for a first block)");
+        return NULL;
+    }
+    Py_buffer buf;
+    if (PyObject_GetBuffer(args[2], &buf, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    PyObject *result = NULL, *list = NULL, *hash = NULL;
+    if (buf.len % 4 != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "packed tokens must be whole 4-byte int32s, got %zd bytes", buf.len);
+        goto done;
+    }
+    Py_ssize_t n = buf.len / 4;
+    const unsigned char *p = (const unsigned char *)buf.buf;
+    uint32_t sign = 0;
+    uint64_t h = hash_block(p, n, parent, &scope, &sign);
+    if (sign & UINT32_C(0x80000000)) {
+        negative_token_error();
+        goto done;
+    }
+    list = PyList_New(n);
+    if (list == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t tok;
+        memcpy(&tok, p + 4 * i, 4);
+        PyObject *v = PyLong_FromLong(tok);
+        if (v == NULL) {
+            goto done;
+        }
+        PyList_SET_ITEM(list, i, v);
+    }
+    hash = PyLong_FromUnsignedLongLong(h);
+    if (hash == NULL) {
+        goto done;
+    }
+    PyObject *values[RECORD_FIELDS] = {hash, list, args[4], args[6], args[7], args[5]};
+    result = new_record(cls, setters, values);
+done:
+    Py_XDECREF(hash);
+    Py_XDECREF(list);
+    PyBuffer_Release(&buf);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"block_hash", v1_block_hash, METH_VARARGS,
      "block_hash(tokens, parent_hash, lora_id, salt_id) -> int: V1 hash of one block of packed "
@@ -443,6 +611,12 @@ static PyMethodDef methods[] = {
     {"first_bad_token", first_bad_token, METH_O,
      "first_bad_token(list) -> int: index of the first item that is not an int in [0, 2**31), "
      "or -1."},
+    {"stored_blocks", (PyCFunction)(void (*)(void))stored_blocks, METH_FASTCALL,
+     "stored_blocks(cls, setters, hashes, tokens, block_size, lora_id, cache_level, priority, "
+     "salt_id) -> list: one record per hash, each with its block_size slice of tokens."},
+    {"v1_stored_block", (PyCFunction)(void (*)(void))v1_stored_block, METH_FASTCALL,
+     "v1_stored_block(cls, setters, tokens, parent_hash, lora_id, salt_id, cache_level, "
+     "priority) -> record: V1 hash and record of one block of packed int32 token ids."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,5 +1,7 @@
 """Type stub of the native V1 block hash extension (built from _v1hash.c)."""
 
+from typing import Any
+
 def block_hash(tokens: object, parent_hash: int, lora_id: int | None, salt_id: int | None) -> int:
     """V1 hash of one block of packed native-endian int32 token ids."""
 
@@ -14,3 +16,28 @@ def first_bad_token(tokens: list[object]) -> int:
 def msgpack_scan(data: bytes | bytearray | memoryview, max_depth: int) -> int:
     """0: one well-formed msgpack object; 1: nested deeper than max_depth; 2: truncated;
     3: invalid type byte; 4: trailing bytes after the object."""
+
+def stored_blocks(
+    cls: type[Any],
+    setters: tuple[Any, ...],
+    hashes: list[Any],
+    tokens: list[int],
+    block_size: int,
+    lora_id: int | None,
+    cache_level: int,
+    priority: int,
+    salt_id: int | None,
+) -> list[Any]:
+    """One record of ``cls`` per hash, each with its ``block_size`` slice of ``tokens``."""
+
+def v1_stored_block(
+    cls: type[Any],
+    setters: tuple[Any, ...],
+    tokens: object,
+    parent_hash: int,
+    lora_id: int | None,
+    salt_id: int | None,
+    cache_level: int,
+    priority: int,
+) -> Any:
+    """The V1 hash and record of one block of packed int32 token ids."""

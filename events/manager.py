@@ -27,8 +27,10 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import Final, Literal
 
+from events._records import stored_block as _stored_block
+from events._records import v1_stored_block
 from events.hashing import HashAlgo, v1_block_hash
 from events.model import (
     AllBlocksCleared,
@@ -45,53 +47,8 @@ from events.model import (
 from kvcache.keys import BlockKey
 from kvcache.sink import BlockView
 
-_NativeHash = Callable[[object, int, int | None, int | None], int]
-_native_v1_block_hash: _NativeHash | None
-try:  # the optional native V1 hash (see events.hashing); absent, v1_block_hash is the fallback
-    from events._v1hash import block_hash as _native_v1_block_hash
-except ImportError:  # pragma: no cover - depends on the install
-    _native_v1_block_hash = None
-
 MovesAs = Literal["updated", "removed_stored"]
 _MOVES_AS: Final[tuple[str, ...]] = ("updated", "removed_stored")
-
-# A frozen dataclass's __init__ routes every field through object.__setattr__, which costs about
-# a microsecond per StoredBlock; the per-block path writes the slots through their descriptors
-# instead (same object, same equality, tested against the regular constructor).
-_new_object = object.__new__
-
-
-def _slot_setter(name: str) -> Callable[[object, object], None]:
-    descriptor: Any = vars(StoredBlock)[name]
-    setter: Callable[[object, object], None] = descriptor.__set__
-    return setter
-
-
-_set_hash = _slot_setter("block_hash")
-_set_tokens = _slot_setter("tokens")
-_set_lora = _slot_setter("lora_id")
-_set_level = _slot_setter("cache_level")
-_set_priority = _slot_setter("priority")
-_set_salt = _slot_setter("cache_salt_id")
-
-
-def _stored_block(
-    block_hash: BlockHash,
-    tokens: list[int],
-    lora_id: int | None,
-    cache_level: int,
-    priority: int,
-    cache_salt_id: int | None,
-) -> StoredBlock:
-    """``StoredBlock(...)`` without the frozen-dataclass construction overhead."""
-    sb: StoredBlock = _new_object(StoredBlock)
-    _set_hash(sb, block_hash)
-    _set_tokens(sb, tokens)
-    _set_lora(sb, lora_id)
-    _set_level(sb, cache_level)
-    _set_priority(sb, priority)
-    _set_salt(sb, cache_salt_id)
-    return sb
 
 
 def _token_list(tokens: Sequence[int]) -> list[int]:
@@ -216,19 +173,27 @@ class KVCacheEventManager:
     def _hash_block(self, block: BlockView, parent_hash: BlockHash | None) -> BlockHash:
         if self._v1:
             scope = block.scope
-            tokens = block.tokens
             parent = 0 if parent_hash is None else int(parent_hash)
-            # Blocks in the tree hold token ids kvcache validated on entry, packed as int32s,
-            # and parent hashes are values computed here: the native hash can take them as
-            # they are, skipping v1_block_hash's per-call checks (they would triple the cost).
-            if (
-                _native_v1_block_hash is not None
-                and type(tokens) is array
-                and tokens.typecode == "i"
-            ):
-                return int(_native_v1_block_hash(tokens, parent, scope.lora_id, scope.salt))
-            return v1_block_hash(tokens, parent, lora_id=scope.lora_id, salt_id=scope.salt)
+            return v1_block_hash(block.tokens, parent, lora_id=scope.lora_id, salt_id=scope.salt)
         return self._key_hash(block.key)
+
+    def _record(self, block: BlockView, parent_hash: BlockHash | None) -> StoredBlock:
+        """The Stored record announcing ``block``, hashed under ``parent_hash``."""
+        scope = block.scope
+        tokens = block.tokens
+        # Blocks in the tree hold token ids kvcache validated on entry, packed as int32s, and
+        # parent hashes are values computed here: one native call hashes such a block and
+        # builds its record, skipping v1_block_hash's per-call checks (they would triple the
+        # cost of the hash).
+        if self._v1 and type(tokens) is array and tokens.typecode == "i":
+            parent = 0 if parent_hash is None else int(parent_hash)
+            return v1_stored_block(
+                tokens, parent, scope.lora_id, scope.salt, block.tier, block.priority
+            )
+        h = self._hash_block(block, parent_hash)
+        return _stored_block(
+            h, _token_list(tokens), scope.lora_id, block.tier, block.priority, scope.salt
+        )
 
     def _parent_hash(self, block: BlockView) -> BlockHash | None:
         """The event hash of ``block``'s parent; None for a first block.
@@ -312,18 +277,13 @@ class KVCacheEventManager:
                 if key in hashes:
                     self.duplicate_stores += 1
                     continue
-                parent_hash = self._parent_hash(block)
-                h = self._hash_block(block, parent_hash)
-                hashes[key] = h
-                scope = block.scope
-                sb = _stored_block(
-                    h,
-                    _token_list(block.tokens),
-                    scope.lora_id,
-                    block.tier,
-                    block.priority,
-                    scope.salt,
-                )
+                # the usual case inline: the parent was announced (by this call, mostly)
+                parent = block.parent
+                parent_hash = None if parent is None else hashes.get(parent.key)
+                if parent_hash is None and parent is not None:
+                    parent_hash = self._parent_hash(block)
+                sb = self._record(block, parent_hash)
+                hashes[key] = sb.block_hash
                 self._append_stored(parent_hash, sb, pending)
 
     def on_removed(self, blocks: Sequence[BlockView]) -> None:

@@ -5,8 +5,9 @@ Tolerant of what existing engines send: map-form or legacy positional events, 2-
 (skipped). Strict about everything else: any malformed payload raises :class:`DecodeError`
 with the path of the bad value, and :class:`DecodeLimits` bound the work and memory one
 payload can cost. With the optional extension, a header-only scan refuses deep nesting,
-truncation and trailing bytes before msgpack builds any object, and token ids are checked in
-one C pass; without it the same payloads are refused by slower Python checks.
+truncation and trailing bytes before msgpack builds any object, token ids are checked in one
+C pass and an event's StoredBlock records are built in one C call (``events._records``);
+without it the same payloads are refused, and the same records built, by slower Python code.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, Final
 
 import msgpack
 
+from events._records import stored_blocks
 from events.json_codec import (
     TOKEN_LIMIT,
     U64_LIMIT,
@@ -37,7 +39,6 @@ from events.model import (
     KVCacheEvent,
     Removed,
     Stored,
-    StoredBlock,
     Updated,
     cache_level_of,
 )
@@ -264,17 +265,7 @@ def _stored(f: Mapping[str, Any], where: str, limits: DecodeLimits) -> Stored | 
             f"(expected {max(n - 1, 0) * block_size + 1}..{n * block_size}); the sender's "
             "block_size or token list is inconsistent"
         )
-    blocks = [
-        StoredBlock(
-            block_hash=h,
-            tokens=tokens[i * block_size : (i + 1) * block_size],
-            lora_id=lora_id,
-            cache_level=level or 0,
-            priority=priority,
-            cache_salt_id=salt,
-        )
-        for i, h in enumerate(hashes)
-    ]
+    blocks = stored_blocks(hashes, tokens, block_size, lora_id, level or 0, priority, salt)
     return Stored(parent_hash=parent_hash, blocks=blocks, block_size=block_size)
 
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from events import wire_decode
+from events import _records, wire_decode
 from events.codec import DecodeError, DecodeLimits, decode_batch, encode_batch
 from events.model import (
     AllBlocksCleared,
@@ -65,6 +65,7 @@ def decoder_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
     if request.param == "pure":
         monkeypatch.setattr(wire_decode, "_native_msgpack_scan", None)
         monkeypatch.setattr(wire_decode, "_native_first_bad_token", None)
+        monkeypatch.setattr(wire_decode, "stored_blocks", _records.stored_blocks_py)
     elif wire_decode._native_msgpack_scan is None:
         pytest.skip("native extension not built")
     return str(request.param)

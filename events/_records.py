@@ -1,0 +1,139 @@
+"""Fast construction of :class:`~events.model.StoredBlock` records for the per-block paths.
+
+The event manager builds one StoredBlock per announced block and the wire decoder one per
+decoded block. A frozen dataclass's generated ``__init__`` stores every field through
+``object.__setattr__``, about a microsecond per record; the builders here allocate the record
+with ``object.__new__`` and store each field through its slot descriptor, which is the same
+store without the detour. The result is the same object (equal, hashable, frozen), tested
+against the regular constructor.
+
+Each builder has a readable pure-Python form (the ``*_py`` functions, the reference) and, when
+the optional extension ``events._v1hash`` is built, a native form that does the same work in one
+call per event (``stored_blocks``) or per block (``v1_stored_block``, which also hashes).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Callable
+from functools import partial
+from typing import Any, Final
+
+from events.hashing import v1_block_hash
+from events.model import BlockHash, StoredBlock
+
+try:  # the optional extension (see events.hashing); absent, the pure forms below are used
+    from events import _v1hash as _native
+except ImportError:  # pragma: no cover - depends on the install
+    _native = None  # type: ignore[assignment]
+
+NATIVE: Final[bool] = _native is not None and hasattr(_native, "stored_blocks")
+"""True when the native record builders are loaded."""
+
+_FIELDS: Final = ("block_hash", "tokens", "lora_id", "cache_level", "priority", "cache_salt_id")
+# the slot descriptors of StoredBlock, in field order (what the native builders store through)
+_DESCRIPTORS: Final[tuple[Any, ...]] = tuple(vars(StoredBlock)[name] for name in _FIELDS)
+_new_object = object.__new__
+
+
+def _setter(descriptor: Any) -> Callable[[object, object], None]:
+    setter: Callable[[object, object], None] = descriptor.__set__
+    return setter
+
+
+_set_hash, _set_tokens, _set_lora, _set_level, _set_priority, _set_salt = map(_setter, _DESCRIPTORS)
+
+
+def stored_block(
+    block_hash: BlockHash,
+    tokens: list[int],
+    lora_id: int | None,
+    cache_level: int,
+    priority: int,
+    cache_salt_id: int | None,
+) -> StoredBlock:
+    """``StoredBlock(...)`` without the frozen-dataclass construction overhead (no checks:
+    the callers pass values they produced or validated)."""
+    sb: StoredBlock = _new_object(StoredBlock)
+    _set_hash(sb, block_hash)
+    _set_tokens(sb, tokens)
+    _set_lora(sb, lora_id)
+    _set_level(sb, cache_level)
+    _set_priority(sb, priority)
+    _set_salt(sb, cache_salt_id)
+    return sb
+
+
+def stored_blocks_py(
+    hashes: list[BlockHash],
+    tokens: list[int],
+    block_size: int,
+    lora_id: int | None,
+    cache_level: int,
+    priority: int,
+    cache_salt_id: int | None,
+) -> list[StoredBlock]:
+    """One record per hash; record ``i`` holds ``tokens[i * block_size : (i + 1) * block_size]``
+    (the reference form of :func:`stored_blocks`)."""
+    return [
+        stored_block(
+            h,
+            tokens[i * block_size : (i + 1) * block_size],
+            lora_id,
+            cache_level,
+            priority,
+            cache_salt_id,
+        )
+        for i, h in enumerate(hashes)
+    ]
+
+
+def v1_stored_block_py(
+    tokens: array[int],
+    parent_hash: int,
+    lora_id: int | None,
+    salt_id: int | None,
+    cache_level: int,
+    priority: int,
+) -> StoredBlock:
+    """The record announcing one block of packed int32 ``tokens`` under its V1 hash chained to
+    ``parent_hash`` (0 for a first block); the reference form of :func:`v1_stored_block`."""
+    h = v1_block_hash(tokens, parent_hash, lora_id=lora_id, salt_id=salt_id)
+    return stored_block(h, tokens.tolist(), lora_id, cache_level, priority, salt_id)
+
+
+def _stored_blocks_native(
+    hashes: list[BlockHash],
+    tokens: list[int],
+    block_size: int,
+    lora_id: int | None,
+    cache_level: int,
+    priority: int,
+    cache_salt_id: int | None,
+) -> list[StoredBlock]:
+    records: list[StoredBlock] = _native.stored_blocks(
+        StoredBlock,
+        _DESCRIPTORS,
+        hashes,
+        tokens,
+        block_size,
+        lora_id,
+        cache_level,
+        priority,
+        cache_salt_id,
+    )
+    return records
+
+
+stored_blocks: Callable[
+    [list[BlockHash], list[int], int, int | None, int, int, int | None], list[StoredBlock]
+] = _stored_blocks_native if NATIVE else stored_blocks_py
+"""Records for one decoded wire event (see :func:`stored_blocks_py`)."""
+
+# per block, so the native builder is bound to the record type once (partial calls it through
+# vectorcall, without a Python frame in between)
+v1_stored_block: Callable[[array[int], int, int | None, int | None, int, int], StoredBlock] = (
+    partial(_native.v1_stored_block, StoredBlock, _DESCRIPTORS) if NATIVE else v1_stored_block_py
+)
+"""Hash and record of one block (see :func:`v1_stored_block_py`); ``tokens`` must be an
+``array('i')``."""
