@@ -598,6 +598,219 @@ done:
     return result;
 }
 
+/* ---- wire encoder ---------------------------------------------------------------------
+ *
+ * stored_runs(blocks, block_size) -> list[(end, token_ids, hashes)]: the runs of a Stored
+ * event's blocks that travel as one wire event each (same lora_id, cache_level, priority and
+ * cache_salt_id; only a run's last block may be short), with each run's token ids concatenated
+ * and its block hashes listed. events.codec keeps the readable reference (_stored_runs_py). */
+
+static PyObject *STR_BLOCK_HASH, *STR_TOKENS, *STR_LORA_ID, *STR_CACHE_LEVEL, *STR_PRIORITY,
+    *STR_CACHE_SALT_ID;
+
+#define RUN_ATTRS 4 /* lora_id, cache_level, priority, cache_salt_id */
+
+typedef struct {
+    PyObject *hash;
+    PyObject *tokens; /* a list or tuple (PySequence_Fast) */
+    PyObject *attrs[RUN_ATTRS];
+} wire_block_t;
+
+static void clear_wire_block(wire_block_t *b) {
+    Py_CLEAR(b->hash);
+    Py_CLEAR(b->tokens);
+    for (int k = 0; k < RUN_ATTRS; k++) {
+        Py_CLEAR(b->attrs[k]);
+    }
+}
+
+/* Reads one block's fields; 0, or -1 with an exception set (and nothing held). */
+static int read_wire_block(PyObject *block, wire_block_t *b) {
+    memset(b, 0, sizeof(*b));
+    PyObject *names[RUN_ATTRS] = {STR_LORA_ID, STR_CACHE_LEVEL, STR_PRIORITY, STR_CACHE_SALT_ID};
+    PyObject *tokens = PyObject_GetAttr(block, STR_TOKENS);
+    if (tokens == NULL) {
+        return -1;
+    }
+    b->tokens = PySequence_Fast(tokens, "stored block tokens must be a sequence of ints");
+    Py_DECREF(tokens);
+    if (b->tokens == NULL || (b->hash = PyObject_GetAttr(block, STR_BLOCK_HASH)) == NULL) {
+        clear_wire_block(b);
+        return -1;
+    }
+    for (int k = 0; k < RUN_ATTRS; k++) {
+        if ((b->attrs[k] = PyObject_GetAttr(block, names[k])) == NULL) {
+            clear_wire_block(b);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* 1 when a and b may share a wire event (equal attributes), 0 when not, -1 on error. */
+static int same_run_attrs(const wire_block_t *a, const wire_block_t *b) {
+    for (int k = 0; k < RUN_ATTRS; k++) {
+        int ne = PyObject_RichCompareBool(a->attrs[k], b->attrs[k], Py_NE);
+        if (ne != 0) {
+            return ne < 0 ? -1 : 0;
+        }
+    }
+    return 1;
+}
+
+/* Appends (end, token_ids, hashes) to out and starts new run lists; 0 or -1. */
+static int emit_run(PyObject *out, Py_ssize_t end, PyObject **tokens, PyObject **hashes) {
+    PyObject *run = Py_BuildValue("(nOO)", end, *tokens, *hashes);
+    if (run == NULL) {
+        return -1;
+    }
+    int rc = PyList_Append(out, run);
+    Py_DECREF(run);
+    Py_SETREF(*tokens, PyList_New(0));
+    Py_SETREF(*hashes, PyList_New(0));
+    return rc < 0 || *tokens == NULL || *hashes == NULL ? -1 : 0;
+}
+
+static PyObject *stored_runs(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *blocks_obj;
+    Py_ssize_t bs;
+    if (!PyArg_ParseTuple(args, "On:stored_runs", &blocks_obj, &bs)) {
+        return NULL;
+    }
+    PyObject *blocks = PySequence_Fast(blocks_obj, "stored_runs needs a sequence of blocks");
+    if (blocks == NULL) {
+        return NULL;
+    }
+    PyObject *out = PyList_New(0), *tokens = PyList_New(0), *hashes = PyList_New(0);
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(blocks);
+    wire_block_t cur, nxt;
+    int have_cur = 0;
+    if (out == NULL || tokens == NULL || hashes == NULL) {
+        goto fail;
+    }
+    if (count > 0) {
+        if (read_wire_block(PySequence_Fast_GET_ITEM(blocks, 0), &cur) < 0) {
+            goto fail;
+        }
+        have_cur = 1;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(cur.tokens);
+        if (!(0 < n && n <= bs)) {
+            PyErr_Format(PyExc_ValueError,
+                         "stored block %zd has %zd tokens; blocks must hold 1..block_size (%zd) "
+                         "tokens",
+                         i, n, bs);
+            goto fail;
+        }
+        Py_ssize_t len = PyList_GET_SIZE(tokens);
+        if (PyList_SetSlice(tokens, len, len, cur.tokens) < 0 ||
+            PyList_Append(hashes, cur.hash) < 0) {
+            goto fail;
+        }
+        int boundary = i + 1 == count || n < bs;
+        if (i + 1 < count) {
+            if (read_wire_block(PySequence_Fast_GET_ITEM(blocks, i + 1), &nxt) < 0) {
+                goto fail;
+            }
+            if (!boundary) {
+                int same = same_run_attrs(&cur, &nxt);
+                if (same < 0) {
+                    clear_wire_block(&nxt);
+                    goto fail;
+                }
+                boundary = !same;
+            }
+        }
+        clear_wire_block(&cur);
+        have_cur = 0;
+        if (i + 1 < count) {
+            cur = nxt;
+            have_cur = 1;
+        }
+        if (boundary && emit_run(out, i + 1, &tokens, &hashes) < 0) {
+            goto fail;
+        }
+    }
+    Py_DECREF(tokens);
+    Py_DECREF(hashes);
+    Py_DECREF(blocks);
+    return out;
+fail:
+    if (have_cur) {
+        clear_wire_block(&cur);
+    }
+    Py_XDECREF(tokens);
+    Py_XDECREF(hashes);
+    Py_XDECREF(out);
+    Py_DECREF(blocks);
+    return NULL;
+}
+
+/* pack_uint_array(list) -> bytes | None: the msgpack encoding of a list of ints in [0, 2**32),
+ * byte for byte what msgpack's packer writes (smallest array header; positive fixint, uint8,
+ * uint16 or uint32 per item), or None when an item is not such an int (the caller then packs
+ * the list with msgpack). The wire encoder's token_ids arrays, several thousand ints each. */
+static PyObject *pack_uint_array(PyObject *self, PyObject *arg) {
+    (void)self;
+    if (!PyList_Check(arg)) {
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(arg);
+    if ((uint64_t)n > UINT32_MAX) {
+        Py_RETURN_NONE;
+    }
+    /* header (at most 5 bytes) + at most 5 bytes per item */
+    unsigned char *buf = PyMem_Malloc(5 + 5 * (size_t)n);
+    if (buf == NULL) {
+        return PyErr_NoMemory();
+    }
+    unsigned char *p = buf;
+    if (n < 16) {
+        *p++ = (unsigned char)(0x90 | n);
+    } else if (n < 65536) {
+        *p++ = 0xdc;
+        *p++ = (unsigned char)(n >> 8);
+        *p++ = (unsigned char)n;
+    } else {
+        *p++ = 0xdd;
+        for (int s = 24; s >= 0; s -= 8) {
+            *p++ = (unsigned char)((uint64_t)n >> s);
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(arg, i);
+        int overflow = 0;
+        long long v = PyLong_CheckExact(item) ? PyLong_AsLongLongAndOverflow(item, &overflow) : -1;
+        if (overflow != 0 || v < 0 || v > (long long)UINT32_MAX) {
+            PyMem_Free(buf);
+            PyErr_Clear();
+            Py_RETURN_NONE;
+        }
+        uint32_t u = (uint32_t)v;
+        if (u < 0x80) {
+            *p++ = (unsigned char)u;
+        } else if (u < 0x100) {
+            *p++ = 0xcc;
+            *p++ = (unsigned char)u;
+        } else if (u < 0x10000) {
+            *p++ = 0xcd;
+            *p++ = (unsigned char)(u >> 8);
+            *p++ = (unsigned char)u;
+        } else {
+            *p++ = 0xce;
+            *p++ = (unsigned char)(u >> 24);
+            *p++ = (unsigned char)(u >> 16);
+            *p++ = (unsigned char)(u >> 8);
+            *p++ = (unsigned char)u;
+        }
+    }
+    PyObject *out = PyBytes_FromStringAndSize((const char *)buf, p - buf);
+    PyMem_Free(buf);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"block_hash", v1_block_hash, METH_VARARGS,
      "block_hash(tokens, parent_hash, lora_id, salt_id) -> int: V1 hash of one block of packed "
@@ -617,6 +830,12 @@ static PyMethodDef methods[] = {
     {"v1_stored_block", (PyCFunction)(void (*)(void))v1_stored_block, METH_FASTCALL,
      "v1_stored_block(cls, setters, tokens, parent_hash, lora_id, salt_id, cache_level, "
      "priority) -> record: V1 hash and record of one block of packed int32 token ids."},
+    {"stored_runs", stored_runs, METH_VARARGS,
+     "stored_runs(blocks, block_size) -> list[(end, token_ids, hashes)]: the wire events of a "
+     "Stored event's blocks."},
+    {"pack_uint_array", pack_uint_array, METH_O,
+     "pack_uint_array(list) -> bytes | None: msgpack encoding of a list of ints in [0, 2**32), "
+     "as msgpack writes it; None for any other item."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -625,4 +844,14 @@ static struct PyModuleDef module = {
     NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__v1hash(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__v1hash(void) {
+    if ((STR_BLOCK_HASH = PyUnicode_InternFromString("block_hash")) == NULL ||
+        (STR_TOKENS = PyUnicode_InternFromString("tokens")) == NULL ||
+        (STR_LORA_ID = PyUnicode_InternFromString("lora_id")) == NULL ||
+        (STR_CACHE_LEVEL = PyUnicode_InternFromString("cache_level")) == NULL ||
+        (STR_PRIORITY = PyUnicode_InternFromString("priority")) == NULL ||
+        (STR_CACHE_SALT_ID = PyUnicode_InternFromString("cache_salt_id")) == NULL) {
+        return NULL;
+    }
+    return PyModule_Create(&module);
+}

@@ -41,3 +41,9 @@ def v1_stored_block(
     priority: int,
 ) -> Any:
     """The V1 hash and record of one block of packed int32 token ids."""
+
+def stored_runs(blocks: object, block_size: int) -> list[tuple[int, list[int], list[Any]]]:
+    """The wire events of a Stored event's blocks: ``(end, token_ids, hashes)`` per run."""
+
+def pack_uint_array(items: object) -> bytes | None:
+    """msgpack encoding of a list of ints in [0, 2**32) as msgpack writes it, else None."""

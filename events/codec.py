@@ -20,6 +20,10 @@ Payload: a msgpack array ``[ts: float64, events: array, data_parallel_rank: int 
 - Every event map also carries ``event_id``; ``window_size`` and ``attention_dp_rank`` only when
   they are not the defaults (0, the batch's rank).
 
+With the optional extension, one C pass splits a Stored event's blocks into wire events and
+another packs each long ``token_ids`` array, byte for byte what msgpack writes (the pure
+forms stay as the reference and the fallback).
+
 Hashes travel as uint64. A ``v2_sha256`` hash (64 hex characters) travels as a 32-byte msgpack
 ``bin`` and decodes back to its hex string: an extension, since 64-bit integers cannot hold it.
 
@@ -31,7 +35,7 @@ event types skipped) and strict about everything else: any malformed payload rai
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Final, cast
 
 import msgpack
@@ -55,6 +59,13 @@ from events.model import (
     medium_of,
 )
 from events.wire_decode import DEFAULT_LIMITS, DecodeLimits, decode_batch
+
+try:  # C passes over a Stored event's blocks and token ids when the optional extension is built
+    from events._v1hash import pack_uint_array as _native_pack_uints
+    from events._v1hash import stored_runs as _native_stored_runs
+except ImportError:  # pragma: no cover - depends on the install
+    _native_pack_uints = None  # type: ignore[assignment]
+    _native_stored_runs = None  # type: ignore[assignment]
 
 _DEFAULT_ALGO: Final = "v1_block_key"
 _SHA256_BYTES: Final = 32
@@ -94,26 +105,44 @@ def _common(event: KVCacheEvent, out: dict[str, Any], dp_rank: int | None) -> di
     return out
 
 
-def _stored_run(
-    event: KVCacheEvent, parent: BlockHash | None, run: list[StoredBlock], block_size: int
-) -> dict[str, Any]:
-    first = run[0]
+_Run = tuple[int, list[int], list[BlockHash]]
+
+
+def _stored_runs_py(blocks: list[StoredBlock], block_size: int) -> list[_Run]:
+    """The wire events of a Stored event's blocks as ``(end, token_ids, hashes)`` runs: blocks
+    ``[previous end, end)`` share one lora/medium/priority/salt, only a run's last block may be
+    short, and the run's token ids and hashes are concatenated in order (the readable reference
+    of the native ``stored_runs``)."""
+    runs: list[_Run] = []
     token_ids: list[int] = []
-    for block in run:
+    hashes: list[BlockHash] = []
+    for i, block in enumerate(blocks):
+        n = len(block.tokens)
+        if not 0 < n <= block_size:
+            raise ValueError(
+                f"stored block {i} has {n} tokens; blocks must hold 1..block_size "
+                f"({block_size}) tokens"
+            )
         token_ids.extend(block.tokens)
-    return {
-        "type": "BlockStored",
-        "block_hashes": _wire_hashes([b.block_hash for b in run]),
-        "parent_block_hash": None if parent is None else _wire_hash(parent),
-        "token_ids": token_ids,
-        "block_size": block_size,
-        "lora_id": first.lora_id,
-        "medium": medium_of(first.cache_level),
-        "lora_name": None,
-        "cache_salt_id": first.cache_salt_id,
-        "hash_algo": event.hash_algo,
-        "priority": first.priority,
-    }
+        hashes.append(block.block_hash)
+        nxt = blocks[i + 1] if i + 1 < len(blocks) else None
+        # A wire event has one lora/medium/priority/salt and only its last block may be short.
+        if (
+            nxt is None
+            or n < block_size
+            or nxt.lora_id != block.lora_id
+            or nxt.cache_level != block.cache_level
+            or nxt.priority != block.priority
+            or nxt.cache_salt_id != block.cache_salt_id
+        ):
+            runs.append((i + 1, token_ids, hashes))
+            token_ids, hashes = [], []
+    return runs
+
+
+_stored_runs: Callable[[list[StoredBlock], int], list[_Run]] = (
+    _native_stored_runs if _native_stored_runs is not None else _stored_runs_py
+)
 
 
 def _encode_stored(
@@ -127,27 +156,24 @@ def _encode_stored(
         raise ValueError(f"Stored.block_size must be >= 1, got {block_size}")
     parent = data.parent_hash
     start = 0
-    for i, block in enumerate(blocks):
-        n = len(block.tokens)
-        if not 0 < n <= block_size:
-            raise ValueError(
-                f"stored block {i} has {n} tokens; blocks must hold 1..block_size "
-                f"({block_size}) tokens"
-            )
-        nxt = blocks[i + 1] if i + 1 < len(blocks) else None
-        # A wire event has one lora/medium/priority/salt and only its last block may be short.
-        if (
-            nxt is None
-            or n < block_size
-            or nxt.lora_id != block.lora_id
-            or nxt.cache_level != block.cache_level
-            or nxt.priority != block.priority
-            or nxt.cache_salt_id != block.cache_salt_id
-        ):
-            run = blocks[start : i + 1]
-            out.append(_common(event, _stored_run(event, parent, run, block_size), dp_rank))
-            parent = block.block_hash
-            start = i + 1
+    for end, token_ids, hashes in _stored_runs(blocks, block_size):
+        first = blocks[start]
+        wire = {
+            "type": "BlockStored",
+            "block_hashes": _wire_hashes(hashes),
+            "parent_block_hash": None if parent is None else _wire_hash(parent),
+            "token_ids": token_ids,
+            "block_size": block_size,
+            "lora_id": first.lora_id,
+            "medium": medium_of(first.cache_level),
+            "lora_name": None,
+            "cache_salt_id": first.cache_salt_id,
+            "hash_algo": event.hash_algo,
+            "priority": first.priority,
+        }
+        out.append(_common(event, wire, dp_rank))
+        parent = hashes[-1]
+        start = end
 
 
 def _diff_wire(diff: EventDiff | None) -> list[int] | None:
@@ -194,8 +220,40 @@ def encode_batch(events: Iterable[KVCacheEvent], ts: float, dp_rank: int | None 
     wire: list[dict[str, Any]] = []
     for event in events:
         _encode_event(event, dp_rank, wire)
-    packed: bytes = msgpack.packb([float(ts), wire, dp_rank], use_bin_type=True)
-    return packed
+    if _native_pack_uints is None:
+        packed: bytes = msgpack.packb([float(ts), wire, dp_rank], use_bin_type=True)
+        return packed
+    return _packb_native_tokens(float(ts), wire, dp_rank)
+
+
+# Below this many token ids a BlockStored map is left to msgpack whole: splicing its fields one
+# by one only pays off for the long arrays.
+_SPLICE_MIN_TOKENS: Final = 64
+
+
+def _packb_native_tokens(ts: float, wire: list[dict[str, Any]], dp_rank: int | None) -> bytes:
+    """``msgpack.packb([ts, wire, dp_rank], use_bin_type=True)``, byte for byte, with long
+    ``token_ids`` arrays packed by the native ``pack_uint_array`` (msgpack's packer spends
+    most of the encoding time on them, one int at a time).
+
+    msgpack writes an array as its header then its items, and a map as its header then each key
+    and value in insertion order; the payload is assembled the same way from pieces.
+    """
+    packer = msgpack.Packer(use_bin_type=True)
+    pack = packer.pack
+    parts = [packer.pack_array_header(3), pack(ts), packer.pack_array_header(len(wire))]
+    for event in wire:
+        tokens = event.get("token_ids")
+        if type(tokens) is not list or len(tokens) < _SPLICE_MIN_TOKENS:
+            parts.append(pack(event))
+            continue
+        parts.append(packer.pack_map_header(len(event)))
+        for key, value in event.items():
+            parts.append(pack(key))
+            packed = _native_pack_uints(value) if key == "token_ids" else None
+            parts.append(pack(value) if packed is None else packed)
+    parts.append(pack(dp_rank))
+    return b"".join(parts)
 
 
 __all__ = [

@@ -1,19 +1,21 @@
-"""StoredBlock builders of the per-block paths: native and pure forms equal the constructor."""
+"""Native fast paths of the event pipeline (StoredBlock builders, wire runs) equal their pure
+references and the dataclass constructor."""
 
 from __future__ import annotations
 
 from array import array
 
+import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events import _records, manager, wire_decode
+from events import _records, codec, manager, wire_decode
 from events._records import stored_block, stored_blocks_py, v1_stored_block_py
 from events.codec import decode_batch, encode_batch
 from events.hashing import v1_block_hash_py
 from events.manager import KVCacheEventManager
-from events.model import KVCacheEvent, StoredBlock
+from events.model import KVCacheEvent, Removed, Stored, StoredBlock
 from kvcache.config import KVCacheManagerConfig, TierConfig
 from kvcache.manager import KVCacheManager
 from kvcache.scope import ReuseScope
@@ -123,12 +125,105 @@ def _events_of_a_cache_run() -> list[KVCacheEvent]:
     return events.get_latest_events()
 
 
-def test_manager_and_decoder_agree_with_their_pure_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_manager_codec_and_decoder_agree_with_their_pure_paths(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     fast = _events_of_a_cache_run()
-    fast_decoded = decode_batch(encode_batch(fast, 1.0, 0))
+    fast_payload = encode_batch(fast, 1.0, 0)
+    fast_decoded = decode_batch(fast_payload)
     monkeypatch.setattr(manager, "v1_stored_block", v1_stored_block_py)
+    monkeypatch.setattr(codec, "_stored_runs", codec._stored_runs_py)
+    monkeypatch.setattr(codec, "_native_pack_uints", None)
     monkeypatch.setattr(wire_decode, "stored_blocks", stored_blocks_py)
     pure = _events_of_a_cache_run()
     assert pure == fast
     assert any(b.cache_salt_id is not None for e in fast for b in getattr(e.data, "blocks", []))
-    assert decode_batch(encode_batch(pure, 1.0, 0)) == fast_decoded
+    assert encode_batch(pure, 1.0, 0) == fast_payload
+    assert decode_batch(fast_payload) == fast_decoded
+
+
+block_st = st.builds(
+    StoredBlock,
+    block_hash=st.integers(0, 50),
+    tokens=st.lists(st.integers(0, 9), min_size=0, max_size=5),
+    lora_id=st.sampled_from([None, 1]),
+    cache_level=st.integers(0, 1),
+    priority=st.sampled_from([35, 80]),
+    cache_salt_id=st.sampled_from([None, 7]),
+)
+
+
+def _runs_or_error(fn: object, blocks: list[StoredBlock], block_size: int) -> object:
+    try:
+        return fn(blocks, block_size)  # type: ignore[operator]
+    except ValueError as exc:
+        return str(exc)
+
+
+@needs_native
+@settings(max_examples=300, deadline=None)
+@given(blocks=st.lists(block_st, max_size=8), block_size=st.integers(1, 4))
+def test_native_wire_runs_equal_the_reference(blocks: list[StoredBlock], block_size: int) -> None:
+    native = _runs_or_error(codec._native_stored_runs, blocks, block_size)
+    assert native == _runs_or_error(codec._stored_runs_py, blocks, block_size)
+
+
+def test_wire_runs_split_on_attributes_and_short_blocks() -> None:
+    a = StoredBlock(1, [1, 2], None, 0, 35, None)
+    short = StoredBlock(2, [3], None, 0, 35, None)
+    other_level = StoredBlock(3, [4, 5], None, 1, 35, None)
+    blocks = [a, short, a, other_level, other_level]
+    expected = [(2, [1, 2, 3], [1, 2]), (3, [1, 2], [1]), (5, [4, 5, 4, 5], [3, 3])]
+    assert codec._stored_runs_py(blocks, 2) == expected
+    if codec._native_stored_runs is not None:
+        assert codec._native_stored_runs(blocks, 2) == expected
+
+
+uint_edges = st.sampled_from([0, 1, 127, 128, 255, 256, 65535, 65536, 2**31, 2**32 - 1])
+
+
+@needs_native
+@settings(max_examples=300, deadline=None)
+@given(items=st.lists(st.one_of(uint_edges, st.integers(0, 2**32 - 1)), max_size=40))
+def test_native_token_array_is_what_msgpack_writes(items: list[int]) -> None:
+    assert codec._native_pack_uints is not None
+    assert codec._native_pack_uints(items) == msgpack.packb(items)
+
+
+@needs_native
+@pytest.mark.parametrize("size", [15, 16, 65535, 65536])
+def test_native_token_array_headers_at_the_size_limits(size: int) -> None:
+    items = [i * 7919 % 70000 for i in range(size)]
+    assert codec._native_pack_uints is not None
+    assert codec._native_pack_uints(items) == msgpack.packb(items)
+
+
+@needs_native
+@pytest.mark.parametrize("bad", [-1, 2**32, True, 1.0, "1", None])
+def test_native_token_array_declines_anything_else(bad: object) -> None:
+    assert codec._native_pack_uints is not None
+    assert codec._native_pack_uints([1, 2, bad, 3]) is None
+    assert codec._native_pack_uints((1, 2)) is None
+
+
+@needs_native
+@settings(max_examples=100, deadline=None)
+@given(
+    tokens=st.lists(st.integers(-5, 2**33), min_size=60, max_size=140),
+    ts=st.floats(allow_nan=False, allow_infinity=False),
+    dp_rank=st.one_of(st.none(), st.integers(0, 7)),
+)
+def test_spliced_payload_is_byte_identical_to_msgpack(
+    tokens: list[int], ts: float, dp_rank: int | None
+) -> None:
+    stored = Stored(None, [StoredBlock(i, tokens[i * 20 : i * 20 + 20]) for i in range(3)], 20)
+    events = [
+        KVCacheEvent(0, stored),
+        KVCacheEvent(1, Removed([1, 2], 0)),
+        KVCacheEvent(2, Stored(9, [StoredBlock(10, [1, 2])])),
+    ]
+    wire: list[dict[str, object]] = []
+    for event in events:
+        codec._encode_event(event, dp_rank, wire)
+    expected = msgpack.packb([ts, wire, dp_rank], use_bin_type=True)
+    assert codec._packb_native_tokens(ts, wire, dp_rank) == expected
