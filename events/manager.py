@@ -267,6 +267,13 @@ class KVCacheEventManager:
         with self._lock:
             hashes = self._hashes
             pending = self._pending
+            v1 = self._v1
+            # The open chain: the last pending Stored's blocks, which a block extends when it
+            # is the next link with the same attributes (the rule of _append_stored, inline
+            # because it decides every block of a commit).
+            last = pending[-1] if pending else None
+            run = last.blocks if isinstance(last, _PendingStored) else None
+            tail = run[-1] if run else None
             for block in blocks:
                 if not block.is_full:
                     if not self.announce_partial:
@@ -282,9 +289,31 @@ class KVCacheEventManager:
                 parent_hash = None if parent is None else hashes.get(parent.key)
                 if parent_hash is None and parent is not None:
                     parent_hash = self._parent_hash(block)
-                sb = self._record(block, parent_hash)
+                tokens = block.tokens
+                if v1 and type(tokens) is array and tokens.typecode == "i":
+                    # _record's fast path, inline
+                    scope = block.scope
+                    parent_int = 0 if parent_hash is None else int(parent_hash)
+                    sb = v1_stored_block(
+                        tokens, parent_int, scope.lora_id, scope.salt, block.tier, block.priority
+                    )
+                else:
+                    sb = self._record(block, parent_hash)
                 hashes[key] = sb.block_hash
-                self._append_stored(parent_hash, sb, pending)
+                if (
+                    tail is not None
+                    and run is not None
+                    and tail.block_hash == parent_hash
+                    and tail.cache_level == sb.cache_level
+                    and tail.lora_id == sb.lora_id
+                    and tail.cache_salt_id == sb.cache_salt_id
+                    and tail.priority == sb.priority
+                ):
+                    run.append(sb)
+                else:
+                    run = [sb]
+                    pending.append(_PendingStored(parent_hash, run))
+                tail = sb
 
     def on_removed(self, blocks: Sequence[BlockView]) -> None:
         """Announce blocks that left the tree; blocks never announced stay silent."""
