@@ -3,6 +3,7 @@ references and the dataclass constructor."""
 
 from __future__ import annotations
 
+import gc
 from array import array
 
 import msgpack
@@ -227,3 +228,19 @@ def test_spliced_payload_is_byte_identical_to_msgpack(
         codec._encode_event(event, dp_rank, wire)
     expected = msgpack.packb([ts, wire, dp_rank], use_bin_type=True)
     assert codec._packb_native_tokens(ts, wire, dp_rank) == expected
+
+
+@needs_native
+def test_native_token_lists_of_ints_are_left_out_of_the_cycle_collector() -> None:
+    record = _records.v1_stored_block(array("i", [5, 6]), 0, None, None, 0, 35)
+    decoded = _records.stored_blocks([1, 2], [7, 8, 9], 2, None, 0, 35, None)
+    assert [record.tokens, decoded[0].tokens, decoded[1].tokens] == [[5, 6], [7, 8], [9]]
+    for r in (record, *decoded):
+        assert not gc.is_tracked(r.tokens)  # ints only: no cycle can run through them
+        assert gc.is_tracked(r)  # the record itself stays with the collector
+    # anything but plain ints (only possible through a direct call) stays tracked
+    odd = _records.stored_blocks([1], [[1], 2], 2, None, 0, 35, None)
+    assert gc.is_tracked(odd[0].tokens)
+    # untracked lists still behave as lists
+    record.tokens.append(7)
+    assert record.tokens == [5, 6, 7] and record.tokens[1:] == [6, 7]
