@@ -10,9 +10,10 @@ against the regular constructor.
 Each builder has a readable pure-Python form (the ``*_py`` functions, the reference) and, when
 the optional extension ``events._v1hash`` is built, a native form that does the same work in one
 call per event (``stored_blocks``) or per block (``v1_stored_block``, which also hashes).
-The native forms leave the token lists they make (ints only) out of the cyclic garbage
-collector, which would otherwise walk every token of every young record at each collection;
-a cycle cannot run through a list of ints, so nothing is lost (see ``_v1hash.c``).
+The native forms leave the token lists they make (ints only), and records whose fields are
+all such values, out of the cyclic garbage collector, which would otherwise walk every token
+of every young record at each collection; a cycle cannot run through them, so nothing is
+lost (see ``_v1hash.c``).
 """
 
 from __future__ import annotations

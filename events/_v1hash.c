@@ -479,19 +479,26 @@ static int check_record_type(PyObject *cls, PyObject *setters) {
     return 0;
 }
 
-/* A new record of cls with its fields set from values[0..RECORD_FIELDS); steals nothing. */
+/* A new record of cls with its fields set from values[0..RECORD_FIELDS); steals nothing.
+ * Like its token list, a record none of whose fields the collector tracks (ints, strings,
+ * None, an untracked token list) cannot be part of a cycle, and is left out of it too. */
 static PyObject *new_record(PyObject *cls, PyObject *setters, PyObject *const *values) {
     PyTypeObject *type = (PyTypeObject *)cls;
     PyObject *obj = type->tp_alloc(type, 0);
     if (obj == NULL) {
         return NULL;
     }
+    int atomic = 1;
     for (Py_ssize_t i = 0; i < RECORD_FIELDS; i++) {
         PyObject *d = PyTuple_GET_ITEM(setters, i);
         if (Py_TYPE(d)->tp_descr_set(d, obj, values[i]) < 0) {
             Py_DECREF(obj);
             return NULL;
         }
+        atomic = atomic && !PyObject_GC_IsTracked(values[i]);
+    }
+    if (atomic) {
+        PyObject_GC_UnTrack(obj);
     }
     return obj;
 }
