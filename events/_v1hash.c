@@ -497,7 +497,7 @@ static PyObject *new_record(PyObject *cls, PyObject *setters, PyObject *const *v
         }
         atomic = atomic && !PyObject_GC_IsTracked(values[i]);
     }
-    if (atomic) {
+    if (atomic && PyType_IS_GC(type)) {
         PyObject_GC_UnTrack(obj);
     }
     return obj;
@@ -533,6 +533,13 @@ static PyObject *stored_blocks(PyObject *self, PyObject *const *args, Py_ssize_t
         return NULL;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
+        /* allocating may run a collection and with it arbitrary finalizers: the lists are read
+         * again, and the hash held, as if any Python code could run between two blocks */
+        if (i >= PyList_GET_SIZE(hashes) || count != PyList_GET_SIZE(tokens)) {
+            PyErr_SetString(PyExc_RuntimeError, "stored_blocks: a list changed while in use");
+            Py_DECREF(out);
+            return NULL;
+        }
         /* clamped to the token count without ever computing an i * bs that could overflow */
         Py_ssize_t lo = i <= count / bs ? i * bs : count;
         Py_ssize_t hi = bs < count - lo ? lo + bs : count;
@@ -542,9 +549,10 @@ static PyObject *stored_blocks(PyObject *self, PyObject *const *args, Py_ssize_t
             return NULL;
         }
         untrack_token_list(slice);
-        PyObject *values[RECORD_FIELDS] = {PyList_GET_ITEM(hashes, i), slice, args[5], args[6],
-                                           args[7], args[8]};
+        PyObject *hash = Py_NewRef(PyList_GET_ITEM(hashes, i));
+        PyObject *values[RECORD_FIELDS] = {hash, slice, args[5], args[6], args[7], args[8]};
         PyObject *rec = new_record(cls, setters, values);
+        Py_DECREF(hash);
         Py_DECREF(slice);
         if (rec == NULL) {
             Py_DECREF(out);
@@ -736,6 +744,11 @@ static PyObject *stored_runs(PyObject *self, PyObject *args) {
             goto fail;
         }
         int boundary = i + 1 == count || n < bs;
+        /* attribute reads and comparisons may run Python code that resizes the list */
+        if (PySequence_Fast_GET_SIZE(blocks) != count) {
+            PyErr_SetString(PyExc_RuntimeError, "stored_runs: the blocks changed while in use");
+            goto fail;
+        }
         if (i + 1 < count) {
             if (read_wire_block(PySequence_Fast_GET_ITEM(blocks, i + 1), &nxt) < 0) {
                 goto fail;
