@@ -13,6 +13,7 @@ max/mean), all from one invocation. Not part of the test suite.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 
@@ -32,7 +33,9 @@ def main() -> None:
     parser.add_argument("--tokens-per-block", default="512")
     parser.add_argument("--device-blocks", default="65536")
     parser.add_argument("--max-requests", type=int)
+    parser.add_argument("--seed", default="0", help="comma-separated seeds: one row per seed")
     args = parser.parse_args()
+    seeds = [int(x) for x in args.seed.split(",")]
 
     t0 = time.perf_counter()
     requests = load_trace(args.trace, max_requests=args.max_requests, spread_ms=args.spread_ms)
@@ -53,20 +56,22 @@ def main() -> None:
         )
         print(header)
         for blocks in (int(x) for x in args.device_blocks.split(",")):
-            for spec in args.policies:
+            for spec, seed in itertools.product(args.policies, seeds):
                 policy, _, options = spec.partition(":")
                 config = SimConfig(
                     workers=args.workers,
                     tokens_per_block=tpb,
                     device_blocks=blocks,
+                    seed=seed,
                     policy_options={policy: json.loads(options)} if options else {},
                 )
                 t0 = time.perf_counter()
                 f = simulate(requests, policy, config).as_dict()
                 wall = time.perf_counter() - t0
                 hit = float(f["hit_rate"])
+                label = spec + (f" seed {seed}" if len(seeds) > 1 else "")
                 print(
-                    f"{spec:<34}{tpb:>5}{blocks:>11}{wall:>8.1f}{hit:>7.1%}"
+                    f"{label:<34}{tpb:>5}{blocks:>11}{wall:>8.1f}{hit:>7.1%}"
                     f"{hit / bound.token_hit_rate:>9.1%}{f['ttft_p50_ms']:>9.0f}"
                     f"{f['ttft_p99_ms']:>8.0f}{f['load_max_over_mean']:>9.3f}"
                     f"{f['busy_max_over_mean']:>9.3f}{f['locality_given_up']:>9.2%}",

@@ -12,6 +12,7 @@ from events.model import BlockHash
 from router_sim.indexer import MatchDetail
 from router_sim.load import WorkerLoad
 from router_sim.policies import (
+    DEFAULT_OVERLAP_WEIGHT,
     ApproximatePolicy,
     CacheAwarePolicy,
     KvOverlapPolicy,
@@ -22,6 +23,7 @@ from router_sim.policies import (
     RoutingError,
     make_policy,
 )
+from router_sim.policies.base import lowest_cost
 from router_sim.timing_model import PolynomialTiming
 
 TPB = 4
@@ -76,25 +78,49 @@ def test_kv_overlap_prefers_the_cache_when_loads_are_equal() -> None:
     loads = {0: WorkerLoad(decode_blocks=10), 1: WorkerLoad(decode_blocks=10)}
     choice = make_policy("kv_overlap").choose(req(loads, {0: on_device(8)}))
     assert choice.worker == 0
-    # cost = weight * blocks to prefill + decode blocks (held + the request's 8)
-    assert choice.costs == {0: 0 + 10 + 8, 1: 8 + 10 + 8}
+    # cost = weight * (queued + 2 x uncached blocks) + decode blocks (held + the request's 8)
+    w = DEFAULT_OVERLAP_WEIGHT
+    assert choice.costs == {0: w * 0 + 10 + 8, 1: w * (2 * 8) + 10 + 8}
+    # Dynamo's plain form: weight 1, uncached blocks counted once
+    plain = make_policy("kv_overlap", overlap_weight=1.0, recompute_weight=0.0)
+    assert plain.choose(req(loads, {0: on_device(8)})).costs == {0: 18.0, 1: 8 + 10 + 8}
 
 
 def test_kv_overlap_most_cached_worker_loses_to_lower_load() -> None:
-    loads = {0: WorkerLoad(active_requests=9, decode_blocks=100), 1: WorkerLoad(decode_blocks=10)}
+    loads = {0: WorkerLoad(active_requests=9, decode_blocks=300), 1: WorkerLoad(decode_blocks=10)}
     choice = make_policy("kv_overlap").choose(req(loads, {0: on_device(8)}))
-    assert choice.costs == {0: 108.0, 1: 26.0}
+    w = DEFAULT_OVERLAP_WEIGHT
+    assert choice.costs == {0: 308.0, 1: w * 16 + 18}
     assert choice.worker == 1
-    # a heavier overlap weight flips it back: prefilling 8 blocks now costs 8 * 20
+    # a heavier overlap weight flips it back: recomputing 8 blocks now costs 20 * 16
     heavy = make_policy("kv_overlap", overlap_weight=20.0).choose(req(loads, {0: on_device(8)}))
     assert heavy.worker == 0
 
 
 def test_kv_overlap_queued_prefill_counts_as_blocks_to_prefill() -> None:
+    policy = make_policy("kv_overlap", overlap_weight=1.0, recompute_weight=0.0)
     loads = {0: WorkerLoad(pending_prefill_tokens=40), 1: IDLE}
-    choice = make_policy("kv_overlap").choose(req(loads, {0: on_device(8)}))
+    choice = policy.choose(req(loads, {0: on_device(8)}))
     assert choice.costs == {0: 40 / TPB + 0 + 8, 1: 8 + 8}
     assert choice.worker == 1
+
+
+def test_kv_overlap_counts_recomputation_as_work_added_to_the_fleet() -> None:
+    # A burst: worker 0 holds the whole 8-block prompt but already queues 10 blocks of
+    # prefill. Counting uncached blocks once (a pure wait estimate) sends the request to the
+    # idle worker 1, which recomputes all 8 blocks; counted twice (the request's wait plus
+    # the capacity they take), 10 queued blocks are cheaper than 2 x 8 recomputed ones.
+    loads = {0: WorkerLoad(active_requests=1, pending_prefill_tokens=10 * TPB), 1: IDLE}
+    matches = {0: on_device(8)}
+    wait_only = make_policy("kv_overlap", recompute_weight=0.0).choose(req(loads, matches))
+    assert wait_only.worker == 1
+    choice = make_policy("kv_overlap").choose(req(loads, matches))
+    w = DEFAULT_OVERLAP_WEIGHT
+    assert choice.costs == {0: w * 10 + 8, 1: w * 16 + 8}
+    assert choice.worker == 0
+    # a queue longer than twice the recomputation moves it after all
+    loads[0] = WorkerLoad(active_requests=2, pending_prefill_tokens=17 * TPB)
+    assert make_policy("kv_overlap").choose(req(loads, matches)).worker == 1
 
 
 def test_kv_overlap_credits_slower_tier_blocks_partly() -> None:
@@ -121,14 +147,15 @@ def test_kv_overlap_temperature_samples_softmax_of_normalized_costs() -> None:
     t = 0.2
     w0, w1 = math.exp(-(16 / 24) / t), math.exp(-1.0 / t)
     expected_p0 = w0 / (w0 + w1)
-    policy = make_policy("kv_overlap", temperature=t, seed=123)
+    plain = {"overlap_weight": 1.0, "recompute_weight": 0.0}
+    policy = make_policy("kv_overlap", temperature=t, seed=123, **plain)
     n = 4000
     picks = Counter(policy.choose(req(loads, matches)).worker for _ in range(n))
     assert abs(picks[0] / n - expected_p0) < 0.03
     assert picks[1] > 0  # sampling, not argmin
-    again = make_policy("kv_overlap", temperature=t, seed=123)
+    again = make_policy("kv_overlap", temperature=t, seed=123, **plain)
     first = [again.choose(req(loads, matches)).worker for _ in range(50)]
-    replay = make_policy("kv_overlap", temperature=t, seed=123)
+    replay = make_policy("kv_overlap", temperature=t, seed=123, **plain)
     assert first == [replay.choose(req(loads, matches)).worker for _ in range(50)]
 
 
@@ -200,18 +227,85 @@ def test_oracle_uses_true_state_not_the_index() -> None:
 
 def test_predicted_ttft_adds_queue_and_uncached_prefill() -> None:
     timing = PolynomialTiming()
-    policy = PredictedTtftPolicy(timing)
+    policy = PredictedTtftPolicy(timing, recompute_weight=0.0)
     loads = {
-        0: WorkerLoad(active_requests=4, pending_prefill_tokens=4000, kv_usage=0.5),
-        1: WorkerLoad(active_requests=1, kv_usage=0.1),
+        0: WorkerLoad(
+            active_requests=4, pending_prefill_tokens=4000, kv_usage=0.5, decode_blocks=9
+        ),
+        1: WorkerLoad(active_requests=1, kv_usage=0.1, decode_blocks=3),
     }
     request = req(loads, {0: on_device(8)})
     choice = policy.choose(request)
+    # one chunk each, with one decode iteration at the worker's KV usage
     assert choice.costs[0] == pytest.approx(timing.prefill_ms(4000) + timing.decode_ms(0.5))
     assert choice.costs[1] == pytest.approx(timing.prefill_ms(32) + timing.decode_ms(0.1))
     assert choice.worker == 1  # worker 0 holds the prompt but its queue is long
     loads[0] = WorkerLoad(active_requests=4, pending_prefill_tokens=0, kv_usage=0.5)
     assert policy.choose(req(loads, {0: on_device(8)})).worker == 0
+
+
+def test_predicted_ttft_prices_a_long_queue_in_chunks() -> None:
+    timing = PolynomialTiming()
+    policy = PredictedTtftPolicy(timing, chunk_tokens=8192, recompute_weight=0.0)
+    queued = WorkerLoad(active_requests=3, pending_prefill_tokens=3 * 8192)
+    request = req({0: queued, 1: IDLE}, {0: on_device(8)})
+    # three full steps, not one 24k-token batch (whose quadratic term would overprice it)
+    assert policy.predict_ms(request, 0) == pytest.approx(3 * timing.prefill_ms(8192))
+    assert policy.predict_ms(request, 0) < 0.8 * timing.prefill_ms(3 * 8192)
+    decoding = WorkerLoad(pending_prefill_tokens=8192 + 100, decode_blocks=5, kv_usage=0.2)
+    assert policy.predict_ms(req({0: decoding}), 0) == pytest.approx(
+        timing.prefill_ms(8192) + timing.prefill_ms(132) + 2 * timing.decode_ms(0.2)
+    )
+
+
+def test_predicted_ttft_counts_the_recomputation_a_choice_adds() -> None:
+    timing = PolynomialTiming()
+    # a 1024-token prompt of 128-token blocks, all cached on worker 0, which already queues
+    # 1200 tokens; worker 1 is idle. Its own TTFT alone favours recomputing on worker 1.
+    hashes: list[BlockHash] = list(range(8))
+    loads = {0: WorkerLoad(active_requests=1, pending_prefill_tokens=1200), 1: IDLE}
+    request = RouteRequest(hashes, 1024, 128, {0: on_device(8)}, loads)
+    greedy = PredictedTtftPolicy(timing, recompute_weight=0.0).choose(request)
+    assert greedy.worker == 1
+    choice = PredictedTtftPolicy(timing).choose(request)
+    assert choice.costs[0] == pytest.approx(timing.prefill_ms(1200))
+    assert choice.costs[1] == pytest.approx(2 * timing.prefill_ms(1024))
+    assert choice.worker == 0
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        PredictedTtftPolicy(chunk_tokens=0)
+
+
+def test_lowest_cost_breaks_ties_by_load_then_by_the_draw() -> None:
+    costs = {0: 5.0, 1: 5.0, 2: 5.0, 3: 4.0 + 1.0}
+    loads = {0: WorkerLoad(active_requests=1), 1: IDLE, 2: IDLE, 3: IDLE}
+    assert lowest_cost(costs, loads) == 1  # no draw: lowest id among the least loaded
+    assert lowest_cost(costs, loads, lambda: 0.0) == 1
+    assert lowest_cost(costs, loads, lambda: 0.5) == 2
+    assert lowest_cost(costs, loads, lambda: 0.99) == 3
+    drawn: list[float] = []
+    assert lowest_cost({0: 1.0, 1: 2.0}, loads, lambda: drawn.append(0.5) or 0.5) == 0
+    assert drawn == []  # no tie, no draw: the RNG stream only moves on ties
+
+
+@pytest.mark.parametrize("name", ["kv_overlap", "predicted_ttft", "approximate", "oracle"])
+def test_ties_spread_over_idle_workers_and_are_seeded(name: str) -> None:
+    loads = {w: IDLE for w in range(8)}
+    extra = {"oracle": TableOracle({})} if name == "oracle" else {}
+
+    def picks(seed: int) -> list[int]:
+        policy = make_policy(name, seed=seed, **extra)
+        # every worker idle and none holding the prompt: all tied (the approximate policy
+        # remembers its picks, so give it a new prompt each time)
+        return [
+            policy.choose(req(loads, hashes=[1000 * i + k for k in range(8)])).worker
+            for i in range(80)
+        ]
+
+    first = picks(seed=3)
+    assert len(set(first)) == 8  # not every tie to worker 0
+    assert max(Counter(first).values()) <= 20
+    assert first == picks(seed=3)
+    assert first != picks(seed=4)
 
 
 def test_polynomial_timing_defaults() -> None:

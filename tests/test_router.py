@@ -19,7 +19,7 @@ from events.model import (
 from events.subscriber import BatchDelivery, ResyncRequired, SubscriberMessage
 from kvcache.scope import DEFAULT_SCOPE, ReuseScope
 from router_sim import KvIndexer, Router, StaticLoadSource, WorkerLoad, make_policy
-from router_sim.policies import NoWorkersError
+from router_sim.policies import DEFAULT_OVERLAP_WEIGHT, NoWorkersError
 
 TPB = 4
 PROMPT = list(range(1000, 1018))  # 4 full blocks and a partial one
@@ -62,8 +62,10 @@ def test_decision_explains_overlaps_costs_and_best() -> None:
     assert d.overlaps == {0: 0, 1: 4, 2: 2}
     assert d.device_overlaps == {0: 0, 1: 4, 2: 2}
     assert (d.best_overlap, d.chosen_overlap, d.locality_given_up) == (4, 4, 0)
-    # 18 tokens = 5 blocks: prefill 5 - cached, decode load 0 + 5
-    assert d.costs == {0: 10.0, 1: 6.0, 2: 8.0}
+    # 18 tokens = 5 blocks: weight x 2 x (5 - cached) blocks to prefill (nothing queued; the
+    # recomputed ones count twice), decode load 0 + 5
+    w = DEFAULT_OVERLAP_WEIGHT
+    assert d.costs == {0: w * 2 * 5 + 5, 1: w * 2 * 1 + 5, 2: w * 2 * 3 + 5}
     assert d.policy == "kv_overlap" and d.num_tokens == 18 and len(d.block_hashes) == 4
 
 

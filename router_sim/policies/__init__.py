@@ -15,13 +15,15 @@ from router_sim.policies.base import (
 )
 from router_sim.policies.cache_aware import CacheAwarePolicy
 from router_sim.policies.overlap import (
+    DEFAULT_OVERLAP_WEIGHT,
+    DEFAULT_RECOMPUTE_WEIGHT,
     CacheOracle,
     KvOverlapPolicy,
     OraclePolicy,
-    PredictedTtftPolicy,
     overlap_cost,
 )
 from router_sim.policies.simple import LeastLoadedPolicy, RandomPolicy, RoundRobinPolicy
+from router_sim.policies.ttft import PredictedTtftPolicy
 
 POLICIES: Final[dict[str, Callable[..., RoutingPolicy]]] = {
     "round_robin": RoundRobinPolicy,
@@ -54,6 +56,8 @@ def make_policy(name: str, **options: Any) -> RoutingPolicy:
 
 
 __all__ = [
+    "DEFAULT_OVERLAP_WEIGHT",
+    "DEFAULT_RECOMPUTE_WEIGHT",
     "EVENT_FREE",
     "POLICIES",
     "ApproximatePolicy",

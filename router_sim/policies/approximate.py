@@ -9,11 +9,16 @@ go stale when workers evict sooner than the TTL or other routers send them traff
 
 from __future__ import annotations
 
+import random
 from collections import OrderedDict
 
 from events.model import BlockHash
 from router_sim.policies.base import PolicyChoice, RouteRequest, candidates
-from router_sim.policies.overlap import choose_by_cost
+from router_sim.policies.overlap import (
+    DEFAULT_OVERLAP_WEIGHT,
+    DEFAULT_RECOMPUTE_WEIGHT,
+    choose_by_cost,
+)
 
 
 class ApproximatePolicy:
@@ -25,7 +30,9 @@ class ApproximatePolicy:
         self,
         ttl_ms: float = 120_000.0,
         max_blocks_per_worker: int = 100_000,
-        overlap_weight: float = 1.0,
+        overlap_weight: float = DEFAULT_OVERLAP_WEIGHT,
+        recompute_weight: float = DEFAULT_RECOMPUTE_WEIGHT,
+        seed: int = 0,
     ) -> None:
         if ttl_ms <= 0 or max_blocks_per_worker <= 0:
             raise ValueError(
@@ -35,6 +42,8 @@ class ApproximatePolicy:
         self.ttl_ms = ttl_ms
         self.max_blocks_per_worker = max_blocks_per_worker
         self.overlap_weight = overlap_weight
+        self.recompute_weight = recompute_weight
+        self._rng = random.Random(seed)
         # worker -> block hash -> expiry time; ordered by last refresh, hence by expiry
         # (the TTL is fixed and injected time does not go backwards).
         self._seen: dict[int, OrderedDict[BlockHash, float]] = {}
@@ -78,9 +87,11 @@ class ApproximatePolicy:
 
     def choose(self, request: RouteRequest) -> PolicyChoice:
         cached = {w: float(self.predicted_overlap(w, request)) for w in candidates(request)}
-        choice = choose_by_cost(self, request, cached, self.overlap_weight, 0.0)
+        choice = choose_by_cost(
+            self, request, cached, self.overlap_weight, 0.0, self.recompute_weight
+        )
         self.record(choice.worker, list(request.block_hashes), request.now_ms)
         return PolicyChoice(choice.worker, "lowest cost on predicted overlap", choice.costs, cached)
 
     def uniform(self) -> float:
-        return 0.0  # never sampled: temperature is 0
+        return self._rng.random()  # only for ties: temperature is 0

@@ -10,7 +10,7 @@ request and randomness from a ``random.Random(seed)`` of their own.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -94,11 +94,31 @@ def credited_blocks(
     return detail.device_blocks * device_credit + detail.slower_blocks * slower_credit
 
 
-def lowest_cost(costs: Mapping[int, float], loads: Mapping[int, WorkerLoad]) -> int:
-    """The worker of lowest cost; equal costs go to the least loaded."""
+def load_rank(load: WorkerLoad) -> tuple[int, int, int]:
+    """Sort key of 'least loaded first' without a worker id: equal keys are true ties."""
+    return (load.active_requests, load.pending_prefill_tokens, load.decode_blocks)
+
+
+def lowest_cost(
+    costs: Mapping[int, float],
+    loads: Mapping[int, WorkerLoad],
+    draw: Callable[[], float] | None = None,
+) -> int:
+    """The worker of lowest cost; equal costs go to the least loaded, and workers still tied
+    are picked with ``draw()`` (a uniform draw in [0, 1) from the caller's seeded RNG, made
+    only when there is a tie).
+
+    Without ``draw`` a tie goes to the lowest worker id, which piles every tied decision
+    on one worker: with spread-out arrivals most workers are idle and equally cheap when a
+    request without cached blocks arrives, so a fixed order sends them all to worker 0.
+    """
     best = min(costs.values())
     tied = [w for w, c in costs.items() if math.isclose(c, best, rel_tol=1e-12, abs_tol=1e-9)]
-    return min(tied, key=lambda w: load_key(w, loads[w]))
+    lightest = min(load_rank(loads[w]) for w in tied)
+    tied = sorted(w for w in tied if load_rank(loads[w]) == lightest)
+    if draw is None or len(tied) == 1:
+        return tied[0]
+    return tied[min(len(tied) - 1, int(draw() * len(tied)))]
 
 
 def softmax_sample(
