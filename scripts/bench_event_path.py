@@ -28,10 +28,10 @@ import gc
 import multiprocessing as mp
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import zmq
+from bench_event_manager import KeepBlocks  # scripts/ is on sys.path when run as a script
 
 from events.codec import decode_batch, encode_batch
 from events.manager import KVCacheEventManager
@@ -50,25 +50,6 @@ blocks/s: wall clock, first publish to last delivery (shares the machine's cores
 pub us/blk: publishing-thread CPU per block (event manager + publish)
 publish(): CPU of the publish call alone, per block
 cpu us/blk: CPU of all the process's threads (manager, encode, ZeroMQ, decode)"""
-
-
-class KeepBlocks:
-    """A sink that keeps the blocks of each on_stored call."""
-
-    def __init__(self) -> None:
-        self.calls: list[list[BlockView]] = []
-
-    def on_stored(self, blocks: Sequence[BlockView]) -> None:
-        self.calls.append(list(blocks))
-
-    def on_removed(self, blocks: Sequence[BlockView]) -> None:
-        pass
-
-    def on_moved(self, blocks: Sequence[BlockView], old_tier: int, new_tier: int) -> None:
-        pass
-
-    def on_cleared(self) -> None:
-        pass
 
 
 def tree_blocks(prompts: int) -> tuple[KVCacheManager, list[list[BlockView]]]:
