@@ -47,7 +47,8 @@ ALL_POLICIES: Final[tuple[str, ...]] = (
     "predicted_ttft",
     "oracle",
 )
-_SEEDED: Final = frozenset({"random", "kv_overlap"})
+# policies that draw random numbers (sampling, or tie-breaks among equal costs)
+_SEEDED: Final = frozenset({"random", "kv_overlap", "predicted_ttft", "approximate", "oracle"})
 _run_ids = itertools.count()
 
 
@@ -130,6 +131,8 @@ def build_policy(name: str, config: SimConfig, fleet: Fleet) -> Any:
         opts.setdefault("seed", config.seed)
     if name == "predicted_ttft":
         opts.setdefault("timing", PolynomialTiming(speedup=config.timing_speedup))
+        # price the queue in the steps the simulated workers really take
+        opts.setdefault("chunk_tokens", config.max_batch_tokens)
     if name == "oracle":
         opts.setdefault("oracle", fleet)
     return make_policy(name, **opts)
