@@ -94,6 +94,12 @@ class SimConfig:
             raise ValueError(f"event_delay_ms must be >= 0, got {self.event_delay_ms}")
         if not 0.0 <= self.drop_rate < 1.0:
             raise ValueError(f"drop_rate must be in [0, 1), got {self.drop_rate}")
+        for r in self.restarts:
+            # a negative id would index the fleet from the end and restart the wrong worker
+            if not 0 <= r.worker < self.workers:
+                raise ValueError(
+                    f"restart names worker {r.worker} but the workers are 0..{self.workers - 1}"
+                )
 
     def worker_config(self) -> WorkerConfig:
         return WorkerConfig(

@@ -82,6 +82,8 @@ def test_bad_arguments_fail_with_a_message(capsys: pytest.CaptureFixture[str]) -
     assert "unknown policies" in capsys.readouterr().err
     assert main(["run", "--trace", "/nonexistent/trace.jsonl", "--no-progress"]) == 2
     assert "not found" in capsys.readouterr().err
+    assert main(["run", "--restart", "9@10", "--max-requests", "5", "--no-progress"]) == 2
+    assert "restart names worker 9" in capsys.readouterr().err
 
 
 def test_python_dash_m_entry_point() -> None:

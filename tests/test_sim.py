@@ -86,6 +86,12 @@ def test_a_restarted_worker_is_forgotten_and_rebuilt() -> None:
     assert fields["completed"] == 120
 
 
+@pytest.mark.parametrize("worker", [3, -1])
+def test_a_restart_of_a_worker_outside_the_fleet_is_refused(worker: int) -> None:
+    with pytest.raises(ValueError, match=f"worker {worker} but the workers are 0..2"):
+        _config(restarts=[Restart(worker, 10.0)])
+
+
 def test_tcp_transport_gives_the_same_results_as_inproc() -> None:
     reqs = synthetic_workload("mixed", seed=6, spec=SyntheticSpec(num_requests=40))
     inproc = simulate(reqs, "kv_overlap", _config()).as_dict()
