@@ -150,6 +150,8 @@ def _requests(args: argparse.Namespace) -> tuple[list[Request], dict[str, Any]]:
         spec.num_requests = args.max_requests
     reqs = synthetic_workload(name, seed=args.seed, spec=spec)
     if args.speedup != 1.0:
+        if args.speedup <= 0:  # the trace loader checks its own
+            raise ValueError(f"speedup must be > 0, got {args.speedup}")
         for r in reqs:
             r.arrival_ms /= args.speedup
     return reqs, {"name": name, "source": "synthetic", "requests": len(reqs)}

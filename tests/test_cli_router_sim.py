@@ -84,6 +84,8 @@ def test_bad_arguments_fail_with_a_message(capsys: pytest.CaptureFixture[str]) -
     assert "not found" in capsys.readouterr().err
     assert main(["run", "--restart", "9@10", "--max-requests", "5", "--no-progress"]) == 2
     assert "restart names worker 9" in capsys.readouterr().err
+    assert main(["run", "--speedup", "0", "--max-requests", "5", "--no-progress"]) == 2
+    assert "speedup must be > 0" in capsys.readouterr().err
 
 
 def test_python_dash_m_entry_point() -> None:
