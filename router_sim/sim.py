@@ -150,39 +150,49 @@ class Simulation:
     def __init__(self, policy: str, config: SimConfig) -> None:
         self.config = config
         self.policy_name = policy
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        tag = f"-r{next(_run_ids)}"
         wcfg = config.worker_config()
         timing = default_step_timing(config.timing_speedup)
-        self.workers = [
-            SimWorker(
-                i,
-                wcfg,
-                context=self._ctx,
-                timing=timing,
-                drop_rate=config.drop_rate,
-                fault_seed=config.seed,
-                run_tag=tag,
-            )
-            for i in range(config.workers)
-        ]
-        self.fleet = Fleet(self.workers)
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        # opens no socket until add_worker, so close() can always reach it
         self.subscriber = ZmqEventSubscriber(context=self._ctx, replay_timeout_ms=5000)
-        self.router = Router(
-            config.tokens_per_block,
-            build_policy(policy, config, self.fleet),
-            self.fleet,
-            hash_algo=config.hash_algo,
-        )
-        self._queues: list[deque[tuple[float, SubscriberMessage]]] = [deque() for _ in self.workers]
-        self._delivered: list[int] = [-1] * len(self.workers)
-        self._last_due: list[float] = [0.0] * len(self.workers)
-        self._restarts = sorted(config.restarts, key=lambda r: r.at_ms)
-        self._carried = WireStats()
-        self.index_mismatch = -1
-        """After a run: |index blocks - true blocks| summed over workers (0: fully recovered)."""
-        for w in self.workers:
-            self._attach(w)
+        self.workers: list[SimWorker] = []
+        tag = f"-r{next(_run_ids)}"
+        try:
+            for i in range(config.workers):
+                self.workers.append(
+                    SimWorker(
+                        i,
+                        wcfg,
+                        context=self._ctx,
+                        timing=timing,
+                        drop_rate=config.drop_rate,
+                        fault_seed=config.seed,
+                        run_tag=tag,
+                    )
+                )
+            self.fleet = Fleet(self.workers)
+            self.router = Router(
+                config.tokens_per_block,
+                build_policy(policy, config, self.fleet),
+                self.fleet,
+                hash_algo=config.hash_algo,
+            )
+            self._queues: list[deque[tuple[float, SubscriberMessage]]] = [
+                deque() for _ in self.workers
+            ]
+            self._delivered: list[int] = [-1] * len(self.workers)
+            self._last_due: list[float] = [0.0] * len(self.workers)
+            self._restarts = sorted(config.restarts, key=lambda r: r.at_ms)
+            self._carried = WireStats()
+            self.index_mismatch = -1
+            """After a run: |index blocks - true blocks| summed over workers (0: fully
+            recovered)."""
+            for w in self.workers:
+                self._attach(w)
+        except BaseException:
+            # the workers built so far run publisher threads on this context
+            self.close()
+            raise
 
     # ------------------------------------------------------------------- transport
 

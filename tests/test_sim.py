@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from router_sim.bound import compulsory_bound
@@ -90,6 +92,16 @@ def test_a_restarted_worker_is_forgotten_and_rebuilt() -> None:
 def test_a_restart_of_a_worker_outside_the_fleet_is_refused(worker: int) -> None:
     with pytest.raises(ValueError, match=f"worker {worker} but the workers are 0..2"):
         _config(restarts=[Restart(worker, 10.0)])
+
+
+def test_a_simulation_that_fails_to_start_stops_its_publishers() -> None:
+    def publishers() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("kv-events-publisher")}
+
+    before = publishers()
+    with pytest.raises(TypeError, match="bogus"):  # the workers exist by then
+        Simulation("kv_overlap", _config(policy_options={"kv_overlap": {"bogus": 1}}))
+    assert publishers() == before
 
 
 def test_tcp_transport_gives_the_same_results_as_inproc() -> None:
