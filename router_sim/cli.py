@@ -9,6 +9,7 @@ report (``report.json``, ``report.csv``, ``report.txt``) and plots (with matplot
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 import time
@@ -85,6 +86,28 @@ def _parse_policies(text: str) -> list[str]:
     return names
 
 
+def _parse_policy_options(text: str) -> dict[str, dict[str, Any]]:
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
+        raise argparse.ArgumentTypeError(
+            f'want an object of objects, e.g. {{"kv_overlap": {{"overlap_weight": 2}}}}; got {text}'
+        )
+    for name, opts in options.items():
+        factory = POLICIES.get(name)
+        if factory is None:
+            raise argparse.ArgumentTypeError(
+                f"unknown policy {name!r}; choose from {sorted(POLICIES)}"
+            )
+        try:  # catch an unknown option here, not as a traceback once the run has begun
+            inspect.signature(factory).bind_partial(**opts)
+        except TypeError as exc:
+            raise argparse.ArgumentTypeError(f"bad options for {name!r}: {exc}") from None
+    return options
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="router-sim", description="KV-aware routing simulator: policies vs the bound."
@@ -125,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--policy-options",
-        type=json.loads,
+        type=_parse_policy_options,
         default={},
         help='JSON, e.g. \'{"kv_overlap": {"overlap_weight": 2}}\'',
     )

@@ -80,6 +80,16 @@ def test_bad_arguments_fail_with_a_message(capsys: pytest.CaptureFixture[str]) -
     with pytest.raises(SystemExit):
         main(["run", "--policies", "nope"])
     assert "unknown policies" in capsys.readouterr().err
+    for options, message in (
+        ('{"kv_overlap": {"bogus": 1}}', "unexpected keyword argument 'bogus'"),
+        ('{"kv_overlap": 2}', "want an object of objects"),
+        ('{"nope": {}}', "unknown policy 'nope'"),
+        ("{bad", "not JSON"),
+    ):
+        with pytest.raises(SystemExit) as exited:
+            main(["run", "--policy-options", options, "--max-requests", "5", "--no-progress"])
+        assert exited.value.code == 2
+        assert message in capsys.readouterr().err
     assert main(["run", "--trace", "/nonexistent/trace.jsonl", "--no-progress"]) == 2
     assert "not found" in capsys.readouterr().err
     assert main(["run", "--restart", "9@10", "--max-requests", "5", "--no-progress"]) == 2
