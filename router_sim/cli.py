@@ -180,13 +180,20 @@ def _requests(args: argparse.Namespace) -> tuple[list[Request], dict[str, Any]]:
     return reqs, {"name": name, "source": "synthetic", "requests": len(reqs)}
 
 
+def _given(value: int | None, default: int) -> int:
+    # not ``value or default``: an explicit 0 must reach the config's check, not become the default
+    return default if value is None else value
+
+
 def run(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     trace = args.trace is not None
-    tpb = args.tokens_per_block or (TRACE_TOKENS_PER_BLOCK if trace else SYNTH_TOKENS_PER_BLOCK)
+    tpb = _given(args.tokens_per_block, TRACE_TOKENS_PER_BLOCK if trace else SYNTH_TOKENS_PER_BLOCK)
     config = SimConfig(
-        workers=args.workers or (TRACE_WORKERS if trace else SYNTH_WORKERS),
+        workers=_given(args.workers, TRACE_WORKERS if trace else SYNTH_WORKERS),
         tokens_per_block=tpb,
-        device_blocks=args.device_blocks or (TRACE_DEVICE_BLOCKS if trace else SYNTH_DEVICE_BLOCKS),
+        device_blocks=_given(
+            args.device_blocks, TRACE_DEVICE_BLOCKS if trace else SYNTH_DEVICE_BLOCKS
+        ),
         host_blocks=args.host_blocks,
         max_batch_tokens=args.max_batch_tokens,
         transport=args.transport,

@@ -90,6 +90,13 @@ def test_bad_arguments_fail_with_a_message(capsys: pytest.CaptureFixture[str]) -
             main(["run", "--policy-options", options, "--max-requests", "5", "--no-progress"])
         assert exited.value.code == 2
         assert message in capsys.readouterr().err
+    for flag, message in (
+        ("--workers", "workers must be >= 1, got 0"),
+        ("--tokens-per-block", "tokens_per_block must be >= 1, got 0"),
+        ("--device-blocks", "device_blocks >= 1"),
+    ):
+        assert main(["run", flag, "0", "--max-requests", "5", "--no-progress"]) == 2, flag
+        assert message in capsys.readouterr().err
     assert main(["run", "--trace", "/nonexistent/trace.jsonl", "--no-progress"]) == 2
     assert "not found" in capsys.readouterr().err
     assert main(["run", "--restart", "9@10", "--max-requests", "5", "--no-progress"]) == 2
