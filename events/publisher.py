@@ -84,9 +84,9 @@ class ZmqEventPublisher:
     bind one interface's fixed port again after a restart.
 
     Bounds: ``max_queue`` batches wait for the sender thread; the ring keeps the last
-    ``buffer_steps`` encoded batches (its memory is that many payloads); ``hwm`` frames per
-    subscriber wait in ZeroMQ before it drops (0: no limit). ``dp_rank`` also fills the
-    payload's ``data_parallel_rank``. The context defaults to ``zmq.Context.instance()``; inproc
+    ``buffer_steps`` encoded batches for replay (its memory is that many payloads; none without
+    a ``replay_endpoint``); ``hwm`` frames per subscriber wait in ZeroMQ before it drops (0: no
+    limit). ``dp_rank`` also fills the payload's ``data_parallel_rank``. The context defaults to ``zmq.Context.instance()``; inproc
     endpoints need the subscriber on the same context.
     """
 
@@ -114,7 +114,9 @@ class ZmqEventPublisher:
         self._dp_rank = dp_rank
         self._max_queue = max_queue
         self._drop_live = drop_live
-        self._ring: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        # only the replay socket reads the ring: without one, keeping payloads is waste
+        ring_size = buffer_steps if replay_endpoint is not None else 0
+        self._ring: deque[tuple[int, bytes]] = deque(maxlen=ring_size)
         self._queue: deque[_Item] = deque()
         self._lock = threading.Lock()  # seq assignment + queue order + the caller's bell
         self._progress = threading.Condition()
