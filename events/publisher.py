@@ -86,8 +86,8 @@ class ZmqEventPublisher:
     Bounds: ``max_queue`` batches wait for the sender thread; the ring keeps the last
     ``buffer_steps`` encoded batches for replay (its memory is that many payloads; none without
     a ``replay_endpoint``); ``hwm`` frames per subscriber wait in ZeroMQ before it drops (0: no
-    limit). ``dp_rank`` also fills the payload's ``data_parallel_rank``. The context defaults to ``zmq.Context.instance()``; inproc
-    endpoints need the subscriber on the same context.
+    limit). ``dp_rank`` also fills the payload's ``data_parallel_rank``. The context defaults to
+    ``zmq.Context.instance()``; inproc endpoints need the subscriber on the same context.
     """
 
     def __init__(
