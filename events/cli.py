@@ -24,6 +24,7 @@ from typing import IO, Final
 from events.capture import CaptureError, CaptureWriter, read_capture
 from events.codec import DecodeError, decode_batch
 from events.doctor import Doctor, DoctorOptions
+from events.endpoints import EndpointError
 from events.hashing import HashAlgo, hash_from_key, v1_block_hash
 from events.listener import OnMessage, listen
 from events.model import (
@@ -314,15 +315,18 @@ def _listen_with(
     timeout = args.timeout
     if timeout is None and args.count is None:
         timeout = default_timeout_s
-    return listen(
-        endpoints,
-        on_message,
-        replay_endpoints=args.replay_endpoint,
-        topic=args.topic,
-        count=args.count,
-        timeout_s=timeout,
-        bind=args.bind,
-    )
+    try:
+        return listen(
+            endpoints,
+            on_message,
+            replay_endpoints=args.replay_endpoint,
+            topic=args.topic,
+            count=args.count,
+            timeout_s=timeout,
+            bind=args.bind,
+        )
+    except EndpointError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _cmd_doctor(args: argparse.Namespace, out: IO[str]) -> int:

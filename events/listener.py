@@ -15,7 +15,7 @@ from typing import Final
 
 import zmq
 
-from events.endpoints import connectable
+from events.endpoints import EndpointError, connectable
 
 _END_SEQ: Final = b"\xff" * 8
 
@@ -36,20 +36,28 @@ def listen(
 ) -> int:
     """Receive messages from one SUB socket per endpoint until ``count`` live messages arrived
     or ``timeout_s`` passed; returns the number of live messages. With replay endpoints, a gap
-    (or a stream first seen above seq 0) is filled from the publisher's replay socket."""
+    (or a stream first seen above seq 0) is filled from the publisher's replay socket.
+    Raises :class:`~events.endpoints.EndpointError` for an endpoint ZeroMQ cannot attach to."""
     ctx = zmq.Context()
     socks: list[zmq.Socket[bytes]] = []
     try:
         poller = zmq.Poller()
         for endpoint in endpoints:
             sock = ctx.socket(zmq.SUB)
+            socks.append(sock)  # before anything can fail: an open socket blocks ctx.term()
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
-            if bind:
-                sock.bind(endpoint)
-            else:
-                sock.connect(connectable(endpoint))
-            socks.append(sock)
+            try:
+                if bind:
+                    sock.bind(endpoint)
+                else:
+                    sock.connect(connectable(endpoint))
+            except zmq.ZMQError as exc:
+                verb = "bind" if bind else "connect to"
+                raise EndpointError(
+                    f"cannot {verb} {endpoint}: {exc}; write tcp://HOST:PORT, ipc://PATH or "
+                    "inproc://NAME"
+                ) from exc
             poller.register(sock, zmq.POLLIN)
         last: dict[int, int] = {}
         received = 0

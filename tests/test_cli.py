@@ -89,9 +89,12 @@ def test_hash_cache_salt_and_tokens_file(tmp_path: Path) -> None:
         ["hash", "--tokens", "1", "--tokens-per-block", "4", "--cache-salt", "a", "--salt-id", "1"],
         ["hash", "--tokens-file", "/nonexistent/tokens", "--tokens-per-block", "4"],
         ["doctor", "/nonexistent/capture.jsonl"],
+        ["listen", "not-an-endpoint", "--timeout", "1"],  # used to hang in ctx.term()
+        ["listen", "tcp://127.0.0.1:5557", "tcp://nohost", "--timeout", "1"],
         ["frobnicate"],
     ],
 )
+@pytest.mark.timeout(20)
 def test_usage_errors_exit_2(argv: list[str]) -> None:
     assert main(argv, out=io.StringIO()) == 2
 
