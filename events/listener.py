@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Final
 
 import zmq
 
 from events.endpoints import EndpointError, connectable
-
-_END_SEQ: Final = b"\xff" * 8
+from events.publisher import END_SEQ
 
 OnMessage = Callable[[int, list[bytes], bool], None]
 """Called with (worker index, frames, replayed) for every received message."""
@@ -114,7 +112,7 @@ def _replay(
             if left_ms <= 0 or not dealer.poll(left_ms):
                 break
             frames = dealer.recv_multipart()
-            if len(frames) == 4 and frames[2] == _END_SEQ:
+            if len(frames) == 4 and frames[2] == END_SEQ:
                 break
             if len(frames) == 4 and len(frames[2]) == 8 and int.from_bytes(frames[2], "big") < stop:
                 got.append(frames[1:])

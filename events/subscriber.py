@@ -46,7 +46,6 @@ import contextlib
 import heapq
 import logging
 import math
-import struct
 import time
 import zlib
 from collections import deque
@@ -60,11 +59,10 @@ from zmq.utils.monitor import recv_monitor_message
 from events.codec import DecodeError, DecodeLimits, decode_batch
 from events.endpoints import EndpointError
 from events.model import AllBlocksCleared, DecodedBatch
+from events.publisher import END_SEQ, SEQ
 
 log = logging.getLogger(__name__)
 
-_SEQ: Final = struct.Struct(">Q")
-_END_SEQ: Final = b"\xff" * 8
 #: how many recent (seq, payload digest) pairs a worker keeps to tell duplicates from restarts
 DIGEST_WINDOW: Final = 4096
 #: messages read from one socket before other sockets and the caller get a turn
@@ -341,7 +339,7 @@ class ZmqEventSubscriber:
                     )
                     continue
                 w.received += 1
-                self._on_live(w, _SEQ.unpack(frames[1])[0], frames[2], out)
+                self._on_live(w, SEQ.unpack(frames[1])[0], frames[2], out)
                 if self._workers.get(w.worker) is not w:
                     return
 
@@ -450,7 +448,7 @@ class ZmqEventSubscriber:
     def _request_replay(self, w: _Worker) -> None:
         assert w.dealer is not None and w.next_seq is not None
         try:
-            w.dealer.send_multipart((b"", _SEQ.pack(w.next_seq)), zmq.NOBLOCK)
+            w.dealer.send_multipart((b"", SEQ.pack(w.next_seq)), zmq.NOBLOCK)
         except zmq.Again:
             # a bound DEALER with no publisher connected: the request times out like a silent one
             log.warning("worker %d: replay request not sent: no replay peer", w.worker)
@@ -459,14 +457,14 @@ class ZmqEventSubscriber:
 
     def _on_replay(self, w: _Worker, frames: list[bytes], out: list[SubscriberMessage]) -> None:
         if w.abandoned:
-            if len(frames) == 4 and frames[2] == _END_SEQ:
+            if len(frames) == 4 and frames[2] == END_SEQ:
                 w.abandoned -= 1
             return
         if w.replay_deadline is None or w.next_seq is None:
             return  # nothing asked: a late reply to a request already given up
         # the timeout measures silence, so a long replay that keeps streaming is not cut off
         w.replay_deadline = time.monotonic() + self._replay_timeout_s
-        if len(frames) == 4 and frames[2] == _END_SEQ:
+        if len(frames) == 4 and frames[2] == END_SEQ:
             w.replay_deadline = None
             start = w.next_seq
             self._advance(
@@ -480,7 +478,7 @@ class ZmqEventSubscriber:
             w.decode_errors += 1
             log.warning("worker %d: ignored a malformed replay message", w.worker)
             return
-        seq = _SEQ.unpack(frames[2])[0]
+        seq = SEQ.unpack(frames[2])[0]
         w.replayed += 1
         while w.next_seq < seq:
             start = w.next_seq
