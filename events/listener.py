@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import zmq
 
-from events.endpoints import EndpointError, connectable
+from events.endpoints import EndpointError, connectable, should_bind
 from events.publisher import END_SEQ
 
 OnMessage = Callable[[int, list[bytes], bool], None]
@@ -36,6 +36,8 @@ def listen(
     or ``timeout_s`` passed; returns the number of live messages. With replay endpoints, a gap
     (or a stream first seen above seq 0) is filled from the publisher's replay socket.
     Raises :class:`~events.endpoints.EndpointError` for an endpoint ZeroMQ cannot attach to."""
+    for endpoint in replay_endpoints:
+        should_bind(endpoint)  # refuse a bad replay endpoint now, not at the first gap
     ctx = zmq.Context()
     socks: list[zmq.Socket[bytes]] = []
     try:
@@ -104,7 +106,10 @@ def _replay(
     dealer.setsockopt(zmq.LINGER, 0)
     got: list[list[bytes]] = []
     try:
-        dealer.connect(connectable(endpoint))
+        try:
+            dealer.connect(connectable(endpoint))
+        except zmq.ZMQError as exc:
+            raise EndpointError(f"cannot connect to replay endpoint {endpoint}: {exc}") from exc
         dealer.send_multipart([b"", start.to_bytes(8, "big")])
         deadline = time.monotonic() + timeout_s
         while True:
