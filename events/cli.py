@@ -289,7 +289,11 @@ def _cmd_listen(args: argparse.Namespace, out: IO[str]) -> int:
     if args.record is None:
         _listen_with(args, args.endpoints, printer)
         return EXIT_OK
-    with open(args.record, "w", encoding="utf-8") as stream:
+    try:
+        stream = open(args.record, "w", encoding="utf-8")  # noqa: SIM115 (closed by the with)
+    except OSError as exc:
+        raise UsageError(f"cannot write --record {args.record}: {exc.strerror}") from None
+    with stream:
         writer = CaptureWriter(stream, args.endpoints)
 
         def record(worker: int, frames: list[bytes], replay: bool) -> None:

@@ -92,6 +92,7 @@ def test_hash_cache_salt_and_tokens_file(tmp_path: Path) -> None:
         ["listen", "not-an-endpoint", "--timeout", "1"],  # used to hang in ctx.term()
         ["listen", "tcp://127.0.0.1:5557", "tcp://nohost", "--timeout", "1"],
         ["listen", "tcp://127.0.0.1:5557", "--replay-endpoint", "garbage", "--timeout", "1"],
+        ["listen", "tcp://127.0.0.1:5557", "--record", "/nonexistent/dir/run.jsonl"],
         ["frobnicate"],
     ],
 )
