@@ -28,7 +28,7 @@ import logging
 import math
 from array import array
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -156,11 +156,9 @@ class SimWorker:
         """Seqs of the current publisher sent live (not dropped), in order."""
         self.published = 0
         self.restarts = 0
-        self.overflowed_events = 0
         self.events_published = 0
         self.bytes_published = 0
         self.dropped_frames = 0
-        self.on_publish: Callable[[int, float], None] | None = None
         self._start_engine()
 
     # ------------------------------------------------------------------ engine lifecycle
@@ -257,8 +255,6 @@ class SimWorker:
             self.dropped_frames += 1
         else:
             self.sent_seqs.append(seq)
-        if self.on_publish is not None:
-            self.on_publish(seq, self.clock_ms)
 
     def _track(self, batch: Sequence[KVCacheEvent]) -> None:
         held = self.held
