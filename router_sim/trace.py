@@ -93,15 +93,22 @@ def iter_trace(
 ) -> Iterator[TraceRow]:
     """The rows of a trace file in file order (blank lines skipped)."""
     p = resolve_trace(path)
-    with _open(p) as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TraceError(f"{p}:{lineno}: not JSON ({exc.msg})") from None
-            yield _row(obj, f"{p}:{lineno}", tokens_per_hash_id)
+    lineno = 0
+    try:
+        with _open(p) as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise TraceError(f"{p}:{lineno}: not JSON ({exc.msg})") from None
+                yield _row(obj, f"{p}:{lineno}", tokens_per_hash_id)
+    except (OSError, EOFError, UnicodeDecodeError) as exc:
+        # not gzip, truncated, a directory, not UTF-8: the file, not a line, is at fault
+        raise TraceError(
+            f"{p}: cannot read it as a .jsonl or .jsonl.gz trace after line {lineno} ({exc})"
+        ) from None
 
 
 def _spread(rows: list[TraceRow], spread_ms: float) -> list[float]:

@@ -91,6 +91,18 @@ def test_malformed_lines_name_file_and_line(tmp_path: Path, line: str, message: 
     assert "bad.jsonl:2" in str(err.value)
 
 
+def test_unreadable_files_are_trace_errors(tmp_path: Path) -> None:
+    not_gzip = tmp_path / "a.jsonl.gz"
+    not_gzip.write_bytes(b"plain text")
+    truncated = tmp_path / "b.jsonl.gz"
+    truncated.write_bytes(gzip.compress((json.dumps(ROWS[0]) + "\n").encode() * 50)[:-12])
+    not_utf8 = tmp_path / "c.jsonl"
+    not_utf8.write_bytes(b"\xff\xfe\n")
+    for path in (not_gzip, truncated, not_utf8, tmp_path):
+        with pytest.raises(TraceError, match=r"cannot read it as a \.jsonl or \.jsonl\.gz trace"):
+            load_trace(path)
+
+
 def test_missing_file_says_what_to_give(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="mooncake"):
         resolve_trace(tmp_path / "nope.jsonl")
