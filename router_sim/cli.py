@@ -203,6 +203,12 @@ def run(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
         restarts=list(args.restart),
         policy_options=dict(args.policy_options),
     )
+    if args.out is not None:
+        try:  # before the runs, not after them
+            args.out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            stderr.write(f"router-sim: cannot create --out {args.out}: {exc.strerror}\n")
+            return 2
     requests, workload = _requests(args)
     if not requests:
         stderr.write("router-sim: the workload has no requests\n")

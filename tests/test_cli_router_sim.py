@@ -76,7 +76,9 @@ def test_run_on_a_trace_file_with_chosen_policies(
     assert report["workload"]["bound"] > 0.8
 
 
-def test_bad_arguments_fail_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_arguments_fail_with_a_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit):
         main(["run", "--policies", "nope"])
     assert "unknown policies" in capsys.readouterr().err
@@ -97,6 +99,11 @@ def test_bad_arguments_fail_with_a_message(capsys: pytest.CaptureFixture[str]) -
     ):
         assert main(["run", flag, "0", "--max-requests", "5", "--no-progress"]) == 2, flag
         assert message in capsys.readouterr().err
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    out = str(blocker / "out")
+    assert main(["run", "--out", out, "--max-requests", "5", "--no-progress"]) == 2
+    assert f"cannot create --out {out}" in capsys.readouterr().err
     assert main(["run", "--trace", "/nonexistent/trace.jsonl", "--no-progress"]) == 2
     assert "not found" in capsys.readouterr().err
     assert main(["run", "--restart", "9@10", "--max-requests", "5", "--no-progress"]) == 2
