@@ -123,10 +123,15 @@ def _parse_header(first: str | None) -> list[str]:
 def read_capture(path: str | Path) -> Capture:
     """Read a whole capture file; raises :class:`CaptureError` for anything malformed."""
     with open(path, encoding="utf-8") as stream:
-        endpoints = _parse_header(stream.readline() or None)
-        messages = [
-            _parse_line(number, text) for number, text in enumerate(stream, start=2) if text.strip()
-        ]
+        try:
+            endpoints = _parse_header(stream.readline() or None)
+            messages = [
+                _parse_line(number, text)
+                for number, text in enumerate(stream, start=2)
+                if text.strip()
+            ]
+        except UnicodeDecodeError as exc:  # captures are ASCII JSON lines
+            raise CaptureError(f"not a kv-events capture: not UTF-8 text ({exc.reason})") from None
     return Capture(endpoints, messages)
 
 

@@ -105,6 +105,10 @@ def test_doctor_rejects_a_file_that_is_not_a_capture(tmp_path: Path) -> None:
     bogus = tmp_path / "bogus.jsonl"
     bogus.write_text('{"hello": 1}\n')
     assert run("doctor", str(bogus))[0] == 2
+    binary = tmp_path / "binary.jsonl"
+    header = (CAPTURES / "clean.jsonl").read_bytes().split(b"\n")[0]
+    binary.write_bytes(header + b"\n\xff\xfe\n")
+    assert run("doctor", str(binary))[0] == 2
 
 
 # -------------------------------------------------------------- doctor on the captures
