@@ -140,6 +140,8 @@ def _read_tokens_file(path: str) -> list[int]:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise UsageError(f"cannot read --tokens-file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"--tokens-file {path} is not UTF-8 text ({exc.reason})") from None
     stripped = text.strip()
     if stripped.startswith("["):
         try:

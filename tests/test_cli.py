@@ -101,6 +101,13 @@ def test_usage_errors_exit_2(argv: list[str]) -> None:
     assert main(argv, out=io.StringIO()) == 2
 
 
+def test_a_binary_tokens_file_is_a_usage_error(tmp_path: Path) -> None:
+    binary = tmp_path / "tokens.bin"
+    binary.write_bytes(b"\xff\xfe\x00")
+    argv = ["hash", "--tokens-file", str(binary), "--tokens-per-block", "4"]
+    assert main(argv, out=io.StringIO()) == 2
+
+
 def test_doctor_rejects_a_file_that_is_not_a_capture(tmp_path: Path) -> None:
     bogus = tmp_path / "bogus.jsonl"
     bogus.write_text('{"hello": 1}\n')
