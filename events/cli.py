@@ -348,7 +348,9 @@ def _cmd_doctor(args: argparse.Namespace, out: IO[str]) -> int:
         # a live check must end on its own: 10 s unless --count or --timeout say otherwise
         received = _listen_with(args, [args.target], doctor.feed, default_timeout_s=10.0)
         if received == 0:
-            out.write(f"no messages received from {args.target}\n")
+            # nothing was checked: "OK" would tell an operator a silent stream is healthy
+            out.write(f"no messages received from {args.target}: nothing was checked\n")
+            return EXIT_PROBLEMS
     else:
         try:
             capture = read_capture(args.target)

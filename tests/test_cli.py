@@ -413,6 +413,16 @@ def test_doctor_listens_to_a_live_endpoint() -> None:
     assert "salt is mixed into every block" in str(report)
 
 
+def test_doctor_on_a_silent_endpoint_reports_that_nothing_was_checked() -> None:
+    pub = FakePublisher()
+    try:
+        code, report = run("doctor", pub.endpoint, "--timeout", "0.2")
+    finally:
+        pub.close()
+    assert code == 1
+    assert "nothing was checked" in report
+
+
 def test_capture_writer_round_trip(tmp_path: Path) -> None:
     path = tmp_path / "c.jsonl"
     with open(path, "w", encoding="utf-8") as stream:
