@@ -41,7 +41,6 @@ from typing import Any, Final, cast
 import msgpack
 
 from events.json_codec import (
-    U64_LIMIT,
     DecodeError,
     from_json,
     to_json,
@@ -59,6 +58,7 @@ from events.model import (
     medium_of,
 )
 from events.wire_decode import DEFAULT_LIMITS, DecodeLimits, decode_batch
+from kvcache.scope import U64_LIMIT
 
 try:  # C passes over a Stored event's blocks and token ids when the optional extension is built
     from events._v1hash import pack_uint_array as _native_pack_uints

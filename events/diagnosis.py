@@ -12,7 +12,17 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Final
 
-from events.hashing import HashAlgo, hash_from_key, v1_block_hash, xxh3_content_hash
+# the V1 reference's mixing steps, reused to build the buggy variant below
+from events.hashing import (
+    _M1,
+    _MASK64,
+    HashAlgo,
+    _mix32,
+    _mix64,
+    hash_from_key,
+    v1_block_hash,
+    xxh3_content_hash,
+)
 from events.model import BlockHash, Stored
 from kvcache.keys import BlockKey
 from kvcache.scope import ReuseScope
@@ -20,31 +30,10 @@ from kvcache.scope import ReuseScope
 ScopeOf = Callable[[int | None, int | None], ReuseScope]
 """The scope to recompute a block under, from the block's own (lora_id, cache_salt_id)."""
 
-# Constants of the V1 hash (WIRE.md 3), for the buggy variant below.
-_MASK64: Final = (1 << 64) - 1
-_M1: Final = 0xBF58476D1CE4E5B9
-_M2: Final = 0x94D049BB133111EB
-_C32: Final = 0x45D9F3B
-_G: Final = 0x9E3779B9
 UNEXPLAINED: Final = (
     "unexplained: not salt/LoRA mixing, parent chaining, another scope or another "
     "algorithm; check the engine's hash function and its inputs"
 )
-
-
-def _mix32(a: int, seed: int) -> int:
-    a &= 0xFFFFFFFF
-    a = (((a >> 16) ^ a) * _C32) & 0xFFFFFFFF
-    a = (((a >> 16) ^ a) * _C32) & 0xFFFFFFFF
-    a = (a >> 16) ^ a
-    return seed ^ ((((a + _G) & 0xFFFFFFFF) + (seed << 6) + (seed >> 2)) & _MASK64)
-
-
-def _mix64(b: int, seed: int) -> int:
-    b = ((b ^ (b >> 30)) * _M1) & _MASK64
-    b = ((b ^ (b >> 27)) * _M2) & _MASK64
-    b ^= b >> 31
-    return seed ^ ((b + _G + (seed << 6) + (seed >> 2)) & _MASK64)
 
 
 def v1_salt_every_block(

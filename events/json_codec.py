@@ -25,9 +25,9 @@ from events.model import (
     StoredBlock,
     Updated,
 )
+from kvcache.keys import TOKEN_LIMIT
+from kvcache.scope import U64_LIMIT
 
-U64_LIMIT: Final = 1 << 64
-TOKEN_LIMIT: Final = 1 << 31
 _HEX64: Final = re.compile(r"[0-9a-f]{64}")
 
 

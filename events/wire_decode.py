@@ -21,8 +21,6 @@ import msgpack
 
 from events._records import stored_blocks
 from events.json_codec import (
-    TOKEN_LIMIT,
-    U64_LIMIT,
     DecodeError,
     expect_int,
     expect_list,
@@ -42,6 +40,8 @@ from events.model import (
     Updated,
     cache_level_of,
 )
+from kvcache.keys import TOKEN_LIMIT
+from kvcache.scope import U64_LIMIT
 
 try:  # C passes over the raw bytes and token_ids when the optional extension is built
     from events._v1hash import first_bad_token as _native_first_bad_token
