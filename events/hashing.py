@@ -17,7 +17,7 @@ values block by block, so both sides share one definition.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import Final, TypeAlias
 
@@ -192,6 +192,13 @@ def v1_chain(tokens: Tokens, tokens_per_block: int, scope: ReuseScope | None = N
     return v1_chain_py(packed, tokens_per_block, scope)
 
 
+#: The key-derived algorithms, unchecked: for hot paths whose keys come from the radix tree.
+KEY_HASHES: Final[dict[HashAlgo, Callable[[bytes], BlockHash]]] = {
+    HashAlgo.V2_SHA256: lambda key: bytes(key).hex(),
+    HashAlgo.V2_SHA256_64: lambda key: int.from_bytes(key[:8], "big"),
+}
+
+
 def hash_from_key(algo: HashAlgo | str, key: bytes) -> BlockHash:
     """The event hash of a 32-byte block key under a ``v2_*`` algorithm.
 
@@ -201,11 +208,10 @@ def hash_from_key(algo: HashAlgo | str, key: bytes) -> BlockHash:
     parsed = HashAlgo.parse(algo)
     if len(key) != 32:
         raise ValueError(f"block keys are 32 bytes (SHA-256), got {len(key)}")
-    if parsed is HashAlgo.V2_SHA256:
-        return bytes(key).hex()
-    if parsed is HashAlgo.V2_SHA256_64:
-        return int.from_bytes(key[:8], "big")
-    raise ValueError("v1_block_key hashes chain over tokens, not keys: use v1_block_hash")
+    derive = KEY_HASHES.get(parsed)
+    if derive is None:
+        raise ValueError("v1_block_key hashes chain over tokens, not keys: use v1_block_hash")
+    return derive(key)
 
 
 def chain_hashes(

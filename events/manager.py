@@ -25,13 +25,13 @@ from __future__ import annotations
 import threading
 from array import array
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
 from events._records import stored_block as _stored_block
 from events._records import v1_stored_block
-from events.hashing import HashAlgo, v1_block_hash
+from events.hashing import KEY_HASHES, HashAlgo, v1_block_hash
 from events.model import (
     AllBlocksCleared,
     BlockHash,
@@ -57,14 +57,6 @@ def _token_list(tokens: Sequence[int]) -> list[int]:
 
 def _no_key_hash(key: bytes) -> BlockHash:
     raise AssertionError("v1_block_key is computed from tokens, not keys")
-
-
-# hash_from_key's definitions, bound once: its per-call argument checks would cost more than
-# the hash itself on the per-block path (agreement is tested).
-_KEY_HASHES: Final[dict[HashAlgo, Callable[[bytes], BlockHash]]] = {
-    HashAlgo.V2_SHA256: bytes.hex,
-    HashAlgo.V2_SHA256_64: lambda key: int.from_bytes(key[:8], "big"),
-}
 
 
 def _parents_first(
@@ -155,7 +147,8 @@ class KVCacheEventManager:
         self.moves_as: Final[MovesAs] = moves_as
         self._algo_name: str = algo.value
         self._v1 = algo is HashAlgo.V1_BLOCK_KEY
-        self._key_hash = _KEY_HASHES.get(algo, _no_key_hash)
+        # unchecked: hash_from_key's argument checks would cost more than the hash per block
+        self._key_hash = KEY_HASHES.get(algo, _no_key_hash)
         self._block_size = tokens_per_block
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
