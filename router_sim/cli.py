@@ -129,7 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device-blocks", type=int, help="device KV blocks per worker")
     run.add_argument("--host-blocks", type=int, default=0, help="host KV blocks per worker")
     run.add_argument("--tokens-per-block", type=int, help="tokens per KV block")
-    run.add_argument("--transport", choices=("inproc", "tcp"), default="inproc")
+    run.add_argument(
+        "--transport",
+        choices=("auto", "memory", "inproc", "tcp"),
+        default="auto",
+        help="how event frames travel: memory (in process, same codec), or ZeroMQ inproc/tcp "
+        "sockets (default auto: memory, inproc with --drop-rate)",
+    )
     run.add_argument("--event-delay-ms", type=float, default=0.0)
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--max-requests", type=int, help="stop after this many requests")
@@ -154,7 +160,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--out", type=Path, help="write report.json/csv/txt and plots here")
     run.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    _add_service_parsers(sub)
     return parser
+
+
+def _add_service_parsers(sub: Any) -> None:
+    """``serve`` and ``worker``: the live service, in :mod:`router_sim.service`."""
+    from router_sim.service import app, worker_proc
+
+    app.add_parser(sub)
+    worker_proc.add_parser(sub)
 
 
 def _requests(args: argparse.Namespace) -> tuple[list[Request], dict[str, Any]]:
@@ -240,6 +255,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args_list.insert(0, "run")  # bare ``router-sim`` means ``router-sim run``
     parser = build_parser()
     args = parser.parse_args(args_list)
+    if args.command in ("serve", "worker"):
+        from router_sim.service import app, worker_proc
+
+        return app.main(args) if args.command == "serve" else worker_proc.main(args)
     try:
         return run(args, sys.stdout, sys.stderr)
     except (ValueError, FileNotFoundError) as exc:

@@ -1,0 +1,265 @@
+"""``router-sim serve``: the router as an HTTP service (aiohttp) in front of a fleet.
+
+Endpoints:
+
+- ``POST /route`` ``{"prompt": [ids], "lora_id"?, "lora_name"?, "cache_salt"?}``: the chosen
+  worker and the decision's explanation (overlap per candidate, costs, reason, decision time);
+- ``POST /v1/completions``: OpenAI-style completions for token-id prompts, routed and forwarded
+  to the chosen worker's ``/v1/completions``; streamed answers are relayed as they come. The
+  answer carries ``X-Router-Worker``. The load view counts what was forwarded (see
+  :mod:`router_sim.service.inflight`);
+- ``GET /workers`` (per-worker stream and health), ``POST /workers`` (add one: a fleet-file
+  entry as JSON), ``DELETE /workers/{id}``;
+- ``GET /healthz``, ``GET /metrics`` (Prometheus text format).
+
+Bad requests get a 4xx with a JSON error (:mod:`router_sim.service.protocol`); a worker that
+cannot be reached gets 502 and is skipped until its health probe answers again; no eligible
+worker is 503.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+from typing import Any
+
+import aiohttp
+import prometheus_client
+from aiohttp import web
+
+from events.endpoints import EndpointError
+from router_sim.policies import POLICIES, NoWorkersError
+from router_sim.service.core import FleetConflict, RouterService
+from router_sim.service.fleet import FleetError, FleetFile, load_fleet, parse_worker
+from router_sim.service.protocol import (
+    MAX_BODY_BYTES,
+    CompletionBody,
+    Handler,
+    RouteBody,
+    error_response,
+    json_errors,
+    parse_body,
+    read_body,
+)
+
+SERVICE: web.AppKey[RouterService] = web.AppKey("service", RouterService)
+
+
+def _no_workers(exc: NoWorkersError) -> web.Response:
+    return error_response(503, f"no worker is available: {exc}", "service_unavailable")
+
+
+async def route(request: web.Request) -> web.Response:
+    svc = request.app[SERVICE]
+    body = parse_body(RouteBody, await read_body(request))
+    lora = svc.resolve_lora(body.lora_id, body.lora_name)
+    try:
+        decision = svc.decide(body.prompt, lora, body.cache_salt)
+    except NoWorkersError as exc:
+        return _no_workers(exc)
+    return web.json_response(svc.explain(decision))
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    svc = request.app[SERVICE]
+    raw = await read_body(request)
+    body = parse_body(CompletionBody, raw)
+    lora = svc.resolve_lora(body.lora_id, body.lora_name, body.model)
+    try:
+        decision = svc.decide(body.prompt, lora, body.cache_salt)
+    except NoWorkersError as exc:
+        return _no_workers(exc)
+    worker = decision.worker
+    if lora != body.lora_id:  # resolved from a name: the worker keys its cache by the id
+        raw = json.dumps({**json.loads(raw), "lora_id": lora}).encode()
+    url = svc.workers[worker].entry.http + "/v1/completions"
+    ticket = svc.load.begin(
+        worker, len(body.prompt), decision.chosen_overlap * svc.fleet.tokens_per_block
+    )
+    svc.metrics.inflight.labels(str(worker)).inc()
+    headers = {"X-Router-Worker": str(worker)}
+    resp: web.StreamResponse | None = None
+    outcome = "error"
+    assert svc.session is not None
+    try:
+        async with svc.session.post(
+            url, data=raw, headers={"Content-Type": "application/json"}
+        ) as upstream:
+            if not body.stream or upstream.status != 200:
+                data = await upstream.read()
+                outcome = str(upstream.status)
+                return web.Response(
+                    body=data,
+                    status=upstream.status,
+                    content_type=upstream.content_type,
+                    headers=headers,
+                )
+            resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                svc.load.first_token(ticket)
+                await resp.write(chunk)
+            await resp.write_eof()
+            outcome = "200"
+            return resp
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        if isinstance(exc, aiohttp.ClientConnectorError):
+            svc.mark_down(worker, f"{type(exc).__name__}: {exc}")
+        if resp is not None:
+            return resp  # the stream had started: it ends short, as the worker's did
+        return error_response(
+            502, f"worker {worker} failed: {type(exc).__name__}: {exc}", "bad_gateway"
+        )
+    finally:
+        svc.load.end(ticket)
+        svc.metrics.inflight.labels(str(worker)).dec()
+        svc.metrics.proxied.labels(str(worker), outcome).inc()
+
+
+async def list_workers(request: web.Request) -> web.Response:
+    svc = request.app[SERVICE]
+    return web.json_response({"workers": [svc.worker_report(w) for w in sorted(svc.workers)]})
+
+
+async def add_worker(request: web.Request) -> web.Response:
+    svc = request.app[SERVICE]
+    try:
+        entry = parse_worker(await read_body(request))
+        await svc.add_worker(entry)
+    except FleetConflict as exc:
+        return error_response(409, str(exc))
+    except (FleetError, EndpointError) as exc:
+        return error_response(400, str(exc))
+    return web.json_response(svc.worker_report(entry.id), status=201)
+
+
+async def remove_worker(request: web.Request) -> web.Response:
+    svc = request.app[SERVICE]
+    text = request.match_info["worker"]
+    if not text.isdigit():
+        return error_response(400, f"worker id must be a non-negative integer, got {text!r}")
+    try:
+        await svc.remove_worker(int(text))
+    except FleetConflict as exc:
+        return error_response(404, str(exc))
+    return web.json_response({"removed": int(text)})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    svc = request.app[SERVICE]
+    up = sum(1 for s in svc.workers.values() if s.up)
+    return web.json_response({"status": "ok", "workers": len(svc.workers), "workers_up": up})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    data = request.app[SERVICE].metrics.exposition()
+    return web.Response(body=data, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
+@web.middleware
+async def count_refusals(request: web.Request, handler: Handler) -> web.StreamResponse:
+    resp = await handler(request)
+    if 400 <= resp.status < 500:
+        request.app[SERVICE].metrics.bad_requests.inc()
+    return resp
+
+
+def build_app(service: RouterService) -> web.Application:
+    """The aiohttp application; ``service`` is started on startup and closed on cleanup."""
+    app = web.Application(middlewares=[count_refusals, json_errors], client_max_size=MAX_BODY_BYTES)
+    app[SERVICE] = service
+
+    async def lifecycle(app: web.Application) -> Any:
+        await service.start()
+        yield
+        await service.close()
+
+    app.cleanup_ctx.append(lifecycle)
+    app.router.add_post("/route", route)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/workers", list_workers)
+    app.router.add_post("/workers", add_worker)
+    app.router.add_delete("/workers/{worker}", remove_worker)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+# ------------------------------------------------------------------------- CLI
+
+
+def add_parser(sub: Any) -> None:
+    """The ``serve`` subcommand's arguments (``sub``: argparse's subparsers)."""
+    p = sub.add_parser("serve", help="run the router as an HTTP service in front of a fleet")
+    p.add_argument("--fleet", help="fleet file (JSON); without it the fleet starts empty")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
+    p.add_argument(
+        "--policy",
+        default="kv_overlap",
+        choices=sorted(set(POLICIES) - {"oracle"}),
+        help="routing policy (default kv_overlap)",
+    )
+    p.add_argument("--policy-options", default="{}", help="JSON, e.g. '{\"overlap_weight\": 2}'")
+    p.add_argument("--tokens-per-block", type=int, help="without --fleet (default 16)")
+    p.add_argument("--health-interval", type=float, default=0.5, help="seconds between probes")
+    p.add_argument("--replay-timeout-ms", type=int, default=1000)
+
+
+def _config(args: argparse.Namespace) -> tuple[FleetFile, dict[str, Any]]:
+    fleet = load_fleet(args.fleet) if args.fleet else FleetFile()
+    if args.tokens_per_block is not None:
+        if args.fleet:
+            raise FleetError("--tokens-per-block comes from the fleet file when one is given")
+        fleet = FleetFile(tokens_per_block=args.tokens_per_block)
+    try:
+        options = json.loads(args.policy_options)
+    except json.JSONDecodeError as exc:
+        raise FleetError(f"--policy-options is not JSON: {exc}") from None
+    if not isinstance(options, dict):
+        raise FleetError("--policy-options must be a JSON object")
+    if not args.health_interval > 0:
+        raise FleetError(f"--health-interval must be > 0, got {args.health_interval}")
+    return fleet, options
+
+
+async def serve(args: argparse.Namespace) -> None:
+    fleet, options = _config(args)
+    service = RouterService(
+        fleet,
+        args.policy,
+        options,
+        health_interval_s=args.health_interval,
+        replay_timeout_ms=args.replay_timeout_ms,
+    )
+    runner = web.AppRunner(build_app(service), access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, args.host, args.port)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        print(
+            json.dumps({"http": f"http://{host}:{port}", "workers": len(service.workers)}),
+            flush=True,
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry point of ``router-sim serve``."""
+    prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
+    try:
+        asyncio.run(serve(args))
+    except (FleetError, EndpointError, TypeError, ValueError, OSError) as exc:
+        sys.stderr.write(f"router-sim serve: {exc}\n")
+        return 2
+    return 0

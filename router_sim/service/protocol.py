@@ -1,0 +1,126 @@
+"""The HTTP bodies that the router service and the worker process speak, and their errors.
+
+Both sides validate requests with the same pydantic models, so a prompt the router accepts is a
+prompt the worker accepts. Prompts are token ids only (OpenAI's completions API allows a list of
+ints as ``prompt``; there is no tokenizer here). Bodies are parsed with
+``model_validate_json``: pydantic-core parses and checks an 8,192-id prompt in one pass, well
+under the cost of ``json.loads`` followed by a Python check per id.
+
+Every error answer is JSON in OpenAI's shape, ``{"error": {"message", "type", "code"}}``;
+:func:`json_errors` is the aiohttp middleware that makes that true for aiohttp's own 404/405/413
+answers too, and turns an unexpected exception into a logged 500 instead of a dropped
+connection.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any, Final, TypeVar
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES: Final = 16 * 1024 * 1024
+"""Largest request body either side reads (a 1M-token prompt as JSON is about 8 MB)."""
+MAX_PROMPT_TOKENS: Final = 1 << 20
+MAX_OUTPUT_TOKENS: Final = 1 << 16
+
+TokenId = Annotated[int, Field(strict=True, ge=0, lt=2**31)]
+"""A token id: what ``kvcache.keys`` accepts (ints in [0, 2**31), no bools or floats)."""
+U64 = Annotated[int, Field(strict=True, ge=0, lt=2**64)]
+
+
+class _Body(BaseModel):
+    # unknown OpenAI fields (temperature, top_p, ...) are accepted and ignored
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class RouteBody(_Body):
+    """``POST /route``: which worker should serve this prompt, and why."""
+
+    prompt: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
+    lora_id: U64 | None = None
+    lora_name: str | None = None
+    cache_salt: Annotated[str, Field(max_length=4096)] | None = None
+
+
+class CompletionBody(RouteBody):
+    """``POST /v1/completions`` with a token-id prompt (the subset of OpenAI's fields used).
+
+    ``model`` may name a LoRA adapter of the fleet file (the router resolves it to
+    ``lora_id``). One prompt per request: OpenAI's batch form (a list of prompts) is refused.
+    """
+
+    model: str | None = None
+    max_tokens: Annotated[int, Field(strict=True, ge=1, le=MAX_OUTPUT_TOKENS)] = 16
+    stream: bool = False
+
+
+class BadRequest(ValueError):
+    """A request body that does not validate; the message says what was wrong."""
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_body(model: type[M], body: bytes) -> M:
+    """Validate a JSON body against ``model``; :class:`BadRequest` with a short message."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[:3]
+        parts = []
+        for err in first:
+            where = ".".join(str(p) for p in err["loc"]) or "body"
+            parts.append(f"{where}: {err['msg']}")
+        more = exc.error_count() - len(first)
+        suffix = f" (and {more} more errors)" if more > 0 else ""
+        raise BadRequest("; ".join(parts) + suffix) from None
+
+
+def error_response(status: int, message: str, kind: str | None = None) -> web.Response:
+    """An OpenAI-shaped JSON error."""
+    if kind is None:
+        kind = "invalid_request_error" if status < 500 else "server_error"
+    body = {"error": {"message": message, "type": kind, "code": status}}
+    return web.json_response(body, status=status)
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error as JSON: BadRequest -> 400, aiohttp's HTTP errors keep their status."""
+    try:
+        return await handler(request)
+    except BadRequest as exc:
+        return error_response(400, str(exc))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(exc.status, exc.reason if not exc.text else exc.text)
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response(500, "internal error (logged by the server)")
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The request body; 413 as JSON when it exceeds :data:`MAX_BODY_BYTES`."""
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise BadRequest(f"body larger than {MAX_BODY_BYTES} bytes") from None
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's ``usage`` object, with ``prompt_tokens_details.cached_tokens`` (prefix hits)."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }

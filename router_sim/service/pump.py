@@ -1,0 +1,165 @@
+"""The event pump: the router service's ZeroMQ side, on a thread of its own.
+
+:class:`events.subscriber.ZmqEventSubscriber` is synchronous and not thread-safe, and the
+router's index is mutated by every applied batch. So one thread owns the subscriber: it polls
+(the wait happens inside ZeroMQ, with the GIL released), then hands each round's messages to
+the event loop, which applies them to the :class:`~router_sim.router.Router` between two HTTP
+requests. The index therefore has a single writer, the loop, and routing reads it without a
+lock. The pump waits until the loop has applied a round before polling again: when the loop is
+busy, frames queue in ZeroMQ (bounded by the subscriber's HWM; a loss is replayed) rather than
+in Python memory.
+
+Fleet changes (add, remove, resubscribe after a worker restart) are commands run on the pump's
+thread, in order with the messages: a removal or a restart reaches the loop as a message placed
+after every batch of the old subscription.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeAlias
+
+from events.subscriber import (
+    ResyncRequired,
+    SubscriberMessage,
+    WorkerStatus,
+    ZmqEventSubscriber,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRemoved:
+    """``worker`` left the fleet: forget it."""
+
+    worker: int
+
+
+PumpItem: TypeAlias = SubscriberMessage | WorkerRemoved
+_Command: TypeAlias = tuple[str, int, str | None, str | None, "concurrent.futures.Future[None]"]
+
+
+class EventPump:
+    """See the module docstring. ``apply`` runs on ``loop`` with each round's items."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        apply: Callable[[list[PumpItem]], None],
+        *,
+        replay_timeout_ms: int = 1000,
+        poll_ms: int = 20,
+    ) -> None:
+        self._loop = loop
+        self._apply = apply
+        self._poll_ms = poll_ms
+        self._sub = ZmqEventSubscriber(replay_timeout_ms=replay_timeout_ms)
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._statuses: dict[int, WorkerStatus] = {}
+        self._thread = threading.Thread(target=self._run, name="router-event-pump", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def statuses(self) -> dict[int, WorkerStatus]:
+        """The latest stream status of every subscribed worker (a snapshot, replaced whole
+        after each round, so reading it from the loop needs no lock)."""
+        return self._statuses
+
+    # ------------------------------------------------------------- commands
+
+    def _command(
+        self, op: str, worker: int, events: str | None = None, replay: str | None = None
+    ) -> asyncio.Future[None]:
+        fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._commands.put((op, worker, events, replay, fut))
+        return asyncio.wrap_future(fut, loop=self._loop)
+
+    def add_worker(self, worker: int, events: str, replay: str | None) -> asyncio.Future[None]:
+        """Subscribe to a worker's stream (raises what ``add_worker`` raises, when awaited)."""
+        return self._command("add", worker, events, replay)
+
+    def remove_worker(self, worker: int) -> asyncio.Future[None]:
+        """Unsubscribe; the loop then receives :class:`WorkerRemoved`."""
+        return self._command("remove", worker)
+
+    def resubscribe(self, worker: int, events: str, replay: str | None) -> asyncio.Future[None]:
+        """A new incarnation of ``worker`` runs: drop the old stream's state and start over
+        (the loop receives ``ResyncRequired``; the new stream is replayed from its seq 0)."""
+        return self._command("resubscribe", worker, events, replay)
+
+    def _run_command(self, cmd: _Command, out: list[PumpItem]) -> None:
+        op, worker, events, replay, fut = cmd
+        try:
+            if op in ("remove", "resubscribe") and worker in self._sub.workers:
+                self._sub.remove_worker(worker)
+            if op in ("add", "resubscribe"):
+                assert events is not None
+                self._sub.add_worker(worker, events, replay)
+            if op == "remove":
+                out.append(WorkerRemoved(worker))
+            elif op == "resubscribe":
+                out.append(ResyncRequired(worker, "the worker restarted (new incarnation)"))
+        except Exception as exc:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(None)
+
+    # ------------------------------------------------------------- thread
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                items: list[PumpItem] = []
+                while True:
+                    try:
+                        cmd = self._commands.get_nowait()
+                    except queue.Empty:
+                        break
+                    self._run_command(cmd, items)
+                if self._sub.workers:
+                    items.extend(self._sub.poll(self._poll_ms))
+                else:
+                    self._stop.wait(self._poll_ms / 1000.0)  # idle: nothing to poll yet
+                self._statuses = {w: self._sub.status(w) for w in self._sub.workers}
+                if items:
+                    self._hand_over(items)
+        except Exception:
+            log.exception("the event pump stopped")
+        finally:
+            self._sub.close()
+
+    def _hand_over(self, items: list[PumpItem]) -> None:
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def apply() -> None:
+            try:
+                self._apply(items)
+            finally:
+                done.set_result(None)
+
+        try:
+            self._loop.call_soon_threadsafe(apply)
+        except RuntimeError:
+            self._stop.set()  # the loop is closed: the service is shutting down
+            return
+        while not self._stop.is_set():
+            try:
+                done.result(timeout=0.5)
+                return
+            except concurrent.futures.TimeoutError:
+                continue
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread and close the subscriber."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)

@@ -1,0 +1,261 @@
+"""``router-sim worker``: one simulated engine as a real process, with an OpenAI-style API.
+
+The process runs a :class:`~router_sim.service.engine.LiveEngine` (real KV cache manager, event
+manager and ZeroMQ publisher; step times from the simulator's timing model) and serves:
+
+- ``POST /v1/completions``: token-id prompts, streaming (server-sent events, one chunk per token,
+  then ``data: [DONE]``) or not; ``usage.prompt_tokens_details.cached_tokens`` says how much of
+  the prompt the cache served;
+- ``GET /healthz``: liveness, the engine's incarnation (new at every start, so a router can tell
+  a restart from a pause), the last published seq and the load;
+- ``GET /stats``: the engine's counters and its cache's.
+
+When it is ready it prints one JSON line on stdout, ``{"id", "http", "events", "replay",
+"tokens_per_block", "hash_algo", "incarnation"}``: the fleet-file entry for this worker (ports
+given as 0 are then the ones the OS chose). ``--count N`` starts N such processes instead and
+writes the fleet file for them (``--fleet-out``), so a whole fleet is one command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import signal
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+
+from events.publisher import ZmqEventPublisher
+from kvcache.scope import ReuseScope
+from router_sim.service.engine import LiveEngine, LiveRequest, RequestTooLarge
+from router_sim.service.protocol import (
+    MAX_BODY_BYTES,
+    CompletionBody,
+    error_response,
+    json_errors,
+    parse_body,
+    read_body,
+    usage,
+)
+from router_sim.timing import default_step_timing
+
+ENGINE: web.AppKey[LiveEngine] = web.AppKey("engine", LiveEngine)
+INFO: web.AppKey[dict[str, Any]] = web.AppKey("info", dict)
+
+
+def _chunk(rid: str, created: int, model: str, token: int | None, **extra: Any) -> bytes:
+    choice: dict[str, Any] = {
+        "index": 0,
+        "text": "" if token is None else f" {token}",
+        "token_ids": [] if token is None else [token],
+        "finish_reason": extra.pop("finish_reason", None),
+    }
+    body = {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        **extra,
+    }
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    body = parse_body(CompletionBody, await read_body(request))
+    scope = ReuseScope.for_request(lora_id=body.lora_id, cache_salt=body.cache_salt)
+    live = LiveRequest(list(body.prompt), body.max_tokens, scope)
+    try:
+        engine.submit(live)
+    except RequestTooLarge as exc:
+        return error_response(400, str(exc))
+    rid = f"cmpl-{uuid.uuid4().hex[:16]}"
+    created = int(time.time())
+    model = body.model or request.app[INFO]["model"]
+    try:
+        if not body.stream:
+            tokens = [t async for t in _tokens(live)]
+            return web.json_response(
+                {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "text": "".join(f" {t}" for t in tokens),
+                            "token_ids": tokens,
+                            "finish_reason": "length",
+                        }
+                    ],
+                    "usage": usage(len(live.prompt), len(tokens), live.cached_tokens),
+                }
+            )
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        n = 0
+        async for t in _tokens(live):
+            n += 1
+            await resp.write(_chunk(rid, created, model, t))
+        final = usage(len(live.prompt), n, live.cached_tokens)
+        await resp.write(_chunk(rid, created, model, None, finish_reason="length", usage=final))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+    finally:
+        if not live.finished:
+            engine.cancel(live)  # the client went away (or writing failed)
+
+
+async def _tokens(live: LiveRequest) -> AsyncIterator[int]:
+    while (t := await live.tokens.get()) is not None:
+        yield t
+
+
+async def healthz(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    load = engine.load()
+    info = request.app[INFO]
+    return web.json_response(
+        {
+            "status": "ok",
+            "id": info["id"],
+            "incarnation": info["incarnation"],
+            "last_seq": engine.publisher.next_seq - 1,
+            "load": {
+                "active_requests": load.active_requests,
+                "pending_prefill_tokens": load.pending_prefill_tokens,
+                "kv_usage": load.kv_usage,
+                "decode_blocks": load.decode_blocks,
+            },
+        }
+    )
+
+
+async def stats(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    s = engine.stats
+    cache = engine.manager.stats
+    return web.json_response(
+        {
+            **dataclasses.asdict(s),
+            "cached_blocks": engine.manager.num_cached_blocks,
+            "kv_usage": engine.manager.kv_usage(0),
+            "cache_hit_tokens": cache.hit_tokens,
+            "incarnation": request.app[INFO]["incarnation"],
+        }
+    )
+
+
+def build_app(engine: LiveEngine, info: dict[str, Any]) -> web.Application:
+    app = web.Application(middlewares=[json_errors], client_max_size=MAX_BODY_BYTES)
+    app[ENGINE] = engine
+    app[INFO] = info
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/stats", stats)
+    return app
+
+
+def add_parser(sub: Any) -> None:
+    """The ``worker`` subcommand's arguments (``sub``: argparse's subparsers)."""
+    p = sub.add_parser("worker", help="run simulated engine(s) serving completions + KV events")
+    p.add_argument("--id", type=int, default=0, help="worker id (first id with --count)")
+    p.add_argument("--host", default="127.0.0.1", help="interface for HTTP and events")
+    p.add_argument("--port", type=int, default=0, help="HTTP port (0: any free port)")
+    p.add_argument("--events-port", type=int, default=0, help="event PUB port (0: any)")
+    p.add_argument("--replay-port", type=int, default=0, help="replay ROUTER port (0: any)")
+    p.add_argument("--tokens-per-block", type=int, default=16)
+    p.add_argument("--device-blocks", type=int, default=16384)
+    p.add_argument("--max-batch-tokens", type=int, default=8192)
+    p.add_argument("--hash-algo", default="v1_block_key")
+    p.add_argument("--replay-steps", type=int, default=10000, help="batches kept for replay")
+    p.add_argument(
+        "--speedup", type=float, default=1.0, help="divide every step time by this (> 0)"
+    )
+    p.add_argument("--model", default="router-sim", help="model name in responses")
+    p.add_argument("--count", type=int, default=1, help="start this many worker processes")
+    p.add_argument("--fleet-out", help="with --count: write the fleet file here")
+
+
+def _endpoint(host: str, port: int) -> str:
+    return f"tcp://{host}:{port if port else '*'}"
+
+
+async def serve_worker(args: argparse.Namespace, ready: asyncio.Event | None = None) -> None:
+    """Run one worker until cancelled or signalled."""
+    if not args.speedup > 0:
+        raise ValueError(f"--speedup must be > 0, got {args.speedup}")
+    publisher = ZmqEventPublisher(
+        _endpoint(args.host, args.events_port),
+        replay_endpoint=_endpoint(args.host, args.replay_port),
+        buffer_steps=args.replay_steps,
+        bind=True,
+    )
+    try:
+        engine = LiveEngine(
+            tokens_per_block=args.tokens_per_block,
+            device_blocks=args.device_blocks,
+            timing=default_step_timing(args.speedup),
+            publisher=publisher,
+            hash_algo=args.hash_algo,
+            max_batch_tokens=args.max_batch_tokens,
+        )
+        engine.announce()
+        info = {"id": args.id, "incarnation": uuid.uuid4().hex, "model": args.model}
+        runner = web.AppRunner(build_app(engine, info), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, args.host, args.port)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        task = asyncio.create_task(engine.run())
+        line = {
+            "id": args.id,
+            "http": f"http://{host}:{port}",
+            "events": publisher.endpoint,
+            "replay": publisher.replay_endpoint,
+            "tokens_per_block": args.tokens_per_block,
+            "hash_algo": args.hash_algo,
+            "incarnation": info["incarnation"],
+        }
+        print(json.dumps(line), flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await stop.wait()
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            engine.close()
+            await runner.cleanup()
+    finally:
+        publisher.close(timeout_s=1.0)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry point of ``router-sim worker``."""
+    if args.count < 1:
+        sys.stderr.write(f"router-sim worker: --count must be >= 1, got {args.count}\n")
+        return 2
+    if args.count > 1 or args.fleet_out:
+        from router_sim.service.fleet import run_fleet
+
+        return run_fleet(args)
+    try:
+        asyncio.run(serve_worker(args))
+    except (ValueError, OSError) as exc:
+        sys.stderr.write(f"router-sim worker: {exc}\n")
+        return 2
+    return 0
