@@ -26,6 +26,7 @@ from typing import Any, Final
 
 import zmq
 
+from events.codec import decode_batch
 from events.model import BlockHash
 from events.subscriber import BatchDelivery, ResyncRequired, SubscriberMessage, ZmqEventSubscriber
 from router_sim.load import WorkerLoad
@@ -34,7 +35,7 @@ from router_sim.policies import make_policy
 from router_sim.router import Router
 from router_sim.timing import default_step_timing
 from router_sim.timing_model import PolynomialTiming
-from router_sim.worker import SimWorker, WorkerConfig
+from router_sim.worker import TRANSPORTS, SimWorker, WorkerConfig
 from router_sim.workloads import Request
 
 ALL_POLICIES: Final[tuple[str, ...]] = (
@@ -74,7 +75,9 @@ class SimConfig:
     host_blocks: int = 0
     max_batch_tokens: int = 8192
     max_running: int = 256
-    transport: str = "inproc"
+    transport: str = "auto"
+    """``memory`` (frames handed over in process, through the real codec), ``inproc`` or
+    ``tcp`` (real ZeroMQ sockets); ``auto``: memory unless frames are dropped on purpose."""
     event_delay_ms: float = 0.0
     seed: int = 0
     hash_algo: str = "v1_block_key"
@@ -94,12 +97,26 @@ class SimConfig:
             raise ValueError(f"event_delay_ms must be >= 0, got {self.event_delay_ms}")
         if not 0.0 <= self.drop_rate < 1.0:
             raise ValueError(f"drop_rate must be in [0, 1), got {self.drop_rate}")
+        if self.transport not in ("auto", *TRANSPORTS):
+            raise ValueError(
+                f"transport must be auto or one of {TRANSPORTS}, got {self.transport!r}"
+            )
+        if self.transport == "memory" and self.drop_rate > 0:
+            # a lost frame is recovered by the subscriber's replay, which needs real sockets
+            raise ValueError("drop_rate needs a ZeroMQ transport (inproc or tcp), not memory")
         for r in self.restarts:
             # a negative id would index the fleet from the end and restart the wrong worker
             if not 0 <= r.worker < self.workers:
                 raise ValueError(
                     f"restart names worker {r.worker} but the workers are 0..{self.workers - 1}"
                 )
+
+    @property
+    def resolved_transport(self) -> str:
+        """The transport a run really uses (``auto`` resolved)."""
+        if self.transport != "auto":
+            return self.transport
+        return "inproc" if self.drop_rate > 0 else "memory"
 
     def worker_config(self) -> WorkerConfig:
         return WorkerConfig(
@@ -109,7 +126,7 @@ class SimConfig:
             max_batch_tokens=self.max_batch_tokens,
             max_running=self.max_running,
             hash_algo=self.hash_algo,
-            transport=self.transport,
+            transport=self.resolved_transport,
         )
 
 
@@ -151,6 +168,7 @@ class Simulation:
         self.config = config
         self.policy_name = policy
         wcfg = config.worker_config()
+        self._memory = wcfg.transport == "memory"
         timing = default_step_timing(config.timing_speedup)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         # opens no socket until add_worker, so close() can always reach it
@@ -197,6 +215,9 @@ class Simulation:
     # ------------------------------------------------------------------- transport
 
     def _attach(self, w: SimWorker) -> None:
+        if self._memory:
+            w.announce()
+            return
         self.subscriber.add_worker(w.worker_id, w.endpoint, w.replay_endpoint)
         if not w.publisher.wait_for_subscribers(1, timeout_s=self.config.drain_timeout_s):
             raise SimulationError(f"worker {w.worker_id}: subscriber never attached")
@@ -205,6 +226,12 @@ class Simulation:
 
     def _drain(self) -> None:
         """Receive until every frame the workers sent live has been delivered."""
+        if self._memory:
+            for w in self.workers:
+                wid = w.worker_id
+                for seq, payload in w.take_frames():
+                    self._enqueue(BatchDelivery(wid, seq, decode_batch(payload)))
+            return
         deadline = time.monotonic() + self.config.drain_timeout_s
         while True:
             behind = [
@@ -259,12 +286,13 @@ class Simulation:
             fault = self._restarts.pop(0)
             self._advance(fault.at_ms)
             w = self.workers[fault.worker]
-            st = self.subscriber.status(w.worker_id)  # its counters end with this connection
-            self._carried.gaps += st.gaps
-            self._carried.replayed += st.replayed
-            self._carried.resyncs += st.resyncs
-            self._carried.decode_errors += st.decode_errors
-            self.subscriber.remove_worker(w.worker_id)
+            if not self._memory:
+                st = self.subscriber.status(w.worker_id)  # its counters end with this connection
+                self._carried.gaps += st.gaps
+                self._carried.replayed += st.replayed
+                self._carried.resyncs += st.resyncs
+                self._carried.decode_errors += st.decode_errors
+                self.subscriber.remove_worker(w.worker_id)
             w.restart()
             self._attach(w)
 
@@ -339,6 +367,8 @@ class Simulation:
             stats.dropped_frames += w.dropped_frames
             stats.overflowed_events += w.events.dropped_events
             stats.restarts += w.restarts
+            if self._memory:
+                continue
             try:
                 st = self.subscriber.status(w.worker_id)
             except Exception:  # the worker was being re-attached when the run failed

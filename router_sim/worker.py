@@ -49,7 +49,9 @@ from router_sim.workloads import Request
 
 log = logging.getLogger(__name__)
 
-TRANSPORTS: Final[tuple[str, ...]] = ("inproc", "tcp")
+TRANSPORTS: Final[tuple[str, ...]] = ("memory", "inproc", "tcp")
+"""``memory``: encoded frames are handed over in process (offline runs, no sockets);
+``inproc`` / ``tcp``: a real :class:`ZmqEventPublisher` per worker."""
 
 
 class WorkerError(RuntimeError):
@@ -67,7 +69,7 @@ class WorkerConfig:
     """Token budget of one step (decode tokens + prefill chunks)."""
     max_running: int = 256
     hash_algo: str = "v1_block_key"
-    transport: str = "inproc"
+    transport: str = "memory"
     replay_steps: int = 100_000
     """Batches kept by each publisher for replay."""
     event_buffer: int = 1_000_000
@@ -154,6 +156,9 @@ class SimWorker:
         """Block hashes this worker announced and has not removed: its true cache contents."""
         self.sent_seqs: list[int] = []
         """Seqs of the current publisher sent live (not dropped), in order."""
+        self.publisher: ZmqEventPublisher | None = None
+        self._outbox: list[tuple[int, bytes]] = []
+        self._next_seq = 0
         self.published = 0
         self.restarts = 0
         self.events_published = 0
@@ -184,6 +189,14 @@ class SimWorker:
             KVCacheManagerConfig(tokens_per_block=cfg.tokens_per_block, tiers=tiers),
             event_sink=self.events,
         )
+        self.sent_seqs = []
+        self.held = set()
+        self._tiers = [t.num_blocks for t in tiers]
+        self._outbox = []
+        self._next_seq = 0
+        if cfg.transport == "memory":
+            self.publisher = None
+            return
         live, replay = self._endpoints()
         wid, seed, rate = self.worker_id, self.fault_seed, self.drop_rate
         self.publisher = ZmqEventPublisher(
@@ -194,9 +207,6 @@ class SimWorker:
             context=self._context,
             drop_live=(lambda seq: _frame_dropped(seed, wid, seq, rate)) if rate > 0 else None,
         )
-        self.sent_seqs = []
-        self.held = set()
-        self._tiers = [t.num_blocks for t in tiers]
 
     def announce(self) -> None:
         """Publish the engine's start: its capacity (Created) and an empty cache
@@ -206,13 +216,24 @@ class SimWorker:
         self.events.on_cleared()
         self._publish()
 
+    def _zmq(self) -> ZmqEventPublisher:
+        if self.publisher is None:
+            raise WorkerError(f"worker {self.worker_id}: the memory transport has no endpoints")
+        return self.publisher
+
     @property
     def endpoint(self) -> str:
-        return self.publisher.endpoint
+        return self._zmq().endpoint
 
     @property
     def replay_endpoint(self) -> str | None:
-        return self.publisher.replay_endpoint
+        return self._zmq().replay_endpoint
+
+    def take_frames(self) -> list[tuple[int, bytes]]:
+        """Memory transport: the (seq, payload) frames published since the last call, in
+        order. They are the bytes a ZeroMQ subscriber would receive (less topic and seq)."""
+        frames, self._outbox = self._outbox, []
+        return frames
 
     def restart(self) -> None:
         """Crash and restart the engine: the KV cache is lost, a new publisher starts again at
@@ -227,7 +248,8 @@ class SimWorker:
             s.record.preemptions += 1
         self.waiting = deque(requeue)
         self._admission_blocked = False
-        self.publisher.close(timeout_s=5.0)
+        if self.publisher is not None:
+            self.publisher.close(timeout_s=5.0)
         self.restarts += 1
         self._start_engine()
 
@@ -236,7 +258,8 @@ class SimWorker:
             if s.cache is not None:
                 s.cache.close()
         self.running = []
-        self.publisher.close(timeout_s=5.0)
+        if self.publisher is not None:
+            self.publisher.close(timeout_s=5.0)
 
     # ----------------------------------------------------------------------- events
 
@@ -247,9 +270,15 @@ class SimWorker:
             return
         self._track(batch)
         payload = encode_batch(batch, self.clock_ms / 1000.0)
-        seq = self.publisher.publish_payload(payload)
         self.published += 1
         self.events_published += len(batch)
+        if self.publisher is None:
+            # what the wire would carry: empty topic, 8-byte seq, payload
+            self.bytes_published += len(payload) + 8
+            self._outbox.append((self._next_seq, payload))
+            self._next_seq += 1
+            return
+        seq = self.publisher.publish_payload(payload)
         self.bytes_published += len(payload) + len(self.publisher.topic) + 8
         if _frame_dropped(self.fault_seed, self.worker_id, seq, self.drop_rate):
             self.dropped_frames += 1

@@ -53,8 +53,9 @@ def expand_hash_ids(
     (``b = 22`` for 512 tokens per id): equal ids give equal tokens, distinct ids (below 2**b)
     give disjoint tokens, so two prompts share exactly the token prefix their hash ids share.
     The last block is cut so the prompt has ``input_length`` tokens. The id part and the
-    position part occupy disjoint bits, so a whole prompt is one OR of two byte strings built
-    by repetition: no per-token Python work.
+    position part occupy disjoint bits, so each byte lane of the little-endian prompt (byte
+    ``i`` of every token) is one block's position lane with the id's byte OR-ed in: a table
+    lookup (``bytes.translate``) per block and lane, and no per-token Python work.
     """
     n = tokens_per_hash_id
     k = -(-input_length // n)
@@ -63,27 +64,38 @@ def expand_hash_ids(
             f"input_length {input_length} needs more than {len(hash_ids)} hash ids of {n} tokens"
         )
     _, mask = _layout(n)
-    id_part = b"".join((h & mask).to_bytes(4, "little") * n for h in hash_ids[:k])
-    value = int.from_bytes(id_part, "little") | int.from_bytes(_positions(n) * k, "little")
+    ids = [h & mask for h in hash_ids[:k]]
+    raw = bytearray(4 * n * k)
+    for lane, pattern in enumerate(_position_lanes(n)):
+        shift = 8 * lane
+        if any(pattern):
+            raw[lane::4] = b"".join(
+                [pattern.translate(_OR_TABLES[(h >> shift) & 0xFF]) for h in ids]
+            )
+        else:  # this lane holds id bits only
+            raw[lane::4] = b"".join([bytes(((h >> shift) & 0xFF,)) * n for h in ids])
     out: array[int] = array("i")
-    out.frombytes(value.to_bytes(4 * n * k, "little"))
+    out.frombytes(raw)
     if sys.byteorder == "big":
         out.byteswap()
     del out[input_length:]
     return out
 
 
-_POSITIONS: dict[int, bytes] = {}
+_OR_TABLES: Final = [bytes(x | c for x in range(256)) for c in range(256)]
+"""``_OR_TABLES[c]`` maps a byte ``x`` to ``x | c`` (for ``bytes.translate``)."""
+_LANES: dict[int, list[bytes]] = {}
 
 
-def _positions(tokens_per_hash_id: int) -> bytes:
-    """Little-endian bytes of one block's position part (cached per block size)."""
-    cached = _POSITIONS.get(tokens_per_hash_id)
+def _position_lanes(tokens_per_hash_id: int) -> list[bytes]:
+    """Byte ``i`` (little-endian) of each token's position part, for i in 0..3 (cached)."""
+    cached = _LANES.get(tokens_per_hash_id)
     if cached is None:
         pos_bits, _ = _layout(tokens_per_hash_id)
         shift = 31 - pos_bits
-        cached = b"".join((j << shift).to_bytes(4, "little") for j in range(tokens_per_hash_id))
-        _POSITIONS[tokens_per_hash_id] = cached
+        words = b"".join((j << shift).to_bytes(4, "little") for j in range(tokens_per_hash_id))
+        cached = [words[lane::4] for lane in range(4)]
+        _LANES[tokens_per_hash_id] = cached
     return cached
 
 

@@ -10,6 +10,7 @@ from router_sim.bound import compulsory_bound
 from router_sim.report import build_report, deterministic_view
 from router_sim.sim import Restart, SimConfig, Simulation, simulate
 from router_sim.workloads import (
+    Request,
     SyntheticSpec,
     identical_prompts_for_tenants,
     synthetic_workload,
@@ -100,16 +101,44 @@ def test_a_simulation_that_fails_to_start_stops_its_publishers() -> None:
 
     before = publishers()
     with pytest.raises(TypeError, match="bogus"):  # the workers exist by then
-        Simulation("kv_overlap", _config(policy_options={"kv_overlap": {"bogus": 1}}))
+        Simulation(
+            "kv_overlap",
+            _config(transport="inproc", policy_options={"kv_overlap": {"bogus": 1}}),
+        )
     assert publishers() == before
 
 
-def test_tcp_transport_gives_the_same_results_as_inproc() -> None:
+def _same_report(reqs: list[Request], policy: str, **kw: object) -> dict[str, object]:
+    run = simulate(reqs, policy, _config(**kw))
+    return deterministic_view(
+        build_report({"name": "t"}, compulsory_bound(reqs, 16), {policy: run}, {})
+    )
+
+
+@pytest.mark.parametrize("policy", ["kv_overlap", "predicted_ttft"])
+def test_memory_inproc_and_tcp_transports_give_the_same_report(policy: str) -> None:
     reqs = synthetic_workload("mixed", seed=6, spec=SyntheticSpec(num_requests=40))
-    inproc = simulate(reqs, "kv_overlap", _config()).as_dict()
-    tcp = simulate(reqs, "kv_overlap", _config(transport="tcp")).as_dict()
-    for key in ("hit_rate", "ttft_p50_ms", "e2e_p99_ms", "wire_bytes", "requests_per_worker"):
-        assert inproc[key] == tcp[key]
+    memory = _same_report(reqs, policy, transport="memory")
+    assert memory == _same_report(reqs, policy, transport="inproc")
+    assert memory == _same_report(reqs, policy, transport="tcp")
+    assert memory["policies"][policy]["wire_bytes"] > 0  # type: ignore[index]
+
+
+def test_a_restart_gives_the_same_report_in_memory_and_over_zeromq() -> None:
+    reqs = synthetic_workload("shared-prompts", seed=4, spec=SMALL)
+    faults = [Restart(1, 1500.0), Restart(0, 2500.0)]
+    memory = _same_report(reqs, "kv_overlap", transport="memory", restarts=faults)
+    assert memory == _same_report(reqs, "kv_overlap", transport="inproc", restarts=faults)
+    assert memory["policies"]["kv_overlap"]["restarts"] == 2  # type: ignore[index]
+
+
+def test_auto_transport_is_memory_unless_frames_are_dropped() -> None:
+    assert _config().resolved_transport == "memory"
+    assert _config(drop_rate=0.1).resolved_transport == "inproc"
+    with pytest.raises(ValueError, match="drop_rate needs a ZeroMQ transport"):
+        _config(transport="memory", drop_rate=0.1)
+    with pytest.raises(ValueError, match="transport must be"):
+        _config(transport="carrier-pigeon")
 
 
 def test_small_device_tier_offloads_to_host_and_preempts() -> None:

@@ -6,6 +6,8 @@ import itertools
 from array import array
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvcache.scope import ReuseScope, cache_salt_id
 from router_sim.workloads import (
@@ -113,3 +115,19 @@ def test_request_validation_and_generated_answers() -> None:
 def test_unknown_workload_is_rejected_with_the_choices() -> None:
     with pytest.raises(ValueError, match="multi-turn"):
         synthetic_workload("nope")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from([1, 2, 16, 100, 512, 4096]),
+    st.lists(st.integers(0, 2**40), min_size=1, max_size=5),
+    st.data(),
+)
+def test_expansion_matches_the_per_token_formula(
+    n: int, ids: list[int], data: st.DataObject
+) -> None:
+    length = data.draw(st.integers(1, n * len(ids)))
+    pos_bits = max(1, (n - 1).bit_length())
+    b = 31 - pos_bits  # token j of id h is j << b | (h mod 2**b), as the docstring says
+    naive = [j << b | (h % 2**b) for h in ids for j in range(n)][:length]
+    assert expand_hash_ids(tuple(ids), length, n).tolist() == naive
