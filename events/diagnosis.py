@@ -10,6 +10,7 @@ mismatched blocks under each hypothesis and names the first one that reproduces 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from hashlib import sha256
 from typing import Final
 
 # the V1 reference's mixing steps, reused to build the buggy variant below
@@ -19,12 +20,13 @@ from events.hashing import (
     HashAlgo,
     _mix32,
     _mix64,
+    chain_hashes,
     hash_from_key,
     v1_block_hash,
     xxh3_content_hash,
 )
-from events.model import BlockHash, Stored
-from kvcache.keys import BlockKey
+from events.model import BlockHash, Stored, StoredBlock
+from kvcache.keys import BlockKey, root_key
 from kvcache.scope import ReuseScope
 
 ScopeOf = Callable[[int | None, int | None], ReuseScope]
@@ -168,4 +170,181 @@ def explain_mismatch(
         _explain_by_key(algo, data, mismatched, keys)
         or _explain_blocks(algo, data, mismatched, scope_of, router_scope)
         or UNEXPLAINED
+    )
+
+
+# --------------------------------------------------------------------- whole-chain drift
+
+XXH3_CONTENT: Final = "xxh3_content"
+"""Golden-file name of the router-side content hash (:func:`events.hashing.xxh3_content_hash`):
+not chained and blind to the scope, so it is a hash algorithm of its own for stability checks."""
+
+KNOWN_ALGOS: Final[tuple[str, ...]] = (*(a.value for a in HashAlgo), XXH3_CONTENT)
+"""Every algorithm this project can recompute, in golden-file spelling."""
+
+_BLOCK_SIZES: Final = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def reference_chain(
+    algo: str, tokens: Sequence[int], tokens_per_block: int, scope: ReuseScope
+) -> list[BlockHash]:
+    """The hashes of the full blocks of ``tokens`` under ``algo`` (one of :data:`KNOWN_ALGOS`),
+    computed with this library's hashing."""
+    if algo == XXH3_CONTENT:
+        full = len(tokens) - len(tokens) % tokens_per_block
+        return [
+            xxh3_content_hash(tokens[i : i + tokens_per_block])
+            for i in range(0, full, tokens_per_block)
+        ]
+    return chain_hashes(tokens, tokens_per_block, scope, HashAlgo.parse(algo))
+
+
+def _wide_token_chain(
+    algo: str, tokens: Sequence[int], tokens_per_block: int, scope: ReuseScope
+) -> list[BlockHash]:
+    """A v2 chain whose block keys hash token ids as 8-byte ints (a token-id type change)."""
+    parent = root_key(scope)
+    out: list[BlockHash] = []
+    full = len(tokens) - len(tokens) % tokens_per_block
+    for i in range(0, full, tokens_per_block):
+        body = b"".join(t.to_bytes(8, "little") for t in tokens[i : i + tokens_per_block])
+        parent = BlockKey(sha256(parent + body).digest())
+        out.append(hash_from_key(algo, parent))
+    return out
+
+
+def _hypotheses(
+    algo: str, tokens: Sequence[int], tpb: int, scope: ReuseScope
+) -> list[tuple[str, Callable[[], list[BlockHash]]]]:
+    """(cause, chain under that cause) pairs, the most frequent causes first; chains are
+    computed lazily so a drift explained early costs little."""
+    salt, lora = scope.salt, scope.lora_id
+    chunks = [tokens[i : i + tpb] for i in range(0, len(tokens) - len(tokens) % tpb, tpb)]
+    out: list[tuple[str, Callable[[], list[BlockHash]]]] = []
+    if salt is not None:
+        out.append(
+            (
+                "the salt is not mixed in (the hashes are the same scope's without its salt)",
+                lambda: reference_chain(algo, tokens, tpb, ReuseScope(lora, None)),
+            )
+        )
+    if lora is not None:
+        out.append(
+            (
+                "the LoRA id is not mixed in (the hashes are the same scope's without it)",
+                lambda: reference_chain(algo, tokens, tpb, ReuseScope(None, salt)),
+            )
+        )
+    if salt is not None and lora is not None:
+        out.append(
+            (
+                "neither the salt nor the LoRA id is mixed in",
+                lambda: reference_chain(algo, tokens, tpb, ReuseScope()),
+            )
+        )
+    if algo == HashAlgo.V1_BLOCK_KEY.value and salt is not None:
+
+        def salt_everywhere() -> list[BlockHash]:
+            parent = 0
+            hashes: list[BlockHash] = []
+            for chunk in chunks:
+                parent = v1_salt_every_block(chunk, parent, lora, salt)
+                hashes.append(parent)
+            return hashes
+
+        out.append(("the salt is mixed into every block, not only the first", salt_everywhere))
+    if algo != XXH3_CONTENT:
+        out.append(
+            (
+                "the parent chain is broken: every block is hashed as a first block",
+                lambda: [reference_chain(algo, c, tpb, scope)[0] for c in chunks],
+            )
+        )
+    for size in sorted({*_BLOCK_SIZES, tpb // 2, tpb * 2} - {0, tpb}):
+        if size <= len(tokens):
+            out.append(
+                (
+                    f"another block size: the hashes are of {size}-token blocks, not {tpb}",
+                    lambda size=size: reference_chain(algo, tokens, size, scope),  # type: ignore[misc]
+                )
+            )
+    for other in KNOWN_ALGOS:
+        if other != algo:
+            out.append(
+                (
+                    f"another algorithm: the hashes are {other}, not {algo}",
+                    lambda other=other: reference_chain(other, tokens, tpb, scope),  # type: ignore[misc]
+                )
+            )
+    if algo in (HashAlgo.V2_SHA256.value, HashAlgo.V2_SHA256_64.value):
+        out.append(
+            (
+                "the token ids are serialized as 8-byte ints, not 4-byte (a token-id type change)",
+                lambda: _wide_token_chain(algo, tokens, tpb, scope),
+            )
+        )
+    return out
+
+
+def explain_chain(
+    algo: str,
+    tokens: Sequence[int],
+    tokens_per_block: int,
+    scope: ReuseScope,
+    expected: Sequence[BlockHash],
+    actual: Sequence[BlockHash],
+) -> str:
+    """Why the hashes ``actual`` of a whole prompt differ from the golden ``expected`` ones.
+
+    Each usual cause is replayed over the whole prompt (salt or LoRA id not mixed, the salt
+    mixed into every block, the parent chain broken, another block size, another algorithm,
+    wider token ids); the first whose hashes begin with ``actual`` is named. ``actual`` may be
+    shorter than the prompt's chain (a capture that holds only its first blocks). For V1 the
+    block-level causes of :func:`explain_mismatch` are tried last, with ``actual`` as the
+    parents. Returns :data:`UNEXPLAINED` when nothing reproduces them; an ``algo`` this project
+    does not know cannot be diagnosed.
+    """
+    got, want = list(actual), list(expected)
+    if got == want:
+        return "no drift"
+    if got and got == want[: len(got)]:
+        return f"missing blocks: only the first {len(got)} of {len(want)} blocks have hashes"
+    if want and got[: len(want)] == want:
+        return f"extra blocks: {len(got) - len(want)} more hashes than the golden file has"
+    if algo not in KNOWN_ALGOS:
+        return f"unexplained: {algo} is not one of this project's algorithms ({UNEXPLAINED})"
+    if not got:
+        return "no hashes at all"
+    n = len(got)
+    reference = reference_chain(algo, tokens, tokens_per_block, scope)
+    if reference[:n] == got and len(reference) >= n:
+        # the new hashes are right: the golden ones were made some other way
+        why = explain_chain(algo, tokens, tokens_per_block, scope, got, want) if want else ""
+        return (
+            f"the hashes are this library's {algo} for the case's tokens and scope; the golden "
+            f"values are not" + (f" (they look like: {why})" if why != UNEXPLAINED else "")
+        )
+    for cause, chain in _hypotheses(algo, tokens, tokens_per_block, scope):
+        candidate = chain()
+        if len(candidate) >= n and candidate[:n] == got:
+            return cause
+    if algo == XXH3_CONTENT or len(got) > len(want):
+        return UNEXPLAINED
+    data = Stored(
+        None,
+        [
+            StoredBlock(
+                h,
+                list(tokens[i * tokens_per_block : (i + 1) * tokens_per_block]),
+                scope.lora_id,
+                cache_salt_id=scope.salt,
+            )
+            for i, h in enumerate(got)
+        ],
+        tokens_per_block,
+    )
+    mismatched = [i for i, h in enumerate(got) if h != want[i]]
+    keys: list[BlockKey | None] = [None] * len(got)
+    return explain_mismatch(
+        HashAlgo.parse(algo), data, mismatched, keys, lambda lo, sa: scope, router_scope=False
     )
