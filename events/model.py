@@ -17,21 +17,54 @@ BlockHash: TypeAlias = int | str
 #: cache_level <-> wire "medium"
 MEDIUMS: Final[tuple[str, ...]] = ("GPU", "CPU", "DISK")
 
+#: Other medium names engines send, each its own tier (never the device tier): vLLM's
+#: ``STORAGE`` (0.33), ``FS`` / ``OBJ`` (0.26); SGLang's ``CPU_PINNED`` (its host tier) and
+#: ``EXTERNAL`` (a shared pool). Levels past TIER numbering so they never collide with ours.
+ENGINE_MEDIUMS: Final[dict[str, int]] = {
+    "CPU_PINNED": 64,
+    "STORAGE": 65,
+    "FS": 66,
+    "OBJ": 67,
+    "EXTERNAL": 68,
+}
+_FIRST_UNKNOWN_LEVEL: Final = 96
+_unknown_levels: dict[str, int] = {}
+_MAX_UNKNOWN: Final = 1024
+
 
 def medium_of(cache_level: int) -> str:
-    return MEDIUMS[cache_level] if 0 <= cache_level < len(MEDIUMS) else f"TIER{cache_level}"
+    if 0 <= cache_level < len(MEDIUMS):
+        return MEDIUMS[cache_level]
+    for name, level in ENGINE_MEDIUMS.items():
+        if level == cache_level:
+            return name
+    for name, level in _unknown_levels.items():
+        if level == cache_level:
+            return name
+    return f"TIER{cache_level}"
 
 
 def cache_level_of(medium: str | None) -> int:
-    """The cache level of a wire medium name; None and unknown names read as the device tier."""
+    """The cache level of a wire medium name. None reads as the device tier (engines that
+    omit it mean the GPU); every other name is its own tier: ours, the engines' known names,
+    ``TIER<n>``, and any other name a level of its own (kept per process, bounded)."""
     if medium is None:
         return 0
     upper = medium.upper()
     if upper in MEDIUMS:
         return MEDIUMS.index(upper)
-    if upper.startswith("TIER") and upper[4:].isdigit():
+    known = ENGINE_MEDIUMS.get(upper)
+    if known is not None:
+        return known
+    if upper.startswith("TIER") and upper[4:].isdigit() and len(upper) < 12:
         return int(upper[4:])
-    return 0
+    level = _unknown_levels.get(upper)
+    if level is None:
+        if len(_unknown_levels) >= _MAX_UNKNOWN:
+            return _FIRST_UNKNOWN_LEVEL + _MAX_UNKNOWN  # one shared level past the bound
+        level = _FIRST_UNKNOWN_LEVEL + len(_unknown_levels)
+        _unknown_levels[upper] = level
+    return level
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,12 +97,22 @@ class Stored:
     parent_hash: BlockHash | None
     blocks: list[StoredBlock]
     block_size: int | None = None
+    #: engine fields the router needs to key blocks by content (None: not sent):
+    #: the KV-cache group (vLLM ``group_idx``), the adapter's name (``lora_name``), the
+    #: request's cache salt string (SGLang ``cache_salt``; vLLM's in ``extra_keys``), and
+    #: ``masked``: the wire's token ids covered more blocks than it named (sliding-window /
+    #: Mamba stores leave blocks out of the hashes), so the blocks' own tokens are unknown.
+    group: int | None = None
+    lora_name: str | None = None
+    salt: str | None = None
+    masked: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Removed:
     block_hashes: list[BlockHash]
     cache_level: int | None = None
+    group: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,3 +146,5 @@ class DecodedBatch:
     ts: float
     events: list[KVCacheEvent] = field(default_factory=list)
     dp_rank: int | None = None
+    #: one message per malformed event left out of ``events`` (the rest of the batch stands)
+    malformed: list[str] = field(default_factory=list)

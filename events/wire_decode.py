@@ -58,7 +58,7 @@ _SCAN_ERRORS: Final = {
 }
 _DEFAULT_ALGO: Final = "v1_block_key"
 _DEFAULT_PRIORITY: Final = 35
-_SHA256_BYTES: Final = 32
+_MAX_BIN_HASH: Final = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +93,12 @@ class DecodeLimits:
 
 DEFAULT_LIMITS: Final = DecodeLimits()
 
+
+class _LimitError(DecodeError):
+    """A payload beyond :class:`DecodeLimits`: the whole payload is refused (a sender that
+    exceeds the bounds is not trusted with the rest of its batch either)."""
+
+
 # Field order of the legacy positional form (element 0 is the type name).
 _POSITIONAL: Final[dict[str, tuple[str, ...]]] = {
     "BlockStored": (
@@ -112,9 +118,17 @@ _POSITIONAL: Final[dict[str, tuple[str, ...]]] = {
 _COMMON_FIELDS: Final = ("type", "event_id", "window_size", "hash_algo", "attention_dp_rank")
 _KNOWN_FIELDS: Final[dict[str, frozenset[str]]] = {
     "BlockStored": frozenset(
-        (*_COMMON_FIELDS, *_POSITIONAL["BlockStored"], "cache_salt_id", "priority")
+        (
+            *_COMMON_FIELDS,
+            *_POSITIONAL["BlockStored"],
+            "cache_salt_id",
+            "priority",
+            "cache_salt",
+            "extra_keys",
+            "group_idx",
+        )
     ),
-    "BlockRemoved": frozenset((*_COMMON_FIELDS, *_POSITIONAL["BlockRemoved"])),
+    "BlockRemoved": frozenset((*_COMMON_FIELDS, *_POSITIONAL["BlockRemoved"], "group_idx")),
     "AllBlocksCleared": frozenset(_COMMON_FIELDS),
     "BlockUpdated": frozenset((*_COMMON_FIELDS, *_POSITIONAL["BlockUpdated"])),
     "CacheCreated": frozenset((*_COMMON_FIELDS, *_POSITIONAL["CacheCreated"])),
@@ -170,7 +184,7 @@ def _check_depth(value: object, budget: int, where: str) -> None:
     while level:
         depth += 1
         if depth > budget:
-            raise DecodeError(f"{where}: nested deeper than DecodeLimits.max_depth allows")
+            raise _LimitError(f"{where}: nested deeper than DecodeLimits.max_depth allows")
         nxt: list[object] = []
         for item in level:
             if type(item) is list:
@@ -184,10 +198,13 @@ def _hash(value: object, where: str) -> BlockHash:
     if type(value) is int:
         # msgpack ints lie in [-2**63, 2**64): a negative one is a signed sender's uint64.
         return value + U64_LIMIT if value < 0 else value
-    if type(value) is bytes and len(value) == _SHA256_BYTES:
+    if type(value) is bytes and 0 < len(value) <= _MAX_BIN_HASH:
+        # 32-byte sha256 (ours, vLLM's), 16-byte xxhash128 (vLLM): a bin hash of any such
+        # length reads as its lowercase hex string
         return value.hex()
     raise DecodeError(
-        f"{where}: a block hash must be an int or a 32-byte bin, got {type(value).__name__}"
+        f"{where}: a block hash must be an int or a bin of 1..{_MAX_BIN_HASH} bytes, "
+        f"got {type(value).__name__}"
         + (f" of {len(value)} bytes" if isinstance(value, bytes) else "")
     )
 
@@ -195,7 +212,7 @@ def _hash(value: object, where: str) -> BlockHash:
 def _hashes(value: object, where: str, limit: int) -> list[BlockHash]:
     items = expect_list(value, where)
     if len(items) > limit:
-        raise DecodeError(f"{where}: {len(items)} hashes exceed the limit of {limit}")
+        raise _LimitError(f"{where}: {len(items)} hashes exceed the limit of {limit}")
     if items and set(map(type, items)) == {int}:
         if min(items) >= 0:
             return items
@@ -214,10 +231,23 @@ def _first_bad_token(items: list[Any]) -> int:
     return next(i for i, t in enumerate(items) if type(t) is not int or not 0 <= t < TOKEN_LIMIT)
 
 
+def _bigram_tokens(items: list[Any], where: str) -> list[int]:
+    """SGLang's bigram pages (EAGLE): each item is the pair ``[t_i, t_i+1]``; the page's own
+    tokens are the pairs' first elements (consecutive pairs share their boundary token)."""
+    firsts: list[Any] = []
+    for i, pair in enumerate(items):
+        if type(pair) is not list or len(pair) != 2:
+            raise DecodeError(f"{where}[{i}]: a bigram page holds [token, next token] pairs")
+        firsts.append(pair[0])
+    return firsts
+
+
 def _tokens(value: object, where: str, limit: int) -> list[int]:
     items = expect_list(value, where)
+    if items and type(items[0]) is list:
+        items = _bigram_tokens(items, where)
     if len(items) > limit:
-        raise DecodeError(
+        raise _LimitError(
             f"{where}: {len(items)} tokens exceed DecodeLimits.max_tokens_per_event ({limit})"
         )
     bad = _first_bad_token(items)
@@ -242,31 +272,73 @@ def _medium(value: object, where: str) -> int | None:
     return None if value is None else cache_level_of(expect_str(value, where))
 
 
+def _optional_str(value: object, where: str) -> str | None:
+    return None if value is None else expect_str(value, where)
+
+
+def _salt_from_extra_keys(value: object, lora_name: str | None, where: str) -> str | None:
+    """vLLM's cache salt: a bare string in the first block's ``extra_keys`` entry (the LoRA
+    name, also a bare string there, comes first; multimodal keys are tuples, prompt-embeds
+    digests bytes). None when the store does not start a salted sequence."""
+    if value is None:
+        return None
+    keys = expect_list(value, where)
+    first = keys[0] if keys else None
+    if first is None:
+        return None
+    strings = [k for k in expect_list(first, f"{where}[0]") if type(k) is str]
+    if lora_name is not None and strings and strings[0] == lora_name:
+        strings = strings[1:]
+    return strings[-1] if strings else None
+
+
 def _stored(f: Mapping[str, Any], where: str, limits: DecodeLimits) -> Stored | None:
     hashes = _hashes(f.get("block_hashes"), f"{where}.block_hashes", limits.max_blocks_per_event)
     tokens = _tokens(f.get("token_ids"), f"{where}.token_ids", limits.max_tokens_per_event)
-    block_size = expect_int(f.get("block_size"), f"{where}.block_size", 1, TOKEN_LIMIT)
+    block_size = expect_int(f.get("block_size"), f"{where}.block_size", 0, TOKEN_LIMIT)
     parent = f.get("parent_block_hash")
     parent_hash = None if parent is None else _hash(parent, f"{where}.parent_block_hash")
     lora_id = expect_optional_int(f.get("lora_id"), f"{where}.lora_id")
     level = _medium(f.get("medium"), f"{where}.medium")
     salt = expect_optional_int(f.get("cache_salt_id"), f"{where}.cache_salt_id")
     priority = expect_int(f.get("priority", _DEFAULT_PRIORITY), f"{where}.priority", 0, 101)
-    lora_name = f.get("lora_name")
-    if lora_name is not None:
-        expect_str(lora_name, f"{where}.lora_name")
+    lora_name = _optional_str(f.get("lora_name"), f"{where}.lora_name")
+    group = expect_optional_int(f.get("group_idx"), f"{where}.group_idx", 0, TOKEN_LIMIT)
+    salt_name = _optional_str(f.get("cache_salt"), f"{where}.cache_salt")
+    if salt_name is None:
+        salt_name = _salt_from_extra_keys(f.get("extra_keys"), lora_name, f"{where}.extra_keys")
     n, count = len(hashes), len(tokens)
     if n == 0 and count == 0:
         return None  # an empty store changes nothing
-    # Every block but the last holds exactly block_size tokens; the last holds 1..block_size.
-    if not (n - 1) * block_size < count <= n * block_size:
+    masked = False
+    if count == 0 and n:
+        # A placeholder (vLLM's CPU offload: no token ids, block_size 0, or 16 on 0.11): the
+        # blocks are named by hash only.
+        tokens_per_block = max(block_size, 1)
+    elif block_size == 0:
+        raise DecodeError(f"{where}.block_size: 0 is outside [1, 2**31) for a store with tokens")
+    elif (n - 1) * block_size < count <= n * block_size:
+        tokens_per_block = block_size
+    elif n and count > n * block_size and count % block_size == 0:
+        # Sliding-window / Mamba stores: token_ids cover masked-out blocks that the hash
+        # list leaves out, and the wire does not say which: the blocks' tokens are unknown.
+        masked, tokens, tokens_per_block = True, [], block_size
+    else:
         raise DecodeError(
             f"{where}: {count} token_ids do not fit {n} blocks of block_size {block_size} "
             f"(expected {max(n - 1, 0) * block_size + 1}..{n * block_size}); the sender's "
             "block_size or token list is inconsistent"
         )
-    blocks = stored_blocks(hashes, tokens, block_size, lora_id, level or 0, priority, salt)
-    return Stored(parent_hash=parent_hash, blocks=blocks, block_size=block_size)
+    blocks = stored_blocks(hashes, tokens, tokens_per_block, lora_id, level or 0, priority, salt)
+    return Stored(
+        parent_hash=parent_hash,
+        blocks=blocks,
+        block_size=block_size,
+        group=group,
+        lora_name=lora_name,
+        salt=salt_name,
+        masked=masked,
+    )
 
 
 def _data(kind: str, f: Mapping[str, Any], where: str, limits: DecodeLimits) -> EventData | None:
@@ -278,6 +350,7 @@ def _data(kind: str, f: Mapping[str, Any], where: str, limits: DecodeLimits) -> 
                 f.get("block_hashes"), f"{where}.block_hashes", limits.max_blocks_per_event
             ),
             cache_level=_medium(f.get("medium"), f"{where}.medium"),
+            group=expect_optional_int(f.get("group_idx"), f"{where}.group_idx", 0, TOKEN_LIMIT),
         )
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()
@@ -295,6 +368,8 @@ def _event(
     raw: object, index: int, dp_rank: int | None, limits: DecodeLimits
 ) -> KVCacheEvent | None:
     where = f"events[{index}]"
+    if _native_msgpack_scan is None and (type(raw) is list or type(raw) is dict):
+        _check_depth(raw, limits.max_depth - 2, where)  # the scan did not bound it
     extra: list[object]
     if type(raw) is dict:
         kind = expect_str(raw.get("type"), f"{where}.type")
@@ -359,10 +434,24 @@ def decode_batch(
             if len(top) == 3
             else None
         )
-        decoded = [_event(raw, i, dp_rank, lim) for i, raw in enumerate(events)]
-        return DecodedBatch(
-            ts=float(ts), events=[e for e in decoded if e is not None], dp_rank=dp_rank
-        )
+        decoded: list[KVCacheEvent] = []
+        malformed: list[str] = []
+        for i, raw in enumerate(events):
+            # One malformed event costs that event: the rest of the batch stands, and the
+            # batch says what was left out.
+            try:
+                event = _event(raw, i, dp_rank, lim)
+            except _LimitError:
+                raise
+            except DecodeError as exc:
+                malformed.append(str(exc))
+                continue
+            except (TypeError, ValueError, KeyError, IndexError, OverflowError) as exc:
+                malformed.append(f"events[{i}]: {type(exc).__name__}: {exc}")
+                continue
+            if event is not None:
+                decoded.append(event)
+        return DecodedBatch(ts=float(ts), events=decoded, dp_rank=dp_rank, malformed=malformed)
     except DecodeError:
         raise
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as exc:
