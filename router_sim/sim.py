@@ -87,6 +87,9 @@ class SimConfig:
     timing_speedup: float = 1.0
     """Divides every step time (a faster engine)."""
     policy_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    fast_forward: bool = True
+    """Workers take stretches of pure decoding in one go (False: step by step, the reference
+    the fast path is tested against)."""
     drain_timeout_s: float = 30.0
     """Longest wall-clock wait for frames already sent (a stall means a transport bug)."""
 
@@ -127,6 +130,7 @@ class SimConfig:
             max_running=self.max_running,
             hash_algo=self.hash_algo,
             transport=self.resolved_transport,
+            fast_forward=self.fast_forward,
         )
 
 

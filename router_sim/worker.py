@@ -74,6 +74,8 @@ class WorkerConfig:
     """Batches kept by each publisher for replay."""
     event_buffer: int = 1_000_000
     """Capacity of the event manager's buffer (drained every step, so rarely used)."""
+    fast_forward: bool = True
+    """Take stretches of pure decoding in one go (False: one step at a time, the reference)."""
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -479,7 +481,15 @@ class SimWorker:
         prefill_tokens = sum(n for _, n in chunks)
         dt = self.timing.step_ms(prefill_tokens, len(decodes), self.manager.kv_usage(0))
         k = 1
-        if not chunks and (not self.waiting or self._admission_blocked) and dt > 0:
+        if (
+            self.config.fast_forward
+            and not chunks
+            and (not self.waiting or self._admission_blocked)
+            and dt > 0
+            # a page taken for this step may have evicted a block: those events carry this
+            # step's end time, not the stretch's
+            and self.events.num_pending == 0
+        ):
             k = self._fast_forward_steps(decodes, dt, t_ms)
         self.clock_ms += k * dt
         self.busy_ms += k * dt

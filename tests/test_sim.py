@@ -160,3 +160,50 @@ def test_oracle_and_cache_blind_policies_bracket_kv_overlap() -> None:
     }
     assert rates["round_robin"] < rates["kv_overlap"] <= bound + 1e-9
     assert rates["oracle"] <= bound + 1e-9
+
+
+def _trace_requests(n: int) -> list[Request]:
+    from router_sim.trace import load_trace
+
+    return load_trace("mooncake", max_requests=n)
+
+
+@pytest.mark.parametrize(
+    ("workload", "policy", "extra"),
+    [
+        ("mixed", "kv_overlap", {}),
+        ("multi-turn", "predicted_ttft", {}),
+        ("shared-prompts", "kv_overlap", {"device_blocks": 160, "host_blocks": 1024}),
+        ("mooncake", "predicted_ttft", {"tokens_per_block": 512, "device_blocks": 600}),
+    ],
+)
+def test_fast_forward_gives_the_step_by_step_report(
+    workload: str, policy: str, extra: dict[str, object]
+) -> None:
+    """Decode stretches taken in one go change nothing but float rounding of the clock: the
+    same worker for every request, the same reuse and preemptions, times within 1e-9."""
+    reqs = (
+        _trace_requests(150)
+        if workload == "mooncake"
+        else synthetic_workload(workload, seed=11, spec=SMALL)
+    )
+    fast = simulate(reqs, policy, _config(fast_forward=True, **extra))
+    slow = simulate(reqs, policy, _config(fast_forward=False, **extra))
+    assert len(fast.records) == len(slow.records) == len(reqs)
+    for f, s in zip(fast.records, slow.records, strict=True):
+        assert (f.request_id, f.worker, f.reused_tokens, f.preemptions) == (
+            s.request_id,
+            s.worker,
+            s.reused_tokens,
+            s.preemptions,
+        )
+        assert f.first_token_ms == pytest.approx(s.first_token_ms, rel=1e-9)
+        assert f.finish_ms == pytest.approx(s.finish_ms, rel=1e-9)
+    assert fast.busy_ms == pytest.approx(slow.busy_ms, rel=1e-9)
+    assert (fast.wire.batches, fast.wire.events, fast.wire.bytes) == (
+        slow.wire.batches,
+        slow.wire.events,
+        slow.wire.bytes,
+    )
+    if workload == "shared-prompts":
+        assert sum(r.preemptions for r in slow.records) > 0  # the tiny tier really preempts
