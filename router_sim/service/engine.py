@@ -125,6 +125,7 @@ class LiveEngine:
         self.running: list[LiveRequest] = []
         self.stats = EngineStats()
         self._work = asyncio.Event()
+        self.last_publish = time.monotonic()
 
     def announce(self) -> None:
         """Publish the engine's start (Created + AllBlocksCleared as seq 0): a router that
@@ -132,6 +133,13 @@ class LiveEngine:
         self.events.created([self.device_blocks])
         self.events.on_cleared()
         self._publish()
+
+    def heartbeat(self) -> None:
+        """Publish an empty batch. A subscriber that joins late learns the current seq from
+        it and replays the history it missed, instead of waiting for the next real batch."""
+        self.publisher.publish([], ts=time.time())
+        self.stats.batches_published += 1
+        self.last_publish = time.monotonic()
 
     # ----------------------------------------------------------------- requests
 
@@ -268,6 +276,7 @@ class LiveEngine:
             self.publisher.publish(batch, ts=time.time())
             self.stats.batches_published += 1
             self.stats.events_published += len(batch)
+            self.last_publish = time.monotonic()
 
     def close(self) -> None:
         """Release every sequence (no events are published after this)."""

@@ -166,6 +166,8 @@ def _child_argv(args: argparse.Namespace, i: int) -> list[str]:
         str(args.speedup),
         "--model",
         args.model,
+        "--heartbeat",
+        str(args.heartbeat),
     ]
 
 

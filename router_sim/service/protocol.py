@@ -56,7 +56,7 @@ class CompletionBody(RouteBody):
 
     model: str | None = None
     max_tokens: Annotated[int, Field(strict=True, ge=1, le=MAX_OUTPUT_TOKENS)] = 16
-    stream: bool = False
+    stream: Annotated[bool, Field(strict=True)] = False
 
 
 class BadRequest(ValueError):

@@ -97,6 +97,7 @@ class EventPump:
         return self._command("resubscribe", worker, events, replay)
 
     def _run_command(self, cmd: _Command, out: list[PumpItem]) -> None:
+        """Run one command; its future is resolved later, once ``out`` reached the loop."""
         op, worker, events, replay, fut = cmd
         try:
             if op in ("remove", "resubscribe") and worker in self._sub.workers:
@@ -110,8 +111,6 @@ class EventPump:
                 out.append(ResyncRequired(worker, "the worker restarted (new incarnation)"))
         except Exception as exc:
             fut.set_exception(exc)
-        else:
-            fut.set_result(None)
 
     # ------------------------------------------------------------- thread
 
@@ -119,12 +118,24 @@ class EventPump:
         try:
             while not self._stop.is_set():
                 items: list[PumpItem] = []
+                done: list[concurrent.futures.Future[None]] = []
                 while True:
                     try:
                         cmd = self._commands.get_nowait()
                     except queue.Empty:
                         break
                     self._run_command(cmd, items)
+                    done.append(cmd[-1])
+                if done:
+                    # a command is complete once its effect is applied and visible in the
+                    # statuses: whoever awaited it then sees the fleet as it asked
+                    self._statuses = {w: self._sub.status(w) for w in self._sub.workers}
+                    if items:
+                        self._hand_over(items)
+                        items = []
+                    for fut in done:
+                        if not fut.done():
+                            fut.set_result(None)
                 if self._sub.workers:
                     items.extend(self._sub.poll(self._poll_ms))
                 else:

@@ -10,6 +10,10 @@ manager and ZeroMQ publisher; step times from the simulator's timing model) and 
   a restart from a pause), the last published seq and the load;
 - ``GET /stats``: the engine's counters and its cache's.
 
+When a subscriber joins, and after ``--heartbeat`` seconds without a batch, the worker
+publishes an empty batch: a router that subscribes to an idle worker learns its current seq
+from it and replays what it missed (seq 0 onwards), and a lost last batch shows as a gap.
+
 When it is ready it prints one JSON line on stdout, ``{"id", "http", "events", "replay",
 "tokens_per_block", "hash_algo", "incarnation"}``: the fleet-file entry for this worker (ports
 given as 0 are then the ones the OS chose). ``--count N`` starts N such processes instead and
@@ -166,6 +170,21 @@ def build_app(engine: LiveEngine, info: dict[str, Any]) -> web.Application:
     return app
 
 
+async def _heartbeats(engine: LiveEngine, idle_s: float, period_s: float = 0.05) -> None:
+    """Publish an empty batch when the publisher gains a subscriber (its XPUB sees each
+    subscription) and after ``idle_s`` without any batch (0: never). The first lets a router
+    that joins an idle worker replay its history at once; the second bounds how long a lost
+    last batch goes unnoticed (a gap is only seen when a later seq arrives)."""
+    seen = 0
+    while True:
+        now = engine.publisher.stats.subscribers
+        idle = idle_s > 0 and time.monotonic() - engine.last_publish >= idle_s
+        if now > seen or idle:
+            engine.heartbeat()
+        seen = now
+        await asyncio.sleep(period_s)  # the check period
+
+
 def add_parser(sub: Any) -> None:
     """The ``worker`` subcommand's arguments (``sub``: argparse's subparsers)."""
     p = sub.add_parser("worker", help="run simulated engine(s) serving completions + KV events")
@@ -183,6 +202,12 @@ def add_parser(sub: Any) -> None:
         "--speedup", type=float, default=1.0, help="divide every step time by this (> 0)"
     )
     p.add_argument("--model", default="router-sim", help="model name in responses")
+    p.add_argument(
+        "--heartbeat",
+        type=float,
+        default=1.0,
+        help="publish an empty batch after this many idle seconds (0: never)",
+    )
     p.add_argument("--count", type=int, default=1, help="start this many worker processes")
     p.add_argument("--fleet-out", help="with --count: write the fleet file here")
 
@@ -217,7 +242,10 @@ async def serve_worker(args: argparse.Namespace, ready: asyncio.Event | None = N
         site = web.TCPSite(runner, args.host, args.port)
         await site.start()
         host, port = runner.addresses[0][:2]
-        task = asyncio.create_task(engine.run())
+        tasks = [
+            asyncio.create_task(engine.run()),
+            asyncio.create_task(_heartbeats(engine, args.heartbeat)),
+        ]
         line = {
             "id": args.id,
             "http": f"http://{host}:{port}",
@@ -235,9 +263,10 @@ async def serve_worker(args: argparse.Namespace, ready: asyncio.Event | None = N
         try:
             await stop.wait()
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            for task in tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             engine.close()
             await runner.cleanup()
     finally:
