@@ -128,7 +128,12 @@ def test_a_restart_gives_the_same_report_in_memory_and_over_zeromq() -> None:
     reqs = synthetic_workload("shared-prompts", seed=4, spec=SMALL)
     faults = [Restart(1, 1500.0), Restart(0, 2500.0)]
     memory = _same_report(reqs, "kv_overlap", transport="memory", restarts=faults)
-    assert memory == _same_report(reqs, "kv_overlap", transport="inproc", restarts=faults)
+    zmq = _same_report(reqs, "kv_overlap", transport="inproc", restarts=faults)
+    # a re-attached ZeroMQ subscriber may fetch its first frames through replay (slow joiner):
+    # a transport counter, nothing the router saw differs
+    for view in (memory, zmq):
+        view["policies"]["kv_overlap"].pop("replayed")  # type: ignore[index, union-attr]
+    assert memory == zmq
     assert memory["policies"]["kv_overlap"]["restarts"] == 2  # type: ignore[index]
 
 
