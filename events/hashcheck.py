@@ -361,6 +361,7 @@ def render_report(
     lines += [d.render() for d in drifts]
     lines.append(
         "An algorithm's output never changes: fix the hashing, or give the new hashes a new "
-        "algorithm name; rewrite the golden file only for a deliberate corpus change."
+        "algorithm name. Rewrite the golden file (pytest --kv-golden-update, kv-events hash "
+        "--record) only for a deliberate change."
     )
     return "\n".join(lines)
