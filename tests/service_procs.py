@@ -100,11 +100,17 @@ def start_serve(fleet: Path, *extra: str) -> Proc:
 
 
 def request(
-    method: str, url: str, body: Any = None, *, raw: bytes | None = None, timeout: float = 10.0
+    method: str,
+    url: str,
+    body: Any = None,
+    *,
+    raw: bytes | None = None,
+    timeout: float = 10.0,
+    content_type: str = "application/json",
 ) -> tuple[int, dict[str, str], bytes]:
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
     req = urllib.request.Request(url, data=data, method=method)
-    req.add_header("Content-Type", "application/json")
+    req.add_header("Content-Type", content_type)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, dict(r.headers), r.read()

@@ -7,6 +7,7 @@ each leaves the fleet as it found it (every worker up and subscribed).
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from service_procs import (
 pytestmark = pytest.mark.timeout(120)
 
 TPB = 16
+OCTETS = "application/octet-stream"
 LORAS = {"adapter-a": 7}
 
 
@@ -115,6 +117,38 @@ def test_lora_names_resolve_to_the_fleet_files_ids(fleet: Fleet) -> None:
     assert fleet.route(p, lora_name="adapter-a")["overlaps"][str(worker)] == 4
     status, _, body = post_json(fleet.serve.http + "/route", {"prompt": p, "lora_name": "zzz"})
     assert status == 400 and "unknown lora_name" in body["error"]["message"]
+
+
+def packed(tokens: list[int]) -> bytes:
+    return struct.pack(f"<{len(tokens)}i", *tokens)
+
+
+def test_packed_prompts_route_like_json_ones(fleet: Fleet) -> None:
+    url = fleet.serve.http + "/route"
+    for p, query, extra in (
+        ([*prefix(0), 7], "", {}),
+        ([*prefix(10), 7], "?lora_name=adapter-a", {"lora_id": 7}),
+        ([*prefix(10), 7], "?lora_id=7&cache_salt=x", {"lora_id": 7, "cache_salt": "x"}),
+    ):
+        as_json = fleet.route(p, **extra)
+        status, _, data = request("POST", url + query, raw=packed(p), content_type=OCTETS)
+        assert status == 200, data
+        got = json.loads(data)
+        for key in ("overlaps", "costs", "num_tokens", "num_blocks", "best_overlap"):
+            assert got[key] == as_json[key], key
+        if got["best_overlap"]:  # a tie is broken at random
+            assert got["worker"] == as_json["worker"]
+    assert got["best_overlap"] == 0  # the salt is another namespace
+    for body, query in (
+        (b"\x01\x00\x00", ""),  # not whole int32s
+        (b"", ""),
+        (packed([1, 2]) + b"\xff\xff\xff\xff", ""),  # -1
+        (packed([1, 2]), "?lora_id=abc"),
+        (packed([1, 2]), "?lora_name=nope"),
+    ):
+        status, _, data = request("POST", url + query, raw=body, content_type=OCTETS)
+        assert status == 400, (body, query, data)
+        assert json.loads(data)["error"]["code"] == 400
 
 
 def _samples(text: str) -> dict[str, float]:

@@ -4,6 +4,8 @@ Endpoints:
 
 - ``POST /route`` ``{"prompt": [ids], "lora_id"?, "lora_name"?, "cache_salt"?}``: the chosen
   worker and the decision's explanation (overlap per candidate, costs, reason, decision time);
+  or the prompt packed (``application/octet-stream``, little-endian int32 ids) with the other
+  fields as query parameters, for clients that route at high rates;
 - ``POST /v1/completions``: OpenAI-style completions for token-id prompts, routed and forwarded
   to the chosen worker's ``/v1/completions``; streamed answers are relayed as they come. The
   answer carries ``X-Router-Worker``. The load view counts what was forwarded (see
@@ -24,6 +26,7 @@ import asyncio
 import json
 import signal
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
@@ -36,12 +39,16 @@ from router_sim.service.core import FleetConflict, RouterService
 from router_sim.service.fleet import FleetError, FleetFile, load_fleet, parse_worker
 from router_sim.service.protocol import (
     MAX_BODY_BYTES,
+    PACKED_TOKENS,
     CompletionBody,
     Handler,
     RouteBody,
+    RouteQuery,
     error_response,
     json_errors,
+    packed_tokens,
     parse_body,
+    parse_query,
     read_body,
 )
 
@@ -54,10 +61,17 @@ def _no_workers(exc: NoWorkersError) -> web.Response:
 
 async def route(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
-    body = parse_body(RouteBody, await read_body(request))
+    raw = await read_body(request)
+    prompt: Sequence[int]
+    if request.content_type == PACKED_TOKENS:
+        prompt = packed_tokens(raw)
+        body: RouteBody | RouteQuery = parse_query(RouteQuery, request.query)
+    else:
+        body = parse_body(RouteBody, raw)
+        prompt = body.prompt
     lora = svc.resolve_lora(body.lora_id, body.lora_name)
     try:
-        decision = svc.decide(body.prompt, lora, body.cache_salt)
+        decision = svc.decide(prompt, lora, body.cache_salt)
     except NoWorkersError as exc:
         return _no_workers(exc)
     return web.json_response(svc.explain(decision))

@@ -20,13 +20,14 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
 from events.subscriber import BatchDelivery, ResyncRequired
-from router_sim.policies import make_policy
+from router_sim.policies import NoWorkersError, make_policy
 from router_sim.router import Router, RoutingDecision
 from router_sim.service.fleet import FleetFile, WorkerEntry
 from router_sim.service.inflight import InFlightLoad
@@ -233,9 +234,17 @@ class RouterService:
                 return self.loras[name]
         return lora_id
 
-    def decide(self, prompt: list[int], lora_id: int | None, salt: str | None) -> RoutingDecision:
-        """Route one prompt (raises ``NoWorkersError`` when no worker is eligible)."""
-        decision = self.router.route(prompt, lora_id=lora_id, cache_salt=salt)
+    def decide(
+        self, prompt: Sequence[int], lora_id: int | None, salt: str | None
+    ) -> RoutingDecision:
+        """Route one prompt (raises ``NoWorkersError`` when no worker is eligible, and
+        :class:`BadRequest` for token ids the hashing refuses)."""
+        try:
+            decision = self.router.route(prompt, lora_id=lora_id, cache_salt=salt)
+        except NoWorkersError:
+            raise
+        except (ValueError, TypeError) as exc:
+            raise BadRequest(str(exc)) from None
         self.metrics.decided(
             decision.worker,
             decision.decision_us / 1e6,

@@ -6,6 +6,11 @@ ints as ``prompt``; there is no tokenizer here). Bodies are parsed with
 ``model_validate_json``: pydantic-core parses and checks an 8,192-id prompt in one pass, well
 under the cost of ``json.loads`` followed by a Python check per id.
 
+``POST /route`` also takes the prompt packed (``Content-Type: application/octet-stream``,
+little-endian int32 ids, the other fields as query parameters): a JSON list of 8,192 ids costs
+~0.35 ms to parse into Python ints whatever the parser, the packed form nothing, and the
+router hashes packed ids without unpacking them.
+
 Every error answer is JSON in OpenAI's shape, ``{"error": {"message", "type", "code"}}``;
 :func:`json_errors` is the aiohttp middleware that makes that true for aiohttp's own 404/405/413
 answers too, and turns an unexpected exception into a logged 500 instead of a dropped
@@ -15,7 +20,9 @@ connection.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+import sys
+from array import array
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Annotated, Any, Final, TypeVar
 
 from aiohttp import web
@@ -47,6 +54,32 @@ class RouteBody(_Body):
     cache_salt: Annotated[str, Field(max_length=4096)] | None = None
 
 
+PACKED_TOKENS: Final = "application/octet-stream"
+"""``POST /route`` body of raw token ids: little-endian int32s, the parameters in the query."""
+
+
+class RouteQuery(_Body):
+    """The query parameters of a packed ``POST /route`` (same meaning as in the JSON body)."""
+
+    lora_id: Annotated[int, Field(ge=0, lt=2**64)] | None = None
+    lora_name: str | None = None
+    cache_salt: Annotated[str, Field(max_length=4096)] | None = None
+
+
+def packed_tokens(body: bytes) -> array[int]:
+    """Token ids from a packed body (little-endian int32s). Their range is checked where they
+    are hashed: the router refuses negative ids with a ``ValueError``."""
+    if not body or len(body) % 4:
+        raise BadRequest(f"a packed prompt is a non-empty multiple of 4 bytes, got {len(body)}")
+    if len(body) > 4 * MAX_PROMPT_TOKENS:
+        raise BadRequest(f"a prompt has at most {MAX_PROMPT_TOKENS} tokens")
+    tokens: array[int] = array("i")
+    tokens.frombytes(body)
+    if sys.byteorder == "big":
+        tokens.byteswap()
+    return tokens
+
+
 class CompletionBody(RouteBody):
     """``POST /v1/completions`` with a token-id prompt (the subset of OpenAI's fields used).
 
@@ -71,14 +104,26 @@ def parse_body(model: type[M], body: bytes) -> M:
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
-        first = exc.errors(include_url=False)[:3]
-        parts = []
-        for err in first:
-            where = ".".join(str(p) for p in err["loc"]) or "body"
-            parts.append(f"{where}: {err['msg']}")
-        more = exc.error_count() - len(first)
-        suffix = f" (and {more} more errors)" if more > 0 else ""
-        raise BadRequest("; ".join(parts) + suffix) from None
+        raise _bad(exc) from None
+
+
+def parse_query(model: type[M], query: Mapping[str, str]) -> M:
+    """Validate query parameters against ``model``; :class:`BadRequest` when they do not."""
+    try:
+        return model.model_validate(dict(query))
+    except ValidationError as exc:
+        raise _bad(exc) from None
+
+
+def _bad(exc: ValidationError) -> BadRequest:
+    first = exc.errors(include_url=False)[:3]
+    parts = []
+    for err in first:
+        where = ".".join(str(p) for p in err["loc"]) or "body"
+        parts.append(f"{where}: {err['msg']}")
+    more = exc.error_count() - len(first)
+    suffix = f" (and {more} more errors)" if more > 0 else ""
+    return BadRequest("; ".join(parts) + suffix)
 
 
 def error_response(status: int, message: str, kind: str | None = None) -> web.Response:
