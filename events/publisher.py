@@ -146,8 +146,9 @@ class ZmqEventPublisher:
                 # a whole replay must fit in the peer's pipe; unroutable peers raise, not vanish
                 self._router.setsockopt(zmq.SNDHWM, buffer_steps + 16)
                 self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                # always bound, as engines do: subscribers (bind mode included) connect to it
                 self._replay_endpoint = self._attach(
-                    self._router, offset_for_rank(replay_endpoint, dp_rank), bind
+                    self._router, offset_for_rank(replay_endpoint, dp_rank), True
                 )
             bell_name = f"inproc://kv-events-publisher-bell-{next(_bell_ids)}-{id(self)}"
             self._bell_rx = self._ctx.socket(zmq.PAIR)

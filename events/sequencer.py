@@ -142,6 +142,7 @@ class StreamSequencer(Generic[T]):
         self._next_probe: float | None = None
         self._mark = 0  # 1 + the highest live seq received from this publisher
         self._mark_at_request = 0
+        self._request_start = 0
         self._reconnect_probe = False  # a probe after a reconnect is in flight
         self._digests: dict[int, int] = {}
         self._digest_order: deque[int] = deque()
@@ -174,6 +175,8 @@ class StreamSequencer(Generic[T]):
         """A frame from the live socket."""
         out: list[Output[T]] = []
         self.received += 1
+        if self.next_seq is not None and seq > max(self._mark, self.next_seq):
+            self.gaps += 1  # seqs skipped between the highest one seen and this one
         self._mark = max(self._mark, seq + 1)
         self._on_live(seq, payload, out, now)
         self._after(out, now)
@@ -195,10 +198,17 @@ class StreamSequencer(Generic[T]):
         self.mode = "live"
         self._deadline = None
         self._reconnect_probe = False
-        progress = self._progress
+        start = self._request_start
+        # another request is worth it when this one may not have covered the gap: something
+        # came back, the stream moved on while it was in flight, or the publisher had not yet
+        # handled the missing seqs when it answered. Else the ring no longer has them.
+        progress = (
+            self._progress
+            or self.next_seq != start
+            or (info is not None and self.next_seq is not None and info.next_seq <= self.next_seq)
+        )
         if info is not None:
             self._learn(info, out)
-        start = self.next_seq
         self._advance(
             out,
             now,
@@ -270,7 +280,7 @@ class StreamSequencer(Generic[T]):
     def reconnected(self, now: float) -> list[Output[T]]:
         """The live transport completed a new handshake: maybe another publisher. Probe."""
         out: list[Output[T]] = []
-        if not self.replay or self.next_seq is None:
+        if not self.replay or self.probe_interval_s is None or self.next_seq is None:
             return out
         if self.mode != "live":
             out.append(Abandon())
@@ -302,10 +312,11 @@ class StreamSequencer(Generic[T]):
                     )
                     self._forget_stream()
                     return self._tick_done(out, now)
-                ms = round(self.replay_timeout_s * 1000)
-                self._advance(
-                    out, now, allow_replay=False, why=f"replay endpoint silent or slow ({ms} ms)"
-                )
+                if now >= self._hard_deadline:
+                    why = f"replay took longer than {round(self.replay_max_s * 1000)} ms"
+                else:
+                    why = f"replay endpoint silent for {round(self.replay_timeout_s * 1000)} ms"
+                self._advance(out, now, allow_replay=False, why=why)
         elif (
             self.mode == "live"
             and self._next_probe is not None
@@ -375,13 +386,11 @@ class StreamSequencer(Generic[T]):
             else:
                 self._restart(seq, payload, out, now)
             return
-        if self.mode != "live":
-            self._hold(seq, payload)
-            return
-        if seq == self.next_seq:
+        if seq == self.next_seq and self.mode != "snapshot":
+            # in order: applied at once, even while a replay is in flight (its copy of this
+            # batch is then a duplicate), so a probe never delays the live stream
             self._apply(seq, payload, out, now, replayed=False)
         else:
-            self.gaps += 1
             self._hold(seq, payload)
         self._advance(out, now, allow_replay=True, why="gap in the live stream")
 
@@ -392,7 +401,12 @@ class StreamSequencer(Generic[T]):
         else:
             self._hold(seq, payload)
         self._advance(out, now, allow_replay=True, why=f"stream joined at seq {seq}")
-        if self.replay and self.incarnation is None and self.mode == "live":
+        if (
+            self.replay
+            and self.probe_interval_s is not None
+            and self.incarnation is None
+            and self.mode == "live"
+        ):
             # a hello: the end of this (empty) replay names the incarnation, so that a later
             # restart is recognised whatever seq the new publisher shows first
             self._request_replay(out, now)
@@ -447,7 +461,7 @@ class StreamSequencer(Generic[T]):
     def _advance(self, out: list[Output[T]], now: float, *, allow_replay: bool, why: str) -> None:
         """Apply held frames in order; at a gap, replay it or (if not allowed) lose it."""
         pending, heap = self._pending, self._heap
-        while heap and self.mode == "live":
+        while heap and self.mode != "snapshot":
             assert self.next_seq is not None
             seq = heap[0]
             if seq not in pending:
@@ -459,6 +473,8 @@ class StreamSequencer(Generic[T]):
             elif seq == self.next_seq:
                 heapq.heappop(heap)
                 self._apply(seq, pending.pop(seq), out, now, replayed=False)
+            elif self.mode != "live":
+                return  # the request in flight covers the gap
             elif allow_replay and self.replay:
                 self._request_replay(out, now)
             else:
@@ -471,6 +487,7 @@ class StreamSequencer(Generic[T]):
     def _request_replay(self, out: list[Output[T]], now: float) -> None:
         assert self.next_seq is not None
         out.append(Request(self.next_seq))
+        self._request_start = self.next_seq
         self._mark_at_request = self._mark
         self.mode = "replay"
         self._deadline = now + self.replay_timeout_s

@@ -1,54 +1,38 @@
-"""ZeroMQ subscriber of KV cache event batches that survives loss (WIRE.md sections 4-5).
+"""ZeroMQ subscriber of KV cache event batches that survives loss (WIRE.md sections 4-5, 7).
 
-One SUB socket per worker (frames do not say which worker sent them, and topics may be equal)
-plus one DEALER per worker that has a replay endpoint. All socket work happens inside
-:meth:`ZmqEventSubscriber.poll` on the caller's thread: no background thread, so a simulator
-that drives it stays deterministic.
+A thin socket shell around :class:`events.sequencer.StreamSequencer`, which decides everything
+about order, loss, restarts and snapshots (read its docstring for the rules). Per worker: one
+SUB socket (frames do not say which worker sent them, and topics may be equal), and one DEALER
+that connects to the worker's replay endpoint when it has one (engines always bind theirs).
+All socket work happens inside :meth:`ZmqEventSubscriber.poll` on the caller's thread: no
+background thread, so a simulator that drives it stays deterministic.
 
 Per worker the subscriber hands out, in seq order, ``BatchDelivery(worker, seq, batch)`` and,
-when part of the history cannot be recovered, ``ResyncRequired(worker, reason)``: the caller
-drops everything it knows about that worker; deliveries after it rebuild what they can.
+when the view must be dropped, ``ResyncRequired(worker, reason)``: the caller drops everything it
+knows about that worker; deliveries after it rebuild what they can. Against this project's
+publishers a lost range is then repaired by a snapshot: ``ResyncRequired`` is followed by the
+snapshot's deliveries (``BatchDelivery.snapshot`` True), after which the view is exact.
 
-* **gap** (seq above the next expected one): live batches are held back and the missing range
-  is replayed from the publisher's ring; replayed batches are applied first, then the held-back
-  ones, so an older event never lands after a newer one (a replayed ``Stored(A)`` cannot
-  resurrect ``A`` after a live ``Removed(A)``). Duplicates (seq below the next) are dropped.
-* **unrecoverable**: the replay starts above the requested seq (the ring forgot it, or the
-  batch was dropped before it was ever sent), the replay endpoint stays silent for
-  ``replay_timeout_ms``, or there is no replay endpoint -> ``ResyncRequired``, then the stream
-  continues from the first seq still available.
-* **publisher restart**: a seq below the next one whose payload differs from the one received
-  under that seq (when that seq was never received: a seq of 0, or one older than the last
-  ``DIGEST_WINDOW`` seqs) -> ``ResyncRequired`` ("publisher restarted") and the new stream is
-  replayed from seq 0. A duplicate carries the same bytes as the original, so it is never
-  mistaken for a restart. A restart whose first frame seen is already past the old next seq
-  cannot be told from a gap on this wire (it has no incarnation id): it is replayed as a gap,
-  from the new publisher's ring. A publisher that starts with ``AllBlocksCleared`` as its first
-  batch makes every subscriber exact again whatever it detected.
-* **new subscriber**: a worker whose first live seq is above 0 replays from seq 0.
-* an undecodable payload counts as ``decode_errors`` and as a lost batch: a live one is
-  replayed, a replayed one is unrecoverable.
+Replay replies are read in every layout engines use: ``[b"", topic, seq, payload]`` (vLLM >=
+0.26, SGLang, this project) and ``[b"", seq, payload]`` (vLLM <= 0.25.1), each ending with the
+end marker (seq ``ff``*8). This project's publishers add their incarnation and snapshot support
+in the end marker's last frame (:mod:`events.snapshot`).
 
-Call ``poll()`` regularly: replay deadlines are checked there, and ZeroMQ completes a SUB's
+Call ``poll()`` regularly: deadlines and probes are checked there, and ZeroMQ completes a SUB's
 resubscription after a reconnect only while the socket is being used. The subscriber is not
 thread-safe: use it from one thread.
 
-State: a worker is ``"ok"`` when its delivered history is provably complete: every batch since
-seq 0 of the current publisher, or since a delivered ``AllBlocksCleared`` (the publisher's state
-was then known to be empty). After a ``ResyncRequired`` it is ``"degraded"`` until one of those
-holds again; the caller's view of a degraded worker holds no stale blocks (it dropped them) but
-may miss blocks stored during the lost range.
+State: a worker is ``"ok"`` when its delivered history is provably complete (see the
+sequencer); otherwise ``"degraded"``: the caller's view then holds no stale blocks (it dropped
+them) but may miss blocks stored during a lost range.
 """
 
 from __future__ import annotations
 
 import contextlib
-import heapq
 import logging
 import math
 import time
-import zlib
-from collections import deque
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Final, Literal, TypeAlias
@@ -56,15 +40,24 @@ from typing import Final, Literal, TypeAlias
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from events.codec import DecodeError, DecodeLimits, decode_batch
-from events.endpoints import EndpointError
+from events.codec import DecodeLimits, decode_batch
+from events.endpoints import EndpointError, connectable
 from events.model import AllBlocksCleared, DecodedBatch
 from events.publisher import END_SEQ, SEQ
+from events.sequencer import (
+    Abandon,
+    Deliver,
+    Lost,
+    Output,
+    Request,
+    RequestSnapshot,
+    Reset,
+    StreamSequencer,
+)
+from events.snapshot import SNAPSHOT_TAG, SnapshotAssembler, SnapshotError, parse_info
 
 log = logging.getLogger(__name__)
 
-#: how many recent (seq, payload digest) pairs a worker keeps to tell duplicates from restarts
-DIGEST_WINDOW: Final = 4096
 #: messages read from one socket before other sockets and the caller get a turn
 _READ_BURST: Final = 64
 _MONITOR_EVENTS: Final = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
@@ -72,16 +65,18 @@ _MONITOR_EVENTS: Final = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
 @dataclass(frozen=True, slots=True)
 class BatchDelivery:
-    """One decoded batch of ``worker``, delivered in seq order."""
+    """One decoded batch of ``worker``, delivered in seq order. ``snapshot``: a part of a
+    snapshot that replaces the view dropped by the ``ResyncRequired`` just before it."""
 
     worker: int
     seq: int
     batch: DecodedBatch
+    snapshot: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class ResyncRequired:
-    """Part of ``worker``'s history is lost: drop its state; later deliveries rebuild it."""
+    """Drop ``worker``'s state; later deliveries rebuild it (a snapshot's, exactly)."""
 
     worker: int
     reason: str
@@ -106,6 +101,8 @@ class WorkerStatus:
     restarts: int
     resyncs: int
     decode_errors: int
+    snapshots: int = 0
+    incarnation: int | None = None
 
 
 class SubscriberError(RuntimeError):
@@ -119,26 +116,16 @@ class _Worker:
     replay_endpoint: str | None
     bind: bool
     sub: zmq.Socket[bytes]
+    seq: StreamSequencer[DecodedBatch]
     dealer: zmq.Socket[bytes] | None = None
     monitor: zmq.Socket[bytes] | None = None
     connected: bool = False
-    next_seq: int | None = None  # None until the first frame: history unknown
-    last_seq: int | None = None
-    complete: bool = False
-    pending: dict[int, bytes] = field(default_factory=dict)  # held-back live frames
-    heap: list[int] = field(default_factory=list)  # seqs of ``pending``, min first
-    replay_deadline: float | None = None  # set while a replay is in flight
-    replay_progress: bool = False
-    abandoned: int = 0  # given-up requests whose replies a bound DEALER must still skip
-    digests: dict[int, int] = field(default_factory=dict)
-    digest_order: deque[int] = field(default_factory=deque)
-    received: int = 0
-    gaps: int = 0
-    replayed: int = 0
-    duplicates: int = 0
-    restarts: int = 0
-    resyncs: int = 0
-    decode_errors: int = 0
+    was_connected: bool = False
+    parts: SnapshotAssembler = field(default_factory=SnapshotAssembler)
+
+
+def _is_clear(batch: DecodedBatch) -> bool:
+    return any(isinstance(e.data, AllBlocksCleared) for e in batch.events)
 
 
 class ZmqEventSubscriber:
@@ -146,7 +133,10 @@ class ZmqEventSubscriber:
 
     ``rcvhwm`` bounds the live frames queued per worker while the caller is not polling
     (ZeroMQ drops beyond it; the gap is replayed). ``limits`` bound what one payload may cost
-    the decoder.
+    the decoder. ``replay_timeout_ms``: silence after which a replay is given up;
+    ``replay_max_ms``: the most one replay may take, however it trickles. ``probe_interval_ms``:
+    quiet time after which the replay endpoint is asked what lies beyond the last seq (None:
+    no probes, no hello and no reconnect check: the behaviour of a plain vLLM consumer).
     """
 
     def __init__(
@@ -157,16 +147,25 @@ class ZmqEventSubscriber:
         limits: DecodeLimits | None = None,
         *,
         rcvhwm: int = 100000,
+        replay_max_ms: int = 30000,
+        snapshot_timeout_ms: int = 10000,
+        probe_interval_ms: int | None = 2000,
     ) -> None:
         self._ctx = context if context is not None else zmq.Context.instance()
         self._topic = topic.encode() if isinstance(topic, str) else bytes(topic)
         self._replay_timeout_s = replay_timeout_ms / 1000.0
+        self._replay_max_s = replay_max_ms / 1000.0
+        self._snapshot_timeout_s = snapshot_timeout_ms / 1000.0
+        self._probe_s = None if probe_interval_ms is None else probe_interval_ms / 1000.0
         self._limits = limits
         self._rcvhwm = rcvhwm
         self._workers: dict[int, _Worker] = {}
         self._owners: dict[zmq.Socket[bytes], tuple[_Worker, str]] = {}
         self._poller = zmq.Poller()
         self._closed = False
+
+    def _decode(self, payload: bytes) -> DecodedBatch:
+        return decode_batch(payload, self._limits)
 
     # ----------------------------------------------------------------- workers
 
@@ -180,14 +179,24 @@ class ZmqEventSubscriber:
     ) -> None:
         """Subscribe to ``worker``'s publisher at ``endpoint`` (and its replay ROUTER).
 
-        The subscriber connects, unless ``bind`` is True: use that when the publisher's
-        endpoint is in connect mode (``tcp://host:port``, see :mod:`events.endpoints`).
+        The SUB socket connects, unless ``bind`` is True: use that when the publisher's live
+        endpoint is in connect mode (``tcp://host:port``, see :mod:`events.endpoints`). The
+        replay DEALER always connects: publishers (engines and this project's) bind it.
         """
         if self._closed:
             raise SubscriberError("subscriber is closed; create a new one")
         if worker in self._workers:
             raise SubscriberError(f"worker {worker} already added; remove_worker() it first")
-        w = _Worker(worker, endpoint, replay_endpoint, bind, self._ctx.socket(zmq.SUB))
+        seq: StreamSequencer[DecodedBatch] = StreamSequencer(
+            self._decode,
+            is_clear=_is_clear,
+            replay=replay_endpoint is not None,
+            replay_timeout_s=self._replay_timeout_s,
+            replay_max_s=self._replay_max_s,
+            snapshot_timeout_s=self._snapshot_timeout_s,
+            probe_interval_s=self._probe_s,
+        )
+        w = _Worker(worker, endpoint, replay_endpoint, bind, self._ctx.socket(zmq.SUB), seq)
         try:
             w.sub.setsockopt(zmq.LINGER, 0)
             # frames beyond this are dropped by ZeroMQ while the caller does not poll; the gap
@@ -227,19 +236,22 @@ class ZmqEventSubscriber:
         w = self._workers.get(worker)
         if w is None:
             raise SubscriberError(f"worker {worker} is not subscribed")
+        q = w.seq
         return WorkerStatus(
             worker=worker,
-            state="ok" if w.complete else "degraded",
-            last_seq=w.last_seq,
-            replaying=w.replay_deadline is not None,
+            state="ok" if q.complete else "degraded",
+            last_seq=q.last_seq,
+            replaying=q.mode != "live",
             connected=w.connected,
-            received=w.received,
-            gaps=w.gaps,
-            replayed=w.replayed,
-            duplicates=w.duplicates,
-            restarts=w.restarts,
-            resyncs=w.resyncs,
-            decode_errors=w.decode_errors,
+            received=q.received,
+            gaps=q.gaps,
+            replayed=q.replayed,
+            duplicates=q.duplicates,
+            restarts=q.restarts,
+            resyncs=q.resyncs,
+            decode_errors=q.decode_errors,
+            snapshots=q.snapshots_applied,
+            incarnation=q.incarnation,
         )
 
     def wait_connected(self, timeout_s: float = 5.0) -> bool:
@@ -264,7 +276,7 @@ class ZmqEventSubscriber:
                 if w.monitor is not None:
                     poller.register(w.monitor, zmq.POLLIN)
             for sock, _ in poller.poll(max(1, math.ceil(left * 1000))):
-                self._read_monitor(self._owners[sock][0])
+                self._read_monitor(self._owners[sock][0], [])
 
     # ----------------------------------------------------------------- polling
 
@@ -272,7 +284,7 @@ class ZmqEventSubscriber:
         """Process whatever arrived and return the resulting messages, in order per worker.
 
         Waits up to ``timeout_ms`` for at least one message; returns early as soon as there is
-        one. Replay deadlines are checked here, so call it regularly while replays are pending.
+        one. Deadlines and probes are checked here, so call it regularly.
         """
         if self._closed:
             raise SubscriberError("subscriber is closed; create a new one")
@@ -289,8 +301,12 @@ class ZmqEventSubscriber:
                 elif kind == "replay":
                     self._read_replay(w, sock, out)
                 else:
-                    self._read_monitor(w)
-            self._expire_replays(out)
+                    self._read_monitor(w, out)
+            now = time.monotonic()
+            for w in list(self._workers.values()):
+                wake = w.seq.deadline
+                if wake is not None and now >= wake:
+                    self._run(w, w.seq.tick(now), out)
             if out or time.monotonic() >= deadline:
                 return out
 
@@ -299,8 +315,9 @@ class ZmqEventSubscriber:
             return 0
         until = deadline
         for w in self._workers.values():
-            if w.replay_deadline is not None:
-                until = min(until, w.replay_deadline)
+            wake = w.seq.deadline
+            if wake is not None:
+                until = min(until, wake)
         return max(0, math.ceil((until - time.monotonic()) * 1000))
 
     def close(self) -> None:
@@ -330,7 +347,7 @@ class ZmqEventSubscriber:
             for _ in range(_READ_BURST):
                 frames = w.sub.recv_multipart(zmq.NOBLOCK)
                 if len(frames) != 3 or len(frames[1]) != 8:
-                    w.decode_errors += 1
+                    w.seq.decode_errors += 1
                     log.warning(
                         "worker %d: ignored a live message of %d frames; expected "
                         "[topic, seq (8 bytes), payload]",
@@ -338,8 +355,7 @@ class ZmqEventSubscriber:
                         len(frames),
                     )
                     continue
-                w.received += 1
-                self._on_live(w, SEQ.unpack(frames[1])[0], frames[2], out)
+                self._run(w, w.seq.live(SEQ.unpack(frames[1])[0], frames[2], time.monotonic()), out)
                 if self._workers.get(w.worker) is not w:
                     return
 
@@ -349,203 +365,75 @@ class ZmqEventSubscriber:
         with contextlib.suppress(zmq.Again):
             for _ in range(_READ_BURST):
                 if w.dealer is not sock:
-                    return  # the dealer was replaced after a restart: stale replies
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-                self._on_replay(w, frames, out)
+                    return  # the dealer was replaced: replies to an abandoned request
+                self._on_replay(w, sock.recv_multipart(zmq.NOBLOCK), out)
 
-    def _read_monitor(self, w: _Worker) -> None:
+    def _on_replay(self, w: _Worker, frames: list[bytes], out: list[SubscriberMessage]) -> None:
+        """One reply on the replay socket, in any layout of WIRE.md 5 and 7."""
+        now = time.monotonic()
+        n = len(frames)
+        if n == 4 and frames[0] == b"" and frames[1] == SNAPSHOT_TAG and len(frames[2]) != 8:
+            try:
+                snap = w.parts.add(frames[2], frames[3])
+            except SnapshotError as exc:
+                w.seq.malformed()
+                log.warning("worker %d: ignored a malformed snapshot reply: %s", w.worker, exc)
+                return
+            if snap is not None:
+                self._run(w, w.seq.snapshot(snap, now), out)
+            return
+        if n in (3, 4) and frames[0] == b"" and len(frames[n - 2]) == 8:
+            seq_b, body = frames[n - 2], frames[n - 1]
+            if seq_b == END_SEQ:
+                self._run(w, w.seq.replay_end(parse_info(body), now), out)
+            else:
+                self._run(w, w.seq.replayed_frame(SEQ.unpack(seq_b)[0], body, now), out)
+            return
+        w.seq.malformed()
+        log.warning("worker %d: ignored a malformed replay message (%d frames)", w.worker, n)
+
+    def _read_monitor(self, w: _Worker, out: list[SubscriberMessage]) -> None:
         if w.monitor is None:
             return
         with contextlib.suppress(zmq.Again):
             while True:
                 event = recv_monitor_message(w.monitor, zmq.NOBLOCK)
-                w.connected = event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+                up = event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+                if up and not w.connected and w.was_connected:
+                    # maybe a restarted publisher that kept its address: ask it
+                    self._run(w, w.seq.reconnected(time.monotonic()), out)
+                w.connected = up
+                w.was_connected = w.was_connected or up
 
-    # ----------------------------------------------------------------- stream logic
+    # ----------------------------------------------------------------- sequencer outputs
 
-    def _on_live(self, w: _Worker, seq: int, payload: bytes, out: list[SubscriberMessage]) -> None:
-        if w.next_seq is None:
-            self._first(w, seq, payload, out)
-            return
-        if seq < w.next_seq or seq in w.pending:
-            if self._is_duplicate(w, seq, payload):
-                w.duplicates += 1
-            else:
-                self._restart(w, seq, payload, out)
-            return
-        if w.replay_deadline is not None:
-            self._hold(w, seq, payload)
-            return
-        if seq == w.next_seq:
-            self._apply(w, seq, payload, out, from_replay=False)
-        else:
-            w.gaps += 1
-            self._hold(w, seq, payload)
-        self._advance(w, out, allow_replay=True, why="gap in the live stream")
-
-    def _first(self, w: _Worker, seq: int, payload: bytes, out: list[SubscriberMessage]) -> None:
-        w.next_seq = 0
-        if seq == 0:
-            self._apply(w, seq, payload, out, from_replay=False)
-        else:
-            self._hold(w, seq, payload)
-        self._advance(w, out, allow_replay=True, why=f"stream joined at seq {seq}")
-
-    def _is_duplicate(self, w: _Worker, seq: int, payload: bytes) -> bool:
-        held = w.pending.get(seq)
-        if held is not None:
-            return held == payload
-        digest = w.digests.get(seq)
-        if digest is not None:
-            return digest == _digest(payload)
-        # never received under this seq: a stale straggler, unless it can only be a new stream
-        assert w.next_seq is not None
-        return seq != 0 and seq + DIGEST_WINDOW >= w.next_seq
-
-    def _restart(self, w: _Worker, seq: int, payload: bytes, out: list[SubscriberMessage]) -> None:
-        w.restarts += 1
-        self._resync(w, f"publisher restarted: seq {seq} arrived after seq {w.last_seq}", out)
-        if w.replay_deadline is not None:
-            self._abandon_replay(w)  # replies of the old stream must not be read as the new
-        w.replay_deadline = None
-        w.pending.clear()
-        w.heap.clear()
-        w.digests.clear()
-        w.digest_order.clear()
-        w.next_seq = None
-        self._first(w, seq, payload, out)
-
-    def _hold(self, w: _Worker, seq: int, payload: bytes) -> None:
-        if seq not in w.pending:
-            w.pending[seq] = payload
-            heapq.heappush(w.heap, seq)  # may duplicate a stale entry; harmless
-
-    def _advance(
-        self, w: _Worker, out: list[SubscriberMessage], *, allow_replay: bool, why: str
+    def _run(
+        self, w: _Worker, outputs: list[Output[DecodedBatch]], out: list[SubscriberMessage]
     ) -> None:
-        """Apply held-back frames in order; at a gap, replay it or (if not allowed) resync."""
-        while w.heap and w.replay_deadline is None:
-            assert w.next_seq is not None
-            seq = w.heap[0]
-            if seq not in w.pending:
-                heapq.heappop(w.heap)  # stale entry: applied while bridging a replay
-            elif seq < w.next_seq:
-                heapq.heappop(w.heap)
-                del w.pending[seq]
-                w.duplicates += 1
-            elif seq == w.next_seq:
-                heapq.heappop(w.heap)
-                self._apply(w, seq, w.pending.pop(seq), out, from_replay=False)
-            elif allow_replay and w.dealer is not None:
-                self._request_replay(w)
+        for o in outputs:
+            if isinstance(o, Deliver):
+                out.append(BatchDelivery(w.worker, o.seq, o.item, o.snapshot))
+            elif isinstance(o, (Lost, Reset)):
+                if isinstance(o, Lost):
+                    log.warning("worker %d: resync required: %s", w.worker, o.reason)
+                out.append(ResyncRequired(w.worker, o.reason))
+            elif isinstance(o, Request):
+                self._send(w, (b"", SEQ.pack(o.start)))
+            elif isinstance(o, RequestSnapshot):
+                w.parts.reset()
+                self._send(w, (b"", SNAPSHOT_TAG))
             else:
-                lost = f"seqs {w.next_seq}..{seq - 1} lost"
-                if w.dealer is None:
-                    lost += " and the worker has no replay endpoint"
-                self._resync(w, f"{why}: {lost}", out)
-                w.next_seq = seq
+                assert isinstance(o, Abandon)
+                self._abandon(w)
 
-    def _request_replay(self, w: _Worker) -> None:
-        assert w.dealer is not None and w.next_seq is not None
+    def _send(self, w: _Worker, frames: tuple[bytes, bytes]) -> None:
+        if w.dealer is None:
+            return
         try:
-            w.dealer.send_multipart((b"", SEQ.pack(w.next_seq)), zmq.NOBLOCK)
+            w.dealer.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:
-            # a bound DEALER with no publisher connected: the request times out like a silent one
+            # no replay peer connected yet: the request times out like an unanswered one
             log.warning("worker %d: replay request not sent: no replay peer", w.worker)
-        w.replay_deadline = time.monotonic() + self._replay_timeout_s
-        w.replay_progress = False
-
-    def _on_replay(self, w: _Worker, frames: list[bytes], out: list[SubscriberMessage]) -> None:
-        if w.abandoned:
-            if len(frames) == 4 and frames[2] == END_SEQ:
-                w.abandoned -= 1
-            return
-        if w.replay_deadline is None or w.next_seq is None:
-            return  # nothing asked: a late reply to a request already given up
-        # the timeout measures silence, so a long replay that keeps streaming is not cut off
-        w.replay_deadline = time.monotonic() + self._replay_timeout_s
-        if len(frames) == 4 and frames[2] == END_SEQ:
-            w.replay_deadline = None
-            start = w.next_seq
-            self._advance(
-                w,
-                out,
-                allow_replay=w.replay_progress,
-                why=f"replay from seq {start} ended without covering the gap",
-            )
-            return
-        if len(frames) != 4 or frames[0] != b"" or len(frames[2]) != 8:
-            w.decode_errors += 1
-            log.warning("worker %d: ignored a malformed replay message", w.worker)
-            return
-        seq = SEQ.unpack(frames[2])[0]
-        w.replayed += 1
-        while w.next_seq < seq:
-            start = w.next_seq
-            held = w.pending.pop(start, None)
-            if held is not None:
-                # a frame held back bridges this seq (its heap entry goes stale; _advance skips
-                # stale entries); if it cannot be decoded it is lost like a replayed one
-                self._apply(w, start, held, out, from_replay=True)
-                continue
-            # nobody has [start, resume): the publisher no longer buffers it
-            resume = min((s for s in w.pending if start < s < seq), default=seq)
-            self._resync(
-                w,
-                f"replay reached seq {seq} without seqs {start}..{resume - 1}: the publisher"
-                " no longer buffers them (expired, or dropped before they were sent)",
-                out,
-            )
-            w.next_seq = resume
-        if seq < w.next_seq:
-            w.duplicates += 1
-            return
-        w.replay_progress = True
-        self._apply(w, seq, frames[3], out, from_replay=True)
-
-    def _expire_replays(self, out: list[SubscriberMessage]) -> None:
-        now = time.monotonic()
-        for w in list(self._workers.values()):
-            if w.replay_deadline is not None and now >= w.replay_deadline:
-                w.replay_deadline = None
-                self._abandon_replay(w)
-                ms = round(self._replay_timeout_s * 1000)
-                self._advance(w, out, allow_replay=False, why=f"replay endpoint silent for {ms} ms")
-
-    def _apply(
-        self,
-        w: _Worker,
-        seq: int,
-        payload: bytes,
-        out: list[SubscriberMessage],
-        *,
-        from_replay: bool,
-    ) -> None:
-        try:
-            batch = decode_batch(payload, self._limits)
-        except DecodeError as exc:
-            w.decode_errors += 1
-            if from_replay or w.dealer is None:
-                self._resync(w, f"batch seq {seq} cannot be decoded: {exc}", out)
-                w.next_seq = seq + 1
-            elif w.replay_deadline is None:
-                self._request_replay(w)  # a fresh copy may decode; if not, it is lost
-            return
-        if seq == 0 or any(isinstance(e.data, AllBlocksCleared) for e in batch.events):
-            w.complete = True
-        w.next_seq = seq + 1
-        w.last_seq = seq
-        w.digests[seq] = _digest(payload)
-        w.digest_order.append(seq)
-        if len(w.digest_order) > DIGEST_WINDOW:
-            w.digests.pop(w.digest_order.popleft(), None)
-        out.append(BatchDelivery(w.worker, seq, batch))
-
-    def _resync(self, w: _Worker, reason: str, out: list[SubscriberMessage]) -> None:
-        w.resyncs += 1
-        w.complete = False
-        log.warning("worker %d: resync required: %s", w.worker, reason)
-        out.append(ResyncRequired(w.worker, reason))
 
     # ----------------------------------------------------------------- sockets
 
@@ -555,23 +443,17 @@ class ZmqEventSubscriber:
         try:
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.setsockopt(zmq.RCVHWM, 0)  # a replay is bounded by the publisher's ring
-            _attach(dealer, w.replay_endpoint, w.bind)
+            _attach(dealer, connectable(w.replay_endpoint), False)
         except BaseException:
             dealer.close(linger=0)
             raise
         return dealer
 
-    def _abandon_replay(self, w: _Worker) -> None:
-        """Make sure replies to the request in flight are never read as replies to a later one.
-
-        A connecting DEALER is replaced (a new identity: the publisher's late replies go
-        nowhere). A bound one cannot be (its address is released asynchronously), so the
-        replies of abandoned requests are skipped up to their end markers instead.
-        """
+    def _abandon(self, w: _Worker) -> None:
+        """Replies to the request in flight must never be read as replies to a later one: a
+        new DEALER (a new identity) makes the publisher's late replies go nowhere."""
+        w.parts.reset()
         if w.dealer is None:
-            return
-        if w.bind:
-            w.abandoned += 1
             return
         self._unregister(w.dealer)
         w.dealer.close(linger=0)
@@ -597,13 +479,6 @@ class ZmqEventSubscriber:
         if w.dealer is not None:
             w.dealer.close(linger=0)
         w.sub.close(linger=0)
-
-
-def _digest(payload: bytes) -> int:
-    """Tells two payloads under one seq apart (a restart) from a repeat (a duplicate). crc32
-    and the length rather than hash(): as fast, and the same in every process (hash() of bytes
-    is salted per process), so a digest can be logged and compared."""
-    return zlib.crc32(payload) | (len(payload) << 32)
 
 
 def _attach(sock: zmq.Socket[bytes], endpoint: str, bind: bool) -> None:

@@ -164,7 +164,7 @@ def run_schedule(
         is_clear=is_clear,
         replay_timeout_s=1.0,
         snapshot_timeout_s=1.0,
-        probe_interval_s=2.0 if probe else None,
+        probe_interval_s=2.0 if probe else 1e9,  # 1e9: hello and reconnect probes only
     )
     h = Harness(seq, pub, list(silent))
     late: list[tuple[int, bytes]] = []
@@ -235,7 +235,7 @@ def test_snapshots_and_probes_make_every_stream_exact(steps: list[Any], ring_siz
 
 def test_restart_with_higher_seq_is_found_by_the_incarnation() -> None:
     a = ModelPublisher(1, 100, True)
-    seq: StreamSequencer[Ops] = StreamSequencer(decode, is_clear=is_clear)
+    seq: StreamSequencer[Ops] = StreamSequencer(decode, is_clear=is_clear, probe_interval_s=60)
     h = Harness(seq, a, [])
     for i in range(3):
         h.live(*a.publish([["s", i]], ringed=True))
