@@ -24,24 +24,10 @@ from pathlib import Path
 from typing import IO, Final
 
 from events.capture import CaptureError, CaptureWriter, read_capture
-from events.capture_hashes import CaptureHashes, compare_capture
 from events.codec import DecodeError, decode_batch
 from events.doctor import Doctor, DoctorOptions
 from events.endpoints import EndpointError
-from events.hashcheck import (
-    Case,
-    Golden,
-    GoldenError,
-    Hasher,
-    compare,
-    library_hasher,
-    load_golden,
-    record,
-    render_report,
-    resolve,
-    worker_hasher,
-    write_golden,
-)
+from events.hashcheck import GoldenError
 from events.hashing import HashAlgo, hash_from_key, v1_block_hash
 from events.listener import OnMessage, listen
 from events.model import (
@@ -229,72 +215,6 @@ def _render_hash_table(table: dict[str, object]) -> str:
     return "\n".join(lines)
 
 
-def _read_corpus(args: argparse.Namespace) -> Golden:
-    """The prompts to record: a golden-format file, or one prompt of token ids per line
-    (then ``--tokens-per-block``, the scope flags and ``--algo`` apply to every line)."""
-    if args.corpus is None:
-        raise UsageError("--record needs a --corpus of prompts")
-    try:
-        text = Path(args.corpus).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise UsageError(f"cannot read --corpus {args.corpus}: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise UsageError(f"--corpus {args.corpus} is not UTF-8 text ({exc.reason})") from None
-    if text.lstrip().startswith("{"):
-        return load_golden(args.corpus)
-    tpb = args.tokens_per_block
-    if tpb is None or tpb < 1:
-        raise UsageError("a corpus of token lines needs --tokens-per-block N (N >= 1)")
-    scope = _scope_from(args) or ReuseScope()
-    salt = args.cache_salt
-    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
-    if not lines:
-        raise UsageError(f"--corpus {args.corpus} holds no prompts")
-    cases = [Case(f"line-{n}", _parse_tokens(line), tpb, scope, salt) for n, line in lines]
-    for case in cases:
-        try:
-            token_array(case.tokens)
-        except (TypeError, ValueError) as exc:
-            raise UsageError(f"--corpus {args.corpus}, {case.name}: {exc}") from None
-    return Golden(tpb, args.algo or [HashAlgo.V1_BLOCK_KEY.value], cases)
-
-
-def golden_command(args: argparse.Namespace, out: IO[str]) -> int:
-    """``hash --check GOLDEN`` (0 stable, 1 drift) and ``hash --record GOLDEN --corpus C``."""
-    hasher: Hasher = worker_hasher if args.hasher == "worker" else library_hasher
-    capture = None if args.capture is None else CaptureHashes(args.capture)
-    if args.record is not None:
-        corpus = _read_corpus(args)
-        algos = args.algo or corpus.algorithms
-        if capture is not None:
-            if len(algos) != 1:
-                raise UsageError("name the engine's one algorithm with --algo to record a capture")
-            hasher = capture.hasher
-        golden = record(corpus, hasher, algos)
-        try:
-            write_golden(args.record, golden)
-        except OSError as exc:
-            raise UsageError(f"cannot write --record {args.record}: {exc.strerror}") from None
-        out.write(f"recorded {len(golden.cases)} case(s) x {algos} to {args.record}\n")
-        return EXIT_OK
-    golden = load_golden(resolve(args.check))
-    algos = args.algo or golden.algorithms
-    if capture is not None:
-        if len(algos) != 1:
-            raise UsageError(
-                f"the golden file has {algos}: name the engine's algorithm with --algo"
-            )
-        drifts = compare_capture(golden, capture, algos[0])
-    else:
-        drifts = compare(golden, hasher, algos)
-    if drifts:
-        out.write(render_report(args.check, golden, drifts, algos) + "\n")
-        return EXIT_PROBLEMS
-    source = "the capture" if capture is not None else f"the {args.hasher} hasher"
-    out.write(f"stable: {len(golden.cases)} case(s) x {algos} from {source} match {args.check}\n")
-    return EXIT_OK
-
-
 # ---------------------------------------------------------------------------- arguments
 
 
@@ -464,6 +384,8 @@ def _cmd_doctor(args: argparse.Namespace, out: IO[str]) -> int:
 
 def _cmd_hash(args: argparse.Namespace, out: IO[str]) -> int:
     if args.check is not None or args.record is not None:
+        from events.golden_cli import golden_command  # it builds on this module's helpers
+
         return golden_command(args, out)
     if args.tokens_per_block is None:
         raise UsageError("--tokens-per-block is required to print hashes")

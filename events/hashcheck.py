@@ -107,9 +107,12 @@ def _case(obj: object, index: int, default_tpb: int | None) -> Case:
         token_array(tokens)
     except (TypeError, ValueError) as exc:
         raise GoldenError(f"{where}: {exc}") from None
-    tpb = _int(obj, "tokens_per_block", where, optional=True) or default_tpb
+    tpb = _int(obj, "tokens_per_block", where, optional=True)
+    tpb = default_tpb if tpb is None else tpb
     if not tpb:
-        raise GoldenError(f"{where}: no tokens_per_block (give it per case or for the file)")
+        raise GoldenError(
+            f"{where}: tokens_per_block must be given (per case or for the file) and be >= 1"
+        )
     salt_text = obj.get("cache_salt")
     if salt_text is not None and not isinstance(salt_text, str):
         raise GoldenError(f"{where}: 'cache_salt' must be a string")

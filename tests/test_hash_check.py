@@ -12,6 +12,8 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from events.capture import write_capture
 from events.capture_hashes import CaptureHashes, compare_capture
@@ -163,6 +165,27 @@ def test_each_drift_is_named(
         text = drifts[0].render()
         assert f"first diverging block: {i} (tokens [{16 * i}:{16 * i + 16}])" in text
         assert f"golden: {want[i]}\n    actual: {got[i]}" in text
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 2**31 - 1), min_size=16, max_size=48),
+    tpb=st.integers(1, 8),
+    lora=st.integers(0, 2**64 - 1),
+    salt=st.integers(0, 2**64 - 1),
+    algo=st.sampled_from(["v1_block_key", "v2_sha256", "v2_sha256_64"]),
+)
+def test_dropped_salt_and_doubled_block_size_are_always_named(
+    tokens: list[int], tpb: int, lora: int, salt: int, algo: str
+) -> None:
+    scope = ReuseScope(lora, salt)
+    want = independent(tokens, tpb, scope, algo)
+    no_salt = chain_hashes(tokens, tpb, ReuseScope(lora, None), algo)
+    cause = explain_chain(algo, tokens, tpb, scope, want, no_salt)
+    assert cause.startswith("the salt is not mixed in"), cause
+    doubled = independent(tokens, 2 * tpb, scope, algo)
+    cause = explain_chain(algo, tokens, tpb, scope, want, doubled)
+    assert cause.startswith(f"another block size: the hashes are of {2 * tpb}-token"), cause
 
 
 def test_missing_extra_and_unexplained() -> None:
@@ -386,7 +409,10 @@ def test_cli_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[s
     raw["algorithms"] = ["engine-x"]
     raw["cases"][0]["hashes"] = {"engine-x": [1]}
     engine.write_text(json.dumps(raw), encoding="utf-8")
+    zero = tmp_path / "zero.json"
+    zero.write_text(json.dumps({**raw, "tokens_per_block": 0}), encoding="utf-8")
     cases: list[tuple[list[str], str]] = [
+        (["--check", str(zero)], "tokens_per_block must be given"),
         (["--check", str(tmp_path / "missing.json")], "cannot read"),
         (["--check", str(not_golden)], "not a golden file"),
         (["--check", "shipped:md5"], "no shipped vectors"),
