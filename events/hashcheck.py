@@ -340,15 +340,19 @@ def compare(golden: Golden, hasher: Hasher, algorithms: Sequence[str] | None = N
 
 
 def record(golden: Golden, hasher: Hasher, algorithms: Sequence[str] | None = None) -> Golden:
-    """``golden`` with every case's hashes recomputed by ``hasher`` (the corpus is kept)."""
-    algos = list(algorithms or golden.algorithms)
-    cases = [
-        replace(
-            c,
-            hashes={a: list(hasher(list(c.tokens), c.tokens_per_block, c.scope, a)) for a in algos},
+    """``golden`` with every case's ``algorithms`` hashes (default: all of the file's)
+    recomputed by ``hasher``; the corpus is kept, and so are other algorithms' hashes where
+    every case has them."""
+    fresh = list(dict.fromkeys(algorithms or golden.algorithms))
+    kept = [a for a in golden.algorithms if a in fresh or all(a in c.hashes for c in golden.cases)]
+    algos = kept + [a for a in fresh if a not in kept]
+    cases = []
+    for c in golden.cases:
+        hashes = {a: c.hashes[a] for a in kept if a not in fresh}
+        hashes.update(
+            {a: list(hasher(list(c.tokens), c.tokens_per_block, c.scope, a)) for a in fresh}
         )
-        for c in golden.cases
-    ]
+        cases.append(replace(c, hashes={a: hashes[a] for a in algos}))
     return replace(golden, algorithms=algos, cases=cases)
 
 

@@ -216,6 +216,13 @@ def test_a_case_without_golden_hashes_must_be_recorded_first() -> None:
         TOKENS, 16, SALTED, "v1_block_key"
     )
     assert compare(recorded, independent) == []
+    # recording another algorithm keeps the first one's hashes
+    both = record(recorded, independent, ["v2_sha256"])
+    assert both.algorithms == ["v1_block_key", "v2_sha256"]
+    assert both.cases[0].hashes["v1_block_key"] == recorded.cases[0].hashes["v1_block_key"]
+    assert compare(both, independent) == []
+    # an algorithm without hashes in the corpus is not carried into the golden file
+    assert record(corpus, independent, ["v2_sha256"]).algorithms == ["v2_sha256"]
 
 
 # -------------------------------------------------------------------------------- captures
