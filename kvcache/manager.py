@@ -28,8 +28,9 @@ import importlib
 from collections.abc import Iterable
 from typing import Any
 
+from kvcache.block_pool import BlockPool
 from kvcache.config import KVCacheManagerConfig
-from kvcache.errors import KVCacheError, OutOfPagesError
+from kvcache.errors import KVCacheError
 from kvcache.keys import token_array, tokens_to_bytes
 from kvcache.pool import PagePool
 from kvcache.scope import DEFAULT_SCOPE, ReuseScope
@@ -37,8 +38,8 @@ from kvcache.sequence import KVCache
 from kvcache.sink import EventSink
 from kvcache.stats import KVCacheStats, TierUsage
 from kvcache.storage_protocol import PageStorage
-from kvcache.tiers import TieredPages
 from kvcache.tree import Block, RadixTree
+from kvcache.verify import verify
 
 DEFAULT_PRIORITY = 35
 
@@ -89,9 +90,7 @@ class KVCacheManager:
             module: Any = importlib.import_module("kvcache.storage")
             self._storage = module.TorchPageStorage(config)
         pools = [PagePool(t.name, t.num_blocks) for t in config.tiers]
-        self._pages = TieredPages(
-            self._tree, pools, event_sink, self._storage, config.tokens_per_block
-        )
+        self._pool = BlockPool(self._tree, pools, event_sink, self._storage, self.tokens_per_block)
         self._live: set[KVCache] = set()  # open sequences, for verify()
         self._queries = 0
         self._query_tokens = 0
@@ -146,139 +145,37 @@ class KVCacheManager:
         priority = _check_priority(priority)
         tokens = token_array(input_tokens)
         full, src, m = self._match(tokens, scope)
-        pages = self._pages
-        for b in full:
-            pages.pin(b)
-        away = [b for b in full if b.tier != 0]
-        need = len(away) + (1 if src is not None else 0)
-        if need:
-            if src is not None:
-                pages.pin(src)  # keep the copy-on-write source where it is for this operation
-            room = pages.room(0)
-            if room < need:
-                for b in full:
-                    pages.unpin(b, b.tick)
-                if src is not None:
-                    pages.unpin(src, src.tick)
-                raise OutOfPagesError(
-                    f"reusing {len(full)} blocks{' + 1 copy-on-write' if src else ''} needs "
-                    f"{need} device pages but only {room} can be had "
-                    f"({pages.pools[0].num_free} free + {room - pages.pools[0].num_free} "
-                    "evictable); close or suspend sequences, or give the device tier more blocks"
-                )
-        blocks = list(full)
-        reused = len(full) * self.tokens_per_block
-        if need:
-            cow = self._onboard(away, 1 if src is not None else 0, scope, priority)
-            if src is not None:
-                private = cow[0]
-                pages.copy_on_write(src, private.page, m)
-                pages.unpin(src, src.tick)
-                blocks.append(private)
-                reused += m
+        blocks = self._pool.acquire(full, src, m, scope, priority)
+        reused = len(full) * self.tokens_per_block + (m if src is not None else 0)
         self._queries += 1
         self._query_tokens += len(tokens)
         self._hit_tokens += reused
-        seq = KVCache(self, scope, priority, tokens[:reused], blocks)
+        seq = KVCache(self._pool, scope, priority, tokens[:reused], blocks, self._live.discard)
         self._live.add(seq)
-        pages.finish()
+        self._pool.finish()
         return seq
-
-    def _new_privates(self, count: int, scope: ReuseScope, priority: int) -> list[Block]:
-        """Device pages held privately by a sequence (the caller checked room)."""
-        pages = self._pages
-        pool = pages.pools[0]
-        if pool.num_free >= count:
-            slots = pool.allocate_many(count)
-        else:
-            slots = [pages.allocate(0) for _ in range(count)]
-        uid = pages.uid
-        pages.uid += count
-        pages.pinned[0] += count
-        return [Block(uid + i, scope, 0, page, priority) for i, page in enumerate(slots, 1)]
-
-    def _onboard(
-        self,
-        away: list[Block],
-        extra: int = 0,
-        scope: ReuseScope = DEFAULT_SCOPE,
-        priority: int = DEFAULT_PRIORITY,
-    ) -> list[Block]:
-        """Move pinned ``away`` blocks to the device tier and make ``extra`` private pages.
-
-        Every device page is allocated before anything moves, so the evictions (downward
-        copies) complete before the onboarding copies read the slower tiers.
-        """
-        pages = self._pages
-        dev = [pages.allocate(0) for _ in range(len(away))]
-        privates = self._new_privates(extra, scope, priority)
-        for b, page in zip(away, dev, strict=True):
-            pages.move(b, 0, page, copy=True)
-        pages.counters.onboards += len(away)
-        return privates
-
-    # --------------------------------------------------------------------------- tree edits
-
-    def _emit_stored(self, blocks: list[Block]) -> None:
-        if blocks and self._pages.sink is not None:
-            self._pages.flush_moves()
-            self._pages.sink.on_stored(blocks)
-
-    def _replace_partial(self, old: Block) -> None:
-        """Take a partial block out of the tree because a new block extends it."""
-        pages = self._pages
-        pages.flush_moves()
-        pages.unlink(old)
-        if old.refs == 0 and old.susp == 0:
-            pages.free(old)
-        # else: its sequence still holds the page privately and frees it on close
-        if pages.sink is not None:
-            pages.sink.on_removed([old])
 
     def clear_reusable_blocks(self) -> None:
         """Drop every cached block no sequence holds (see the module docstring for events)."""
-        gone: list[Block] = []
-        for root in list(self._tree.roots.values()):
-            stack: list[Block] = []
-            if root.children:
-                stack.extend(root.children.values())
-            if root.partials:
-                stack.extend(root.partials.values())
-            while stack:
-                b = stack.pop()
-                if b.refs == 0 and b.susp == 0:
-                    gone.extend(self._tree.subtree(b))
-                else:
-                    stack.extend(b.iter_children())
-        if not gone:
-            return
-        pages = self._pages
-        pages.flush_moves()
-        everything = len(gone) == self._tree.num_blocks
-        pages.remove_blocks(gone)
-        if pages.sink is not None:
-            if everything:
-                pages.sink.on_cleared()
-            else:
-                pages.sink.on_removed(gone)
+        self._pool.clear()
 
     # ------------------------------------------------------------------------- observation
 
     def _tier(self, tier: int) -> int:
         if isinstance(tier, bool) or not isinstance(tier, int):
             raise TypeError(f"tier must be an int index, got {type(tier).__name__}")
-        if not 0 <= tier < self._pages.num_tiers:
-            raise ValueError(f"tier must be in [0, {self._pages.num_tiers}), got {tier}")
+        if not 0 <= tier < self._pool.num_tiers:
+            raise ValueError(f"tier must be in [0, {self._pool.num_tiers}), got {tier}")
         return tier
 
     def num_available_pages(self, tier: int = 0) -> int:
         """Pages an allocation on ``tier`` can get now: free + evictable."""
-        return self._pages.room(self._tier(tier))
+        return self._pool.room(self._tier(tier))
 
     def kv_usage(self, tier: int = 0) -> float:
         """Fraction of the tier's pages pinned by live (not suspended) sequences."""
         t = self._tier(tier)
-        return self._pages.pinned[t] / self._pages.pools[t].num_blocks
+        return self._pool.pinned[t] / self._pool.pools[t].num_blocks
 
     @property
     def storage(self) -> PageStorage | None:
@@ -299,9 +196,7 @@ class KVCacheManager:
 
         Raises ``kvcache.verify.InconsistentStateError`` naming the first broken one.
         """
-        from kvcache.verify import verify
-
-        verify(self)
+        verify(self._tree, self._pool, [(s.held_blocks(), s.suspended) for s in self._live])
 
     @property
     def num_cached_blocks(self) -> int:
@@ -311,23 +206,23 @@ class KVCacheManager:
     @property
     def stats(self) -> KVCacheStats:
         """A snapshot of the counters and the per-tier usage."""
-        pages = self._pages
+        bp = self._pool
         nbytes = self._storage.page_nbytes() if self._storage is not None else 0
         tiers: dict[str, TierUsage] = {}
-        for t, pool in enumerate(pages.pools):
+        for t, pool in enumerate(bp.pools):
             free = pool.num_free
-            evictable = pages.room(t) - free
+            evictable = bp.room(t) - free
             tiers[pool.name] = TierUsage(
                 num_blocks=pool.num_blocks,
                 used=pool.num_used,
                 free=free,
                 evictable=evictable,
-                pinned=pages.pinned[t],
+                pinned=bp.pinned[t],
                 bytes_used=pool.num_used * nbytes,
                 bytes_free=free * nbytes,
                 bytes_evictable=evictable * nbytes,
             )
-        c = pages.counters
+        c = bp.counters
         return KVCacheStats(
             queries=self._queries,
             query_tokens=self._query_tokens,

@@ -13,18 +13,14 @@ States: active -> (stop_committing) -> stopped; active/stopped <-> suspended; an
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable
-from hashlib import sha256
+from collections.abc import Callable, Iterable
 from types import TracebackType
-from typing import TYPE_CHECKING
 
-from kvcache.errors import CacheStateError, ClosedCacheError, OutOfPagesError
-from kvcache.keys import BlockKey, token_array, tokens_to_bytes
+from kvcache.block_pool import BlockPool
+from kvcache.errors import CacheStateError, ClosedCacheError
+from kvcache.keys import token_array
 from kvcache.scope import ReuseScope
-from kvcache.tree import Block, ScopeRoot
-
-if TYPE_CHECKING:
-    from kvcache.manager import KVCacheManager
+from kvcache.tree import Block
 
 
 class KVCache:
@@ -33,7 +29,8 @@ class KVCache:
     __slots__ = (
         "_blocks",
         "_closed",
-        "_mgr",
+        "_on_close",
+        "_pool",
         "_stopped",
         "_suspended",
         "_tokens",
@@ -44,13 +41,15 @@ class KVCache:
 
     def __init__(
         self,
-        manager: KVCacheManager,
+        pool: BlockPool,
         scope: ReuseScope,
         priority: int,
         tokens: array[int],
         blocks: list[Block],
+        on_close: Callable[[KVCache], None],
     ) -> None:
-        self._mgr = manager
+        self._pool = pool
+        self._on_close = on_close
         self.scope = scope
         self.priority = priority
         self._tokens = tokens
@@ -70,7 +69,7 @@ class KVCache:
     @property
     def capacity(self) -> int:
         """Tokens the sequence's allocated pages can hold."""
-        return len(self._blocks) * self._mgr.tokens_per_block
+        return len(self._blocks) * self._pool.tokens_per_block
 
     @property
     def closed(self) -> bool:
@@ -93,6 +92,10 @@ class KVCache:
         if self._suspended:
             raise CacheStateError("page_indices(): the sequence is suspended; resume() it first")
         return [b.page for b in self._blocks]
+
+    def held_blocks(self) -> list[Block]:
+        """The blocks this sequence holds, in order (for consistency checks)."""
+        return list(self._blocks)
 
     # ------------------------------------------------------------------------- operations
 
@@ -120,27 +123,15 @@ class KVCache:
             raise TypeError(f"capacity_tokens must be an int, got {type(capacity_tokens).__name__}")
         if capacity_tokens < 0:
             raise ValueError(f"capacity_tokens must be >= 0, got {capacity_tokens}")
-        tpb = self._mgr.tokens_per_block
+        tpb = self._pool.tokens_per_block
         want = -(-max(capacity_tokens, len(self._tokens)) // tpb)
-        pages = self._mgr._pages
+        pool = self._pool
         if want > len(self._blocks):
-            self._grow(want - len(self._blocks))
+            self._blocks += pool.grow(want - len(self._blocks), self.scope, self.priority)
         else:
             while len(self._blocks) > want:
-                pages.free(self._blocks.pop())
-        pages.finish()
-
-    def _grow(self, extra: int) -> None:
-        mgr = self._mgr
-        pages = mgr._pages
-        room = pages.room(0)
-        if room < extra:
-            raise OutOfPagesError(
-                f"the sequence needs {extra} more device pages but only {room} can be had "
-                f"({pages.pools[0].num_free} free + {room - pages.pools[0].num_free} evictable); "
-                "close or suspend other sequences, or give the device tier more blocks"
-            )
-        self._blocks.extend(mgr._new_privates(extra, self.scope, self.priority))
+                pool.free(self._blocks.pop())
+        pool.finish()
 
     def commit(self, tokens: Iterable[int]) -> None:
         """Append tokens whose KV is now computed (after every token already in the cache).
@@ -154,83 +145,18 @@ class KVCache:
         arr = token_array(tokens)
         if not arr:
             return
-        mgr = self._mgr
-        pages = mgr._pages
-        tpb = mgr.tokens_per_block
+        pool = self._pool
+        tpb = pool.tokens_per_block
         old_n = len(self._tokens)
         new_n = old_n + len(arr)
         extra = -(-new_n // tpb) - len(self._blocks)
         if extra > 0:
-            self._grow(extra)
+            self._blocks += pool.grow(extra, self.scope, self.priority)
         self._tokens.extend(arr)
         first, last = old_n // tpb, new_n // tpb
         if last > first:
-            self._insert_full(first, last)
-        pages.finish()
-
-    def _node(self, index: int) -> Block | ScopeRoot:
-        """The parent node of block ``index``."""
-        if index:
-            return self._blocks[index - 1]
-        root = self._mgr._tree.root(self.scope, create=True)
-        assert root is not None
-        return root
-
-    def _insert_full(self, first: int, last: int) -> None:
-        mgr = self._mgr
-        pages = mgr._pages
-        tpb = mgr.tokens_per_block
-        step = 4 * tpb
-        blocks = self._blocks
-        toks = self._tokens
-        data = tokens_to_bytes(toks[first * tpb : last * tpb])
-        node = self._node(first)
-        key: bytes = node.key
-        stored: list[Block] = []
-        inserted = 0
-        for i in range(first, last):
-            off = (i - first) * step
-            key = sha256(key + data[off : off + step]).digest()
-            existing = node.children.get(key) if node.children else None
-            b = blocks[i]
-            if existing is not None:
-                pages.pin(existing)
-                if existing.tier == 0:
-                    pages.free(b)
-                else:  # our page already holds the same KV: the cached block takes it over
-                    page = b.page
-                    pages.forget(b)
-                    pages.move(existing, 0, page, copy=False)
-                blocks[i] = existing
-                node = existing
-                continue
-            b.key = BlockKey(key)
-            b.tokens = toks[i * tpb : (i + 1) * tpb]
-            b.is_full = True
-            if node.partials:
-                old = mgr._tree.extended_partial(node, b.tokens)
-                if old is not None:
-                    mgr._emit_stored(stored)
-                    stored = []
-                    mgr._replace_partial(old)
-                    if not i:  # the scope root went with its last child: fetch it anew
-                        node = self._node(0)
-            # RadixTree.attach + TieredPages.link, inlined: this loop is the commit hot path.
-            # The parent is pinned by this sequence, so it has no heap entry to invalidate.
-            b.owner = node
-            if node.children is None:
-                node.children = {}
-            node.children[key] = b
-            b.in_tree = True
-            if i:
-                b.parent = node  # type: ignore[assignment]
-                if node.tier == 0:
-                    node.here += 1  # type: ignore[union-attr]
-            stored.append(b)
-            inserted += 1
-            node = b
-        mgr._tree.num_blocks += inserted
-        mgr._emit_stored(stored)
+            pool.store_full(self.scope, self._blocks, first, last, self._tokens)
+        pool.finish()
 
     def stop_committing(self) -> None:
         """No more tokens: the trailing partial block joins the tree (unless a sibling already
@@ -240,29 +166,16 @@ class KVCache:
             return
         if self._suspended:
             raise CacheStateError("stop_committing(): the sequence is suspended; resume() it first")
-        mgr = self._mgr
-        pages = mgr._pages
-        tpb = mgr.tokens_per_block
+        pool = self._pool
+        tpb = pool.tokens_per_block
         n = len(self._tokens)
         keep = -(-n // tpb)
         while len(self._blocks) > keep:
-            pages.free(self._blocks.pop())
-        rest = n % tpb
-        if rest:
-            b = self._blocks[-1]
-            node = self._node(len(self._blocks) - 1)
-            tokens = self._tokens[n - rest :]
-            if not mgr._tree.is_useless_partial(node, tokens):
-                old = mgr._tree.extended_partial(node, tokens)
-                if old is not None:
-                    mgr._replace_partial(old)
-                    node = self._node(len(self._blocks) - 1)  # the root may have gone with it
-                b.key = BlockKey(sha256(node.key + tokens_to_bytes(tokens)).digest())
-                b.tokens = tokens
-                pages.link(b, node)
-                mgr._emit_stored([b])
+            pool.free(self._blocks.pop())
+        if n % tpb:
+            pool.store_partial(self.scope, self._blocks, self._tokens[n - n % tpb :])
         self._stopped = True
-        pages.finish()
+        pool.finish()
 
     def suspend(self) -> None:
         """Stop pinning the sequence's pages: under pressure they may move to slower tiers, but
@@ -270,10 +183,7 @@ class KVCache:
         self._check_open("suspend")
         if self._suspended:
             raise CacheStateError("suspend(): the sequence is already suspended")
-        pages = self._mgr._pages
-        tick = pages.next_tick()
-        for b in self._blocks:
-            pages.hold(b, live=False, tick=tick)
+        self._pool.suspend(self._blocks)
         self._suspended = True
 
     def resume(self) -> None:
@@ -285,41 +195,20 @@ class KVCache:
         self._check_open("resume")
         if not self._suspended:
             raise CacheStateError("resume(): the sequence is not suspended")
-        pages = self._mgr._pages
-        ticks = [b.tick for b in self._blocks]
-        for b in self._blocks:
-            pages.hold(b, live=True, tick=0)
-        away = [b for b in self._blocks if b.tier != 0]
-        room = pages.room(0)
-        if room < len(away):
-            for b, t in zip(self._blocks, ticks, strict=True):
-                pages.hold(b, live=False, tick=t)
-            raise OutOfPagesError(
-                f"resume() needs {len(away)} device pages but only {room} can be had; "
-                "close or suspend other sequences first"
-            )
-        self._mgr._onboard(away)
+        self._pool.resume(self._blocks)
         self._suspended = False
-        pages.finish()
+        self._pool.finish()
 
     def close(self) -> None:
         """Release the sequence: committed blocks stay cached (evictable), private pages are
         freed. Closing twice is a no-op."""
         if self._closed:
             return
-        pages = self._mgr._pages
-        tick = pages.next_tick()
-        for b in self._blocks:
-            if not b.in_tree:
-                pages.free(b)
-            elif self._suspended:
-                pages.release_suspended(b, tick)
-            else:
-                pages.unpin(b, tick)
+        self._pool.release(self._blocks, self._suspended)
         self._blocks = []
         self._closed = True
-        self._mgr._live.discard(self)
-        pages.finish()
+        self._on_close(self)
+        self._pool.finish()
 
     def __enter__(self) -> KVCache:
         return self

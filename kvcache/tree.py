@@ -1,4 +1,4 @@
-"""The scoped block radix tree.
+"""The scoped block radix tree: structure only.
 
 ::
 
@@ -10,26 +10,30 @@ A child is found by its chained key ``sha256(parent_key || tokens)``, so two sco
 a node. Full children live in ``children``; partial blocks (fewer than ``tokens_per_block``
 tokens, always leaves) live in ``partials`` so that a full-block walk never lands on one.
 
-The tree holds structure only. Pages, reference counts and eviction candidacy are kept on the
-same :class:`Block` objects by the manager, which is the only writer of those fields.
+Ownership of a :class:`Block`'s fields (each is written by one module only; a test checks it):
+this module writes the structure (``key``, ``tokens``, ``is_full``, ``parent``, ``children``,
+``partials``, ``in_tree``); :mod:`kvcache.block_pool` writes the page state (``tier``, ``page``,
+``priority``, ``refs``, ``susp``, ``tick``, ``here``, ``gen``, ``uid``).
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from hashlib import sha256
+from typing import Final
 
-from kvcache.keys import BlockKey, root_key
+from kvcache.keys import BlockKey, root_key, tokens_to_bytes
 from kvcache.scope import ReuseScope
+
+_NO_KEY: Final = BlockKey(b"")
+_NO_TOKENS: Final = array("i")  # shared by every block not in the tree; never mutated
 
 
 class ScopeRoot:
     """The root of one scope: holds no tokens and no page."""
 
     __slots__ = ("children", "key", "partials", "scope")
-
-    tier = -1  # never equal to a real tier, so roots take no part in per-tier leaf counting
 
     def __init__(self, scope: ReuseScope) -> None:
         self.scope = scope
@@ -41,10 +45,11 @@ class ScopeRoot:
 class Block:
     """One block of a chain: a tree node (``in_tree``) or a page a sequence holds privately.
 
-    Satisfies :class:`kvcache.sink.BlockView`. Fields the manager owns: ``tier``, ``page``
-    (slot in that tier's pool), ``refs`` (live sequences pinning it), ``susp`` (suspended
-    sequences holding it), ``tick`` (last release, manager's counter), ``here`` (children on the
-    same tier), ``gen`` (invalidates stale eviction-heap entries), ``uid`` (creation order).
+    Satisfies :class:`kvcache.sink.BlockView`. The page state is the block pool's: ``tier``,
+    ``page`` (slot in that tier's pool), ``refs`` (live sequences pinning it), ``susp``
+    (suspended sequences holding it), ``tick`` (last release), ``here`` (children on the same
+    tier), ``gen`` (invalidates stale eviction-heap entries), ``uid`` (creation order). A block
+    taken out of the tree keeps its key, tokens and parent for the sink's sake.
     """
 
     __slots__ = (
@@ -54,7 +59,6 @@ class Block:
         "in_tree",
         "is_full",
         "key",
-        "owner",
         "page",
         "parent",
         "partials",
@@ -74,10 +78,9 @@ class Block:
         self.tier = tier
         self.page = page
         self.priority = priority
-        self.key: BlockKey = BlockKey(b"")
-        self.tokens: array[int] = array("i")
+        self.key: BlockKey = _NO_KEY
+        self.tokens: array[int] = _NO_TOKENS
         self.parent: Block | None = None
-        self.owner: Block | ScopeRoot | None = None
         self.children: dict[bytes, Block] | None = None
         self.partials: dict[bytes, Block] | None = None
         self.is_full = False
@@ -201,27 +204,46 @@ class RadixTree:
                 return sib
         return None
 
-    def attach(self, block: Block, node: Node) -> None:
-        """Make ``block`` (with key and tokens set) a child of ``node``."""
-        block.owner = node
-        block.parent = node if isinstance(node, Block) else None
-        block.in_tree = True
-        if block.is_full:
+    def attach_chain(
+        self, node: Node, blocks: Sequence[Block], tokens: array[int], tpb: int
+    ) -> None:
+        """Make ``blocks`` a chain of full blocks below ``node``: block ``j`` holds
+        ``tokens[j * tpb : (j + 1) * tpb]`` and gets the key chained from its parent's."""
+        data = tokens_to_bytes(tokens)
+        step = 4 * tpb
+        key: bytes = node.key
+        parent = node if isinstance(node, Block) else None
+        for j, b in enumerate(blocks):
+            key = sha256(key + data[j * step : (j + 1) * step]).digest()
+            b.key = BlockKey(key)
+            b.tokens = tokens[j * tpb : (j + 1) * tpb]
+            b.is_full = True
+            b.parent = parent
+            b.in_tree = True
             if node.children is None:
                 node.children = {}
-            node.children[block.key] = block
-        else:
-            if node.partials is None:
-                node.partials = {}
-            node.partials[block.key] = block
+            node.children[key] = b
+            node = parent = b
+        self.num_blocks += len(blocks)
+
+    def attach_partial(self, block: Block, node: Node, tokens: array[int]) -> None:
+        """Make ``block``, holding ``tokens`` (fewer than a full block), a leaf below ``node``."""
+        key = BlockKey(sha256(node.key + tokens_to_bytes(tokens)).digest())
+        block.key = key
+        block.tokens = tokens
+        block.parent = node if isinstance(node, Block) else None
+        block.in_tree = True
+        if node.partials is None:
+            node.partials = {}
+        node.partials[key] = block
         self.num_blocks += 1
 
     def detach(self, block: Block) -> None:
-        """Take ``block`` out of its parent's children (its own children are left alone)."""
-        node = block.owner
-        assert node is not None and block.in_tree
+        """Take ``block`` out of its parent's children (its own children are left alone); a
+        scope root goes with its last child."""
+        node: Node = block.parent or self.roots[block.scope]
         table = node.children if block.is_full else node.partials
-        assert table is not None
+        assert table is not None and block.in_tree
         del table[block.key]
         block.in_tree = False
         self.num_blocks -= 1

@@ -11,15 +11,13 @@ of a serving loop.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from hashlib import sha256
-from typing import TYPE_CHECKING
 
+from kvcache.block_pool import BlockPool
 from kvcache.errors import KVCacheError
-from kvcache.keys import tokens_to_bytes
-from kvcache.tree import Block
-
-if TYPE_CHECKING:
-    from kvcache.manager import KVCacheManager
+from kvcache.keys import root_key, tokens_to_bytes
+from kvcache.tree import Block, RadixTree
 
 
 class InconsistentStateError(KVCacheError):
@@ -30,20 +28,21 @@ def _fail(msg: str) -> None:
     raise InconsistentStateError(msg)
 
 
-def verify(manager: KVCacheManager) -> None:
-    """Raise :class:`InconsistentStateError` if any invariant of ``manager`` is broken."""
-    pages = manager._pages
-    tree = manager._tree
-    tpb = manager.tokens_per_block
+def verify(
+    tree: RadixTree, pages: BlockPool, holders: Iterable[tuple[Sequence[Block], bool]]
+) -> None:
+    """Raise :class:`InconsistentStateError` if any invariant is broken. ``holders`` are the
+    open sequences: (blocks held, whether suspended)."""
+    tpb = pages.tokens_per_block
     tree_blocks = list(tree.iter_blocks())
     if len(tree_blocks) != tree.num_blocks:
         _fail(f"tree counts {tree.num_blocks} blocks but holds {len(tree_blocks)}")
     refs: Counter[Block] = Counter()
     susp: Counter[Block] = Counter()
     private: list[Block] = []
-    for seq in manager._live:
-        for b in seq._blocks:
-            (susp if seq._suspended else refs)[b] += 1
+    for held, suspended in holders:
+        for b in held:
+            (susp if suspended else refs)[b] += 1
             if not b.in_tree:
                 private.append(b)
     owners: dict[tuple[int, int], Block] = {}
@@ -78,9 +77,8 @@ def verify(manager: KVCacheManager) -> None:
             _fail(f"{b} is reachable in the tree but not marked in_tree")
         if b.is_full != (len(b.tokens) == tpb) or not 0 < len(b.tokens) <= tpb:
             _fail(f"{b}: is_full={b.is_full} with {len(b.tokens)} tokens")
-        owner = b.owner
-        assert owner is not None
-        if sha256(owner.key + tokens_to_bytes(b.tokens)).digest() != b.key:
+        parent_key = root_key(b.scope) if b.parent is None else b.parent.key
+        if sha256(parent_key + tokens_to_bytes(b.tokens)).digest() != b.key:
             _fail(f"{b}: key does not chain from its parent")
         if b.parent is not None and b.parent.tier > b.tier:
             _fail(f"{b} sits on a faster tier than its parent {b.parent}")

@@ -125,7 +125,7 @@ def snapshot(manager: KVCacheManager) -> object:
     tree = sorted(
         (b.key, b.tier, b.page, b.refs, b.susp, len(b.tokens)) for b in manager._tree.iter_blocks()
     )
-    return tree, [p.num_free for p in manager._pages.pools], manager.stats
+    return tree, [p.num_free for p in manager._pool.pools], manager.stats
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -324,7 +324,7 @@ class CacheMachine(RuleBasedStateMachine):
             if seq.closed:
                 continue
             toks = seq.tokens
-            for i, b in enumerate(seq._blocks):
+            for i, b in enumerate(seq.held_blocks()):
                 held = toks[i * tpb : (i + 1) * tpb]
                 assert self.storage.page(b.tier, b.page)[: len(held)] == held, (seq, b)
 

@@ -6,7 +6,7 @@ from array import array
 from hashlib import sha256
 
 from kvcache import ReuseScope
-from kvcache.keys import BlockKey, tokens_to_bytes
+from kvcache.keys import tokens_to_bytes
 from kvcache.tree import Block, RadixTree, ScopeRoot
 
 TPB = 2
@@ -15,10 +15,12 @@ TPB = 2
 def add(tree: RadixTree, node: Block | ScopeRoot, tokens: list[int], uid: int = 0) -> Block:
     toks = array("i", tokens)
     b = Block(uid, node.scope, 0, uid, 35)
-    b.key = BlockKey(sha256(node.key + tokens_to_bytes(toks)).digest())
-    b.tokens = toks
-    b.is_full = len(tokens) == TPB
-    tree.attach(b, node)
+    key = sha256(node.key + tokens_to_bytes(toks)).digest()
+    if len(tokens) == TPB:
+        tree.attach_chain(node, [b], toks, TPB)
+    else:
+        tree.attach_partial(b, node, toks)
+    assert (b.key, b.tokens, b.parent) == (key, toks, node if isinstance(node, Block) else None)
     return b
 
 

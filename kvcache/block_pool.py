@@ -1,0 +1,500 @@
+"""The block pool: every page of every tier, who holds it, and which page leaves a tier first.
+
+Every block (tree node or page a sequence holds privately) is in exactly one class on its tier:
+
+- *pinned*: ``refs > 0``, held by a live (not suspended) sequence; never evicted;
+- *cached*: ``refs == 0`` and ``susp == 0``; evictable: moved to the next tier or dropped;
+- *suspended*: ``refs == 0`` and ``susp > 0``; may move to a slower tier, is never dropped.
+
+Holding is prefix-closed (a sequence holds its whole chain), so a cached block's subtree is
+all cached and can be dropped whole. Evicting a leaf before its parent keeps the invariant that
+a child is never on a faster tier than its parent.
+
+This module is the only writer of a block's page state (``tier``, ``page``, ``priority``,
+``refs``, ``susp``, ``tick``, ``here``, ``gen``, ``uid``); the tree writes the structure through
+``attach``/``detach``, which only this pool calls. Sequences and the manager use the named
+operations: ``acquire``/``grow``/``free`` (pages for a sequence), ``store_full``/
+``store_partial`` (blocks join the tree), ``suspend``/``resume``/``release``, ``clear``.
+
+Page data moves are not copied one by one: an operation records where each moved block's data
+was when the operation began and the copy-on-write requests, and :meth:`BlockPool.finish`
+issues one ``copy_pages`` per (source tier, destination tier). Downward copies run first,
+slowest source tier first, so a page is read before the operation's later writes land on it;
+upward copies (onboarding, resume) and copy-on-write run last, into pages whose old data has
+already been copied out.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from hashlib import sha256
+
+from kvcache.errors import OutOfPagesError
+from kvcache.eviction import EvictionQueue, eviction_key
+from kvcache.keys import tokens_to_bytes
+from kvcache.pool import PagePool
+from kvcache.scope import ReuseScope
+from kvcache.sink import EventSink
+from kvcache.storage_protocol import PageStorage
+from kvcache.tree import Block, Node, RadixTree
+
+
+@dataclass(slots=True)
+class Counters:
+    """Cumulative counts of what the eviction machinery did."""
+
+    evictions: int = 0
+    offloads: int = 0
+    onboards: int = 0
+    drops: int = 0
+
+
+class BlockPool:
+    """Pools, per-tier classes and eviction queues of all tiers, plus per-operation batching."""
+
+    def __init__(
+        self,
+        tree: RadixTree,
+        pools: list[PagePool],
+        sink: EventSink | None,
+        storage: PageStorage | None,
+        tokens_per_block: int,
+    ) -> None:
+        self.tree = tree
+        self.pools = pools
+        self.sink = sink
+        self.storage = storage
+        self.tokens_per_block = tokens_per_block
+        n = len(pools)
+        self.num_tiers = n
+        self.pinned = [0] * n
+        self.cached = [0] * n
+        self.suspended = [0] * n
+        self.queues = [(EvictionQueue(p.num_blocks), EvictionQueue(p.num_blocks)) for p in pools]
+        self.counters = Counters()
+        self._uid = 0
+        self._tick = 0
+        self._sink_tier: dict[Block, int] = {}  # moved blocks -> tier the sink last heard of
+        self._copy_from: dict[Block, tuple[int, int]] = {}  # moved blocks -> (tier, page) at start
+        self._cow: list[tuple[int, int, int, int]] = []  # src tier, src page, dst page, tokens
+
+    # ----------------------------------------------------------------- classes and candidacy
+
+    def _count(self, b: Block, sign: int) -> None:
+        if b.refs:
+            self.pinned[b.tier] += sign
+        elif b.susp:
+            self.suspended[b.tier] += sign
+        else:
+            self.cached[b.tier] += sign
+
+    def _refresh(self, b: Block) -> None:
+        """Invalidate ``b``'s heap entries and offer it again if it is a candidate now."""
+        b.gen += 1
+        if b.refs == 0 and b.here == 0 and b.page >= 0:
+            self.queues[b.tier][1 if b.susp else 0].push(b)
+
+    def _pin(self, b: Block) -> None:
+        if b.refs == 0:
+            self._count(b, -1)
+            b.refs = 1
+            self._count(b, 1)
+            b.gen += 1
+        else:
+            b.refs += 1
+
+    def _unpin(self, b: Block, tick: int) -> None:
+        """One live holder less; ``tick`` becomes its last use if now unpinned."""
+        if b.refs == 1:
+            self._count(b, -1)
+            b.refs = 0
+            self._count(b, 1)
+            b.tick = tick
+            self._refresh(b)
+        else:
+            b.refs -= 1
+
+    def _hold(self, b: Block, live: bool, tick: int) -> None:
+        """Turn one suspended holder into a live one (``live``) or the other way round."""
+        self._count(b, -1)
+        if live:
+            b.susp -= 1
+            b.refs += 1
+        else:
+            b.refs -= 1
+            b.susp += 1
+            b.tick = tick
+        self._count(b, 1)
+        self._refresh(b)
+
+    # ------------------------------------------------------------------------------ capacity
+
+    def room(self, tier: int) -> int:
+        """Pages ``tier`` can provide now: free, plus cached ones that can leave, plus
+        suspended ones the slower tiers can take."""
+        below = 0
+        for t in range(self.num_tiers - 1, tier - 1, -1):
+            below = self.pools[t].num_free + self.cached[t] + min(self.suspended[t], below)
+        return below
+
+    def _check_room(self, need: int, what: str) -> None:
+        room = self.room(0)
+        if room < need:
+            free = self.pools[0].num_free
+            raise OutOfPagesError(
+                f"{what} device pages but only {room} can be had ({free} free + "
+                f"{room - free} evictable); close or suspend sequences, or give the device "
+                "tier more blocks"
+            )
+
+    def _allocate(self, tier: int) -> int:
+        """A free page of ``tier``, evicting first if needed (the caller checked ``room``)."""
+        pool = self.pools[tier]
+        while pool.num_free == 0:
+            if not self._evict_one(tier):
+                raise AssertionError(f"tier {tier}: room was checked but nothing can be evicted")
+        return pool.allocate()
+
+    def _evict_one(self, tier: int) -> bool:
+        """Make one page of ``tier`` free by moving or dropping the first candidate."""
+        q_cached, q_susp = self.queues[tier]
+        c = q_cached.peek()
+        s = q_susp.peek()
+        below = self.room(tier + 1) if tier + 1 < self.num_tiers else 0
+        if s is not None and below > 0 and (c is None or eviction_key(s) < eviction_key(c)):
+            victim = s
+        elif c is not None:
+            victim = c
+        else:
+            return False
+        self.counters.evictions += 1
+        if below > 0:
+            self._move(victim, tier + 1, self._allocate(tier + 1), copy=True)
+            self.counters.offloads += 1
+        else:
+            self._drop([victim])
+        return True
+
+    # ------------------------------------------------------------------- pages of sequences
+
+    def grow(self, count: int, scope: ReuseScope, priority: int) -> list[Block]:
+        """``count`` device pages a sequence holds privately; ``OutOfPagesError`` (nothing
+        changed) when the device tier cannot provide them."""
+        self._check_room(count, f"the sequence needs {count} more")
+        return self._privates(count, scope, priority)
+
+    def _privates(self, count: int, scope: ReuseScope, priority: int) -> list[Block]:
+        pool = self.pools[0]
+        if pool.num_free >= count:
+            slots = pool.allocate_many(count)
+        else:
+            slots = [self._allocate(0) for _ in range(count)]
+        uid = self._uid
+        self._uid += count
+        self.pinned[0] += count
+        return [Block(uid + i, scope, 0, page, priority) for i, page in enumerate(slots, 1)]
+
+    def acquire(
+        self, full: list[Block], src: Block | None, num_src: int, scope: ReuseScope, priority: int
+    ) -> list[Block]:
+        """Pin reused ``full`` blocks (onboarding those on slower tiers) and, with a
+        copy-on-write ``src``, add a private page holding its first ``num_src`` tokens."""
+        for b in full:
+            self._pin(b)
+        away = [b for b in full if b.tier != 0]
+        need = len(away) + (src is not None)
+        if not need:
+            return list(full)
+        if src is not None:
+            self._pin(src)  # keep the copy-on-write source where it is for this operation
+        try:
+            cow = " + 1 copy-on-write" if src else ""
+            self._check_room(need, f"reusing {len(full)} blocks{cow} needs {need}")
+        except OutOfPagesError:
+            for b in [*full, *([src] if src is not None else [])]:
+                self._unpin(b, b.tick)
+            raise
+        blocks = list(full)
+        blocks += self._onboard(away, 1 if src is not None else 0, scope, priority)
+        if src is not None:
+            if self.storage is not None:
+                self._cow.append((src.tier, src.page, blocks[-1].page, num_src))
+            self._unpin(src, src.tick)
+        return blocks
+
+    def _onboard(
+        self, away: list[Block], extra: int, scope: ReuseScope | None, priority: int
+    ) -> list[Block]:
+        """Move pinned ``away`` blocks to the device tier and make ``extra`` private pages.
+
+        Every device page is allocated before anything moves, so the evictions (downward
+        copies) complete before the onboarding copies read the slower tiers.
+        """
+        dev = [self._allocate(0) for _ in away]
+        privates = self._privates(extra, scope, priority) if scope is not None else []
+        for b, page in zip(away, dev, strict=True):
+            self._move(b, 0, page, copy=True)
+        self.counters.onboards += len(away)
+        return privates
+
+    def free(self, b: Block) -> None:
+        """Release ``b``'s page (the block is gone: dropped, or a private page given back)."""
+        self._count(b, -1)
+        self.pools[b.tier].release(b.page)
+        b.page = -1
+        b.gen += 1
+        self._copy_from.pop(b, None)
+
+    def suspend(self, blocks: Sequence[Block]) -> None:
+        """A sequence stops pinning ``blocks``: they may move down, never be dropped."""
+        tick = self.next_tick()
+        for b in blocks:
+            self._hold(b, live=False, tick=tick)
+
+    def resume(self, blocks: Sequence[Block]) -> None:
+        """Pin ``blocks`` again, bringing them back to the device tier (``OutOfPagesError``
+        with nothing changed when it cannot hold them)."""
+        ticks = [b.tick for b in blocks]
+        for b in blocks:
+            self._hold(b, live=True, tick=0)
+        away = [b for b in blocks if b.tier != 0]
+        try:
+            self._check_room(len(away), f"resume() needs {len(away)}")
+        except OutOfPagesError:
+            for b, t in zip(blocks, ticks, strict=True):
+                self._hold(b, live=False, tick=t)
+            raise
+        self._onboard(away, 0, None, 0)
+
+    def release(self, blocks: Sequence[Block], suspended: bool) -> None:
+        """A sequence lets go of ``blocks``: tree blocks stay cached, private pages are freed."""
+        tick = self.next_tick()
+        for b in blocks:
+            if not b.in_tree:
+                self.free(b)
+            elif not suspended:
+                self._unpin(b, tick)
+            else:
+                self._count(b, -1)
+                b.susp -= 1
+                self._count(b, 1)
+                if b.refs == 0:
+                    b.tick = tick
+                self._refresh(b)
+
+    # --------------------------------------------------------------------------- tree edits
+
+    def store_full(
+        self, scope: ReuseScope, blocks: list[Block], first: int, last: int, tokens: array[int]
+    ) -> None:
+        """Blocks ``first..last-1`` of a sequence (private pages holding ``tokens``'s blocks)
+        join the tree. Where the same block is cached already the sequence switches to it
+        (its own page is given back, or handed to the cached block when that one sits on a
+        slower tier: the page holds the same KV). After the first block that is not cached,
+        none is (a new block has no children), so the rest joins as one chain."""
+        tpb = self.tokens_per_block
+        step = 4 * tpb
+        data = tokens_to_bytes(tokens[first * tpb : last * tpb])
+        node = self._parent_node(scope, blocks, first)
+        key: bytes = node.key
+        i = first
+        while i < last:
+            off = (i - first) * step
+            key = sha256(key + data[off : off + step]).digest()
+            cached = self.tree.lookup(node, key)
+            if cached is None:
+                break
+            self._pin(cached)
+            b = blocks[i]
+            if cached.tier == 0:
+                self.free(b)
+            else:
+                page = b.page
+                self._count(b, -1)
+                b.page = -1
+                b.gen += 1
+                self._move(cached, 0, page, copy=False)
+            blocks[i] = node = cached
+            i += 1
+        if i == last:
+            return
+        if node.partials:
+            old = self.tree.extended_partial(node, tokens[i * tpb : (i + 1) * tpb])
+            if old is not None:
+                self._replace_partial(old)
+                node = self._parent_node(scope, blocks, i)  # the root may have gone with it
+        new = blocks[i:last]
+        self.tree.attach_chain(node, new, tokens[i * tpb : last * tpb], tpb)
+        self._linked(new[0])
+        for b in new[:-1]:  # each one's child is on its tier (the device tier, pinned)
+            b.here = 1
+            b.gen += 1
+        self._emit_stored(new)
+
+    def store_partial(self, scope: ReuseScope, blocks: list[Block], tokens: array[int]) -> None:
+        """The sequence's last block, holding ``tokens`` (fewer than a block), joins the tree
+        unless a sibling already covers them; a partial sibling it extends is replaced."""
+        i = len(blocks) - 1
+        node = self._parent_node(scope, blocks, i)
+        if self.tree.is_useless_partial(node, tokens):
+            return
+        old = self.tree.extended_partial(node, tokens)
+        if old is not None:
+            self._replace_partial(old)
+            node = self._parent_node(scope, blocks, i)  # the root may have gone with it
+        self.tree.attach_partial(blocks[i], node, tokens)
+        self._linked(blocks[i])
+        self._emit_stored([blocks[i]])
+
+    def _parent_node(self, scope: ReuseScope, blocks: list[Block], index: int) -> Node:
+        if index:
+            return blocks[index - 1]
+        root = self.tree.root(scope, create=True)
+        assert root is not None
+        return root
+
+    def _linked(self, b: Block) -> None:
+        """``b`` just joined the tree: its parent is no longer a leaf on ``b``'s tier."""
+        parent = b.parent
+        if parent is not None and parent.tier == b.tier:
+            parent.here += 1
+            parent.gen += 1
+
+    def _unlink(self, b: Block) -> None:
+        parent = b.parent
+        self.tree.detach(b)
+        if parent is not None and parent.tier == b.tier and parent.page >= 0:
+            parent.here -= 1
+            if parent.here == 0:
+                self._refresh(parent)
+
+    def _replace_partial(self, old: Block) -> None:
+        """Take a partial block out of the tree because a new block extends it."""
+        self.flush_moves()
+        self._unlink(old)
+        if old.refs == 0 and old.susp == 0:
+            self.free(old)
+        # else: its sequence still holds the page privately and frees it on close
+        if self.sink is not None:
+            self.sink.on_removed([old])
+
+    def _emit_stored(self, blocks: list[Block]) -> None:
+        if blocks and self.sink is not None:
+            self.flush_moves()
+            self.sink.on_stored(blocks)
+
+    # --------------------------------------------------------------------- moves and drops
+
+    def _move(self, b: Block, tier: int, page: int, copy: bool) -> None:
+        """Put ``b`` on ``page`` of ``tier`` and free its old page. With ``copy`` the data
+        follows (batched at :meth:`finish`); without, ``page`` already holds it."""
+        old_tier, old_page = b.tier, b.page
+        if self.storage is not None:
+            if copy:
+                self._copy_from.setdefault(b, (old_tier, old_page))
+            else:
+                self._copy_from.pop(b, None)
+        self.pools[old_tier].release(old_page)
+        self._count(b, -1)
+        b.tier, b.page = tier, page
+        self._count(b, 1)
+        # A block taken out of the tree (a replaced partial its sequence still holds) keeps its
+        # parent pointer for the sink's sake but no longer counts among the parent's children.
+        parent = b.parent if b.in_tree else None
+        if parent is not None:
+            if parent.tier == old_tier:
+                parent.here -= 1
+                if parent.here == 0:
+                    self._refresh(parent)
+            elif parent.tier == tier:
+                parent.here += 1
+                parent.gen += 1  # no longer a leaf on its tier
+        b.here = sum(1 for c in b.iter_children() if c.tier == tier)
+        self._refresh(b)
+        if b.in_tree:
+            self._sink_tier.setdefault(b, old_tier)
+
+    def _drop(self, victims: list[Block], evicted: bool = True) -> None:
+        """Remove cached blocks and their subtrees from the tree and free their pages. The
+        sink hears ``on_removed`` with every block gone, descendants first, or ``on_cleared``
+        when a ``clear`` emptied the tree."""
+        gone = [b for v in victims for b in self.tree.subtree(v)]
+        everything = not evicted and len(gone) == self.tree.num_blocks
+        self.flush_moves()
+        for b in gone:
+            self._unlink(b)
+            self.free(b)
+        if evicted:
+            self.counters.drops += len(gone)
+        if self.sink is not None:
+            if everything:
+                self.sink.on_cleared()
+            else:
+                self.sink.on_removed(gone)
+
+    def clear(self) -> None:
+        """Drop every cached block that no sequence (live or suspended) holds."""
+        victims: list[Block] = []
+        for root in list(self.tree.roots.values()):
+            stack = [*(root.children or {}).values(), *(root.partials or {}).values()]
+            while stack:
+                b = stack.pop()
+                if b.refs == 0 and b.susp == 0:
+                    victims.append(b)
+                else:
+                    stack.extend(b.iter_children())
+        if victims:
+            self._drop(victims, evicted=False)
+
+    # ------------------------------------------------------------------ operation batching
+
+    def flush_moves(self) -> None:
+        """Tell the sink about the moves of the current operation, one call per tier pair."""
+        if not self._sink_tier:
+            return
+        groups: dict[tuple[int, int], list[Block]] = {}
+        for b, old in self._sink_tier.items():
+            if b.in_tree and b.tier != old:
+                groups.setdefault((old, b.tier), []).append(b)
+        self._sink_tier.clear()
+        if self.sink is not None:
+            for (old, new), blocks in sorted(groups.items(), key=_pair_order):
+                self.sink.on_moved(blocks, old, new)
+
+    def finish(self) -> None:
+        """End of an operation: flush sink moves and issue the batched page copies."""
+        self.flush_moves()
+        storage = self.storage
+        if storage is None or not (self._copy_from or self._cow):
+            return
+        tpb = self.tokens_per_block
+        groups: dict[tuple[int, int], tuple[list[int], list[int], list[int]]] = {}
+        for b, (tier, page) in self._copy_from.items():
+            if b.page >= 0 and (tier, page) != (b.tier, b.page):
+                src, dst, counts = groups.setdefault((tier, b.tier), ([], [], []))
+                src.append(page)
+                dst.append(b.page)
+                counts.append(tpb)
+        for tier, page, dst_page, n in self._cow:
+            src, dst, counts = groups.setdefault((tier, 0), ([], [], []))
+            src.append(page)
+            dst.append(dst_page)
+            counts.append(n)
+        self._copy_from.clear()
+        self._cow.clear()
+        for (s, d), (src, dst, counts) in sorted(groups.items(), key=_pair_order):
+            partial = any(c != tpb for c in counts)
+            storage.copy_pages(s, src, d, dst, counts if partial else None)
+
+    def next_tick(self) -> int:
+        """A fresh value of the use counter (release order)."""
+        self._tick += 1
+        return self._tick
+
+
+def _pair_order(item: tuple[tuple[int, int], object]) -> tuple[int, int]:
+    # Downward first, slowest source first; then upward and same-tier copies.
+    src, dst = item[0]
+    return (0, -src) if dst > src else (1, src)
