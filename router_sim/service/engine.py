@@ -21,6 +21,7 @@ produce equal answers (and equal cache blocks).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ from kvcache.scope import ReuseScope
 from kvcache.sequence import KVCache
 from router_sim.load import WorkerLoad
 from router_sim.timing import StepTiming
+
+log = logging.getLogger(__name__)
 
 VOCAB: Final = 32_000
 
@@ -65,6 +68,8 @@ class LiveRequest:
     cached_tokens: int = 0
     cancelled: bool = False
     finished: bool = False
+    error: str | None = None
+    """Why the engine gave up on this request (None: it was served or cancelled)."""
 
     @property
     def decoding(self) -> bool:
@@ -186,7 +191,24 @@ class LiveEngine:
                 self._work.clear()
                 await self._work.wait()
                 continue
-            await self._step()
+            try:
+                await self._step()
+            except Exception as exc:  # a bug must not wedge every later request
+                log.exception("engine step failed; failing the running requests")
+                self._fail_running(f"{type(exc).__name__}: {exc}")
+
+    def _fail_running(self, why: str) -> None:
+        for r in list(self.running):
+            r.error = why
+            r.cancelled = True
+            try:
+                self._finish(r)
+            except Exception:
+                log.exception("releasing a failed request")
+                r.cache = None
+                r.finished = True
+                self.running.remove(r)
+                r.tokens.put_nowait(None)
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_running:

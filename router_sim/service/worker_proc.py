@@ -87,6 +87,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     try:
         if not body.stream:
             tokens = [t async for t in _tokens(live)]
+            if live.error is not None:
+                return error_response(500, f"the engine failed: {live.error}")
             return web.json_response(
                 {
                     "id": rid,
@@ -110,6 +112,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
         async for t in _tokens(live):
             n += 1
             await resp.write(_chunk(rid, created, model, t))
+        if live.error is not None:
+            err = {"error": {"message": f"the engine failed: {live.error}", "code": 500}}
+            await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+            await resp.write_eof()
+            return resp
         final = usage(len(live.prompt), n, live.cached_tokens)
         await resp.write(_chunk(rid, created, model, None, finish_reason="length", usage=final))
         await resp.write(b"data: [DONE]\n\n")
