@@ -16,9 +16,22 @@ subset of a set of bits is never a larger integer): ``accumulate(masks, and_)`` 
 position i, the workers holding every block up to i, ``takewhile`` stops when nobody is left,
 and a bisection finds where each worker drops out.
 
+Engine-agnostic keys: engines announce their own block hashes (vLLM: sha256 of CBOR with a
+process seed, or xxhash; SGLang: its own chain), which no router can recompute from a prompt.
+So the index is keyed by the router's own key of each block, the V1 hash (``events.hashing``)
+of the token ids the ``BlockStored`` carries, chained through its parent's key, under the
+scope the event carries: the LoRA (its name when sent, else its id), the cache salt (this
+project's ``cache_salt_id``, SGLang's ``cache_salt``, vLLM's salt in ``extra_keys``), and the
+KV-cache group (``group_idx``; a group other than 0 is its own key space). Each worker keeps a
+map engine hash -> key for the blocks whose keys differ from their hashes (removals, parents and
+placeholder stores name engine hashes); a worker that hashes as the router does (this
+project's workers, TensorRT-LLM's V1 hashes) needs no map. Blocks announced without token ids
+(placeholders, masked stores) take the key their hash already has, else their engine hash,
+and :meth:`KvIndexer.worker_status` says how a worker's blocks are keyed.
+
 Anomalies (removal of an unknown block, a block size other than the router's, a stored chain
-whose parent the worker does not hold, a move of an unknown block) are counted per kind and
-per worker and never abort the rest of a batch.
+whose parent the worker does not hold, a move of an unknown block, a block with no tokens and
+no known key) are counted per kind and per worker and never abort the rest of a batch.
 """
 
 from __future__ import annotations
@@ -29,8 +42,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate, repeat, takewhile
 from operator import and_, neg, or_
-from typing import Final
+from typing import Final, TypeAlias
 
+from events import hashing
 from events.model import (
     AllBlocksCleared,
     BlockHash,
@@ -41,6 +55,7 @@ from events.model import (
     Stored,
     Updated,
 )
+from kvcache.scope import cache_salt_id
 
 log = logging.getLogger(__name__)
 
@@ -49,14 +64,64 @@ UNKNOWN_REMOVAL: Final = "unknown_removal"
 BLOCK_SIZE_MISMATCH: Final = "block_size_mismatch"
 UNKNOWN_PARENT: Final = "unknown_parent"
 UNKNOWN_UPDATE: Final = "unknown_update"
+UNKEYED_BLOCK: Final = "unkeyed_block"
 ANOMALY_KINDS: Final[tuple[str, ...]] = (
     UNKNOWN_REMOVAL,
     BLOCK_SIZE_MISMATCH,
     UNKNOWN_PARENT,
     UNKNOWN_UPDATE,
+    UNKEYED_BLOCK,
 )
+_MASK64: Final = (1 << 64) - 1
+_GROUP_MUL: Final = 0x9E3779B97F4A7C15  # odd: distinct groups give distinct masks
+
+try:  # one block's V1 hash from a list of ids in one native call, when the extension is built
+    from events._v1hash import block_hash as _native_block_hash
+except ImportError:  # pragma: no cover - depends on the install
+    _native_block_hash = None  # type: ignore[assignment]
+
+
+def lora_name_id(name: str) -> int:
+    """The LoRA id a router uses for an adapter known by name (engines that send
+    ``lora_name`` key by it; requests name the adapter the same way): ``cache_salt_id(name)``."""
+    return cache_salt_id(name)
+
+
+def _group_mask(group: int | None) -> int:
+    """XORed into the keys of a KV-cache group other than 0, so that the same block in two
+    groups is two entries (and undone to chain a child to its parent)."""
+    return 0 if not group else (group * _GROUP_MUL) & _MASK64 or 1
+
+
+def _key_of_block(tokens: list[int], parent: int, lora: int | None, salt: int | None) -> int:
+    if _native_block_hash is not None:
+        key: int = _native_block_hash(tokens, parent, lora, salt)
+        return key
+    return hashing.v1_block_hash_py(tokens, parent, lora, salt)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStatus:
+    """How a worker's blocks are keyed.
+
+    ``keying``: ``"tokens"`` (every block keyed from its token ids, so requests find them),
+    ``"engine_hashes"`` (its events carry no token ids: its blocks are keyed by its own hashes
+    and only requests hashed as it hashes can find them), ``"mixed"``, or ``"none"`` (nothing
+    stored yet). ``native``: its hashes equal the router's keys (no map needed).
+    """
+
+    keying: str
+    keyed_by_tokens: int
+    keyed_by_engine_hash: int
+    native: bool
+    mapped: int
+
 
 _ZEROS: Final = repeat(0)
+
+#: what the index is keyed by: the router's key of a block (an int), or a worker's own hash
+#: (an int or hex string; with its group when not 0) where no key could be computed
+IndexKey: TypeAlias = BlockHash | tuple[BlockHash, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,19 +143,30 @@ class MatchDetail:
 class KvIndexer:
     """Block hash -> workers (with tier), fed by decoded event batches per worker."""
 
-    def __init__(self, tokens_per_block: int) -> None:
+    def __init__(self, tokens_per_block: int, *, key_by_tokens: bool = False) -> None:
+        """``key_by_tokens``: key blocks by the router's own hash of the token ids each store
+        carries (engine-agnostic; what :class:`~router_sim.router.Router` uses by default);
+        False keys them by the hashes the workers announce, which requests must then be
+        hashed as (this project's workers, V1-hashing engines)."""
         if tokens_per_block <= 0:
             raise ValueError(f"tokens_per_block must be > 0, got {tokens_per_block}")
         self.tokens_per_block: Final = tokens_per_block
-        self._device: dict[BlockHash, int] = {}
-        self._slower: dict[BlockHash, int] = {}
-        self._held: dict[int, dict[BlockHash, int]] = {}
+        self.key_by_tokens: Final = key_by_tokens
+        self._device: dict[IndexKey, int] = {}
+        self._slower: dict[IndexKey, int] = {}
+        self._held: dict[int, dict[IndexKey, int]] = {}
         self._bit_of: dict[int, int] = {}
         self._worker_of_bit: dict[int, int] = {}
         self._free_bits: list[int] = []
         self._anomalies: dict[str, int] = dict.fromkeys(ANOMALY_KINDS, 0)
         self._worker_anomalies: dict[int, dict[str, int]] = {}
         self._flagged: dict[int, int] = {}  # worker -> the block size it announced
+        # worker -> {engine hash (or (hash, group)) -> key}, only where the two differ
+        self._keys: dict[int, dict[IndexKey, int]] = {}
+        # worker -> {(key, level) -> announcements beyond the first} (slower tiers count)
+        self._refs: dict[int, dict[tuple[IndexKey, int], int]] = {}
+        # worker -> [blocks keyed by tokens, by engine hash, blocks whose key equals the hash]
+        self._keying: dict[int, list[int]] = {}
         self.batches_applied = 0
         self.events_applied = 0
 
@@ -103,6 +179,9 @@ class KvIndexer:
             self._bit_of[worker] = bit
             self._worker_of_bit[bit] = worker
             self._held[worker] = {}
+            self._keys[worker] = {}
+            self._refs[worker] = {}
+            self._keying[worker] = [0, 0, 0]
         return bit
 
     @property
@@ -143,6 +222,8 @@ class KvIndexer:
                 else:
                     del slower[h]
         held.clear()
+        self._keys[worker].clear()
+        self._refs[worker].clear()
 
     def remove_worker(self, worker: int) -> None:
         """Drop ``worker`` and all it holds; its bit is recycled. O(that worker's blocks)."""
@@ -152,8 +233,30 @@ class KvIndexer:
         bit = self._bit_of.pop(worker)
         del self._worker_of_bit[bit]
         del self._held[worker]
+        del self._keys[worker]
+        del self._refs[worker]
+        del self._keying[worker]
         self._free_bits.append(bit)
         self._flagged.pop(worker, None)
+
+    def key_of(self, worker: int, block_hash: BlockHash, group: int | None = None) -> IndexKey:
+        """The index key under which ``worker``'s block ``block_hash`` (an engine hash) is held
+        (the hash itself where the worker's hash is the key)."""
+        return self._key_of(self._keys.get(worker, {}), block_hash, group)
+
+    def worker_status(self, worker: int) -> WorkerStatus:
+        """How ``worker``'s blocks are keyed (see :class:`WorkerStatus`)."""
+        by_tokens, by_hash, same = self._keying.get(worker, [0, 0, 0])
+        if by_tokens and by_hash:
+            keying = "mixed"
+        elif by_tokens:
+            keying = "tokens"
+        elif by_hash:
+            keying = "engine_hashes"
+        else:
+            keying = "none"
+        mapped = len(self._keys.get(worker, {}))
+        return WorkerStatus(keying, by_tokens, by_hash, by_tokens > 0 and same == by_tokens, mapped)
 
     # ---------------------------------------------------------------- anomalies
 
@@ -196,25 +299,53 @@ class KvIndexer:
         for event in events:
             data = event.data
             if isinstance(data, Stored):
-                self._stored(worker, bit, held, data)
+                if self.key_by_tokens:
+                    self._stored_by_key(worker, bit, held, data)
+                else:
+                    self._stored_by_hash(worker, bit, held, data)
             elif isinstance(data, Removed):
-                self._removed(worker, bit, held, data)
+                if self.key_by_tokens:
+                    self._removed_by_key(worker, bit, held, data)
+                else:
+                    self._removed_by_hash(worker, bit, held, data)
             elif isinstance(data, Updated):
                 self._updated(worker, bit, held, data)
             elif isinstance(data, AllBlocksCleared):
-                self.reset_worker(worker)
+                self._cleared(worker)
             elif isinstance(data, Created):
                 pass  # capacity announcement: nothing cached yet
             self.events_applied += 1
 
+    def _cleared(self, worker: int) -> None:
+        """An engine's ``AllBlocksCleared`` resets its device prefix cache (vLLM's meaning):
+        slower-tier copies stay. A worker that hashes as the router does (this project's
+        manager) clears every tier with it, so its whole view goes."""
+        by_tokens, _, same = self._keying[worker]
+        if not self.key_by_tokens or (by_tokens and same == by_tokens):
+            self.reset_worker(worker)
+            return
+        held = self._held[worker]
+        bit = 1 << self._bit_of[worker]
+        keys = self._keys[worker]
+        for h in [h for h, levels in held.items() if levels & 1]:
+            self._drop_levels(bit, held, h, held[h], 1)
+        if keys:
+            live = {k: v for k, v in keys.items() if v in held}
+            keys.clear()
+            keys.update(live)
+
     def _check_block_size(self, worker: int, data: Stored) -> None:
         size = data.block_size
-        if size is None:
-            # Without an announced size, only a chain of several blocks, or one too long,
-            # proves a different size (a lone short block may be a partial trailing block).
-            first = len(data.blocks[0].tokens)
+        first = len(data.blocks[0].tokens)
+        if not first:
+            return  # a placeholder or masked store: its block_size says nothing of ours
+        if size is None or (size == first and len(data.blocks) == 1):
+            # Without an announced size (or with one that is only this lone block's length,
+            # as engines send for a trailing partial page), only a chain of several blocks,
+            # or one too long, proves a different size.
+            size = None
             if first > self.tokens_per_block or (
-                len(data.blocks) > 1 and first not in (0, self.tokens_per_block)
+                len(data.blocks) > 1 and first != self.tokens_per_block
             ):
                 size = first
         if size is None or size == self.tokens_per_block:
@@ -231,7 +362,150 @@ class KvIndexer:
                 self.tokens_per_block,
             )
 
-    def _stored(self, worker: int, bit: int, held: dict[BlockHash, int], data: Stored) -> None:
+    def _key_of(self, keys: dict[IndexKey, int], h: BlockHash, group: int | None) -> IndexKey:
+        """The index key of engine hash ``h`` in ``group`` for one worker (its own value when
+        the worker's hash is the key)."""
+        if not keys:
+            return h if not group else (h, group)
+        k = keys.get(h if not group else (h, group))
+        if k is not None:
+            return k
+        return h if not group else (h, group)
+
+    def _stored_keys(self, worker: int, held: dict[IndexKey, int], data: Stored) -> list[IndexKey]:
+        """The index keys of a Stored event's blocks (see the module docstring); records the
+        engine hash -> key mapping where they differ."""
+        keys = self._keys[worker]
+        group = data.group
+        gmask = _group_mask(group)
+        counts = self._keying[worker]
+        parent = data.parent_hash
+        if parent is None:
+            chain: int | None = 0
+        else:
+            pk = self._key_of(keys, parent, group)
+            if pk in held and type(pk) is int:
+                chain = pk ^ gmask
+            else:
+                self._anomaly(worker, UNKNOWN_PARENT)
+                chain = None
+        first = data.blocks[0]
+        lora = first.lora_id if data.lora_name is None else lora_name_id(data.lora_name)
+        salt = first.cache_salt_id
+        if salt is None and data.salt is not None:
+            salt = cache_salt_id(data.salt)
+        out: list[IndexKey] = []
+        for block in data.blocks:
+            h = block.block_hash
+            tokens = block.tokens
+            if tokens and chain is not None:
+                try:
+                    chain = _key_of_block(tokens, chain, lora, salt)
+                except (TypeError, ValueError):
+                    chain = None
+            else:
+                chain = None
+            if chain is None:
+                # No tokens (placeholder, masked store) or a chain cut short: the block keeps
+                # the key its hash already has, else its engine hash.
+                k = self._key_of(keys, h, group)
+                if k == (h if not group else (h, group)) and k not in held:
+                    if not data.masked:  # a masked store's worker does send token ids
+                        counts[1] += 1
+                    if not tokens:
+                        self._anomaly(worker, UNKEYED_BLOCK)
+                out.append(k)
+                continue
+            key = chain ^ gmask
+            counts[0] += 1
+            if key == h and not group:
+                counts[2] += 1
+            else:
+                keys[h if not group else (h, group)] = key
+            out.append(key)
+        return out
+
+    def _stored_by_key(
+        self, worker: int, bit: int, held: dict[IndexKey, int], data: Stored
+    ) -> None:
+        if not data.blocks:
+            return
+        self._check_block_size(worker, data)
+        device, slower = self._device, self._slower
+        refs = self._refs[worker]
+        for block, h in zip(data.blocks, self._stored_keys(worker, held, data), strict=True):
+            level = block.cache_level
+            lbit = 1 << level if level > 0 else 1
+            old = held.get(h, 0)
+            if old & lbit:
+                if lbit != 1:  # slower tiers count announcements (vLLM's offload chunks)
+                    rk = (h, level)
+                    refs[rk] = refs.get(rk, 0) + 1
+                continue
+            held[h] = old | lbit
+            if lbit == 1:
+                device[h] = device.get(h, 0) | bit
+            elif not old >> 1:
+                slower[h] = slower.get(h, 0) | bit
+
+    def _drop_levels(
+        self, bit: int, held: dict[IndexKey, int], h: IndexKey, old: int, gone: int
+    ) -> None:
+        """Clear level bits ``gone`` (a subset of ``old``) of block ``h`` for one worker."""
+        new = old & ~gone
+        if new:
+            held[h] = new
+        else:
+            del held[h]
+        if gone & 1:
+            m = self._device[h] & ~bit
+            if m:
+                self._device[h] = m
+            else:
+                del self._device[h]
+        if old >> 1 and not new >> 1:
+            m = self._slower[h] & ~bit
+            if m:
+                self._slower[h] = m
+            else:
+                del self._slower[h]
+
+    def _removed_by_key(
+        self, worker: int, bit: int, held: dict[IndexKey, int], data: Removed
+    ) -> None:
+        # A removal without a level drops every copy; with a level, only that tier's copy
+        # (a GPU -> CPU offload travels as Removed(GPU) + Stored(CPU)).
+        level = data.cache_level
+        mask = -1 if level is None else 1 << max(0, level)
+        unknown = 0
+        keys = self._keys[worker]
+        refs = self._refs[worker]
+        group = data.group
+        for eh in data.block_hashes:
+            h: IndexKey = self._key_of(keys, eh, group)
+            old = held.get(h, 0)
+            gone = old & mask
+            if not gone:
+                unknown += 1
+                continue
+            if refs and level is not None and level > 0:
+                rk = (h, level)
+                n = refs.get(rk)
+                if n:  # one announcement of several released: the copy stays
+                    if n == 1:
+                        del refs[rk]
+                    else:
+                        refs[rk] = n - 1
+                    continue
+            self._drop_levels(bit, held, h, old, gone)
+            if keys and h not in held:
+                keys.pop(eh if not group else (eh, group), None)
+        if unknown:
+            self._anomaly(worker, UNKNOWN_REMOVAL, unknown)
+
+    def _stored_by_hash(
+        self, worker: int, bit: int, held: dict[IndexKey, int], data: Stored
+    ) -> None:
         if not data.blocks:
             return
         self._check_block_size(worker, data)
@@ -266,29 +540,9 @@ class KvIndexer:
             elif not old >> 1:
                 slower[h] = slower.get(h, 0) | bit
 
-    def _drop_levels(
-        self, bit: int, held: dict[BlockHash, int], h: BlockHash, old: int, gone: int
+    def _removed_by_hash(
+        self, worker: int, bit: int, held: dict[IndexKey, int], data: Removed
     ) -> None:
-        """Clear level bits ``gone`` (a subset of ``old``) of block ``h`` for one worker."""
-        new = old & ~gone
-        if new:
-            held[h] = new
-        else:
-            del held[h]
-        if gone & 1:
-            m = self._device[h] & ~bit
-            if m:
-                self._device[h] = m
-            else:
-                del self._device[h]
-        if old >> 1 and not new >> 1:
-            m = self._slower[h] & ~bit
-            if m:
-                self._slower[h] = m
-            else:
-                del self._slower[h]
-
-    def _removed(self, worker: int, bit: int, held: dict[BlockHash, int], data: Removed) -> None:
         # A removal without a level drops every copy; with a level, only that tier's copy
         # (a GPU -> CPU offload travels as Removed(GPU) + Stored(CPU)).
         mask = -1 if data.cache_level is None else 1 << max(0, data.cache_level)
@@ -315,11 +569,11 @@ class KvIndexer:
         if unknown:
             self._anomaly(worker, UNKNOWN_REMOVAL, unknown)
 
-    def _updated(self, worker: int, bit: int, held: dict[BlockHash, int], data: Updated) -> None:
+    def _updated(self, worker: int, bit: int, held: dict[IndexKey, int], data: Updated) -> None:
         diff = data.cache_level
         if diff is None:
             return  # a priority change does not affect routing
-        h = data.block_hash
+        h = self._key_of(self._keys[worker], data.block_hash, None)
         old = held.get(h, 0)
         if not old:
             self._anomaly(worker, UNKNOWN_UPDATE)

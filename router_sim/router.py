@@ -35,7 +35,7 @@ from events.hashing import NATIVE, HashAlgo, chain_hashes
 from events.model import BlockHash, DecodedBatch
 from events.subscriber import BatchDelivery, ResyncRequired, SubscriberMessage
 from kvcache.scope import ReuseScope
-from router_sim.indexer import KvIndexer, MatchDetail
+from router_sim.indexer import KvIndexer, MatchDetail, lora_name_id
 from router_sim.load import LoadSource
 from router_sim.policies import RouteRequest, RoutingPolicy, make_policy
 
@@ -140,7 +140,13 @@ class Router:
         self.load_source = load_source
         self.hash_algo = HashAlgo.parse(hash_algo)
         self.subscriber = subscriber
-        self.indexer = KvIndexer(tokens_per_block) if indexer is None else indexer
+        # With V1 keys (the default) the index keys every block by the router's own hash of
+        # the token ids its worker announced, so any engine's workers route (see indexer).
+        self.indexer = (
+            KvIndexer(tokens_per_block, key_by_tokens=self.hash_algo is HashAlgo.V1_BLOCK_KEY)
+            if indexer is None
+            else indexer
+        )
         self.clock = clock
         self.stats = RouterStats()
 
@@ -189,13 +195,22 @@ class Router:
         *,
         lora_id: int | None = None,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> list[BlockHash]:
-        """The request's full-block hashes, as its worker will announce them."""
-        if scope is not None and (lora_id is not None or cache_salt is not None):
+        """The request's full-block keys: as its worker announces them (V1 hashes), and as
+        the index keys any engine's blocks by their tokens. An adapter may be named by its id
+        or, as engines that send ``lora_name`` know it, by its name."""
+        if scope is not None and (
+            lora_id is not None or cache_salt is not None or lora_name is not None
+        ):
             raise ValueError(
-                "give either a ReuseScope or lora_id/cache_salt, not both (the scope already "
-                "holds the LoRA id and salt)"
+                "give either a ReuseScope or lora_id/lora_name/cache_salt, not both (the scope "
+                "already holds the LoRA id and salt)"
             )
+        if lora_name is not None:
+            if lora_id is not None:
+                raise ValueError("give the adapter's lora_id or its lora_name, not both")
+            lora_id = lora_name_id(lora_name)
         if scope is None:
             scope = ReuseScope.for_request(lora_id=lora_id, cache_salt=cache_salt)
         if NATIVE and isinstance(tokens, list):
@@ -214,6 +229,7 @@ class Router:
         *,
         lora_id: int | None = None,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
         now_ms: float | None = None,
     ) -> RoutingDecision:
         """Choose a worker for a prompt under a scope (or a LoRA id + cache salt string).
@@ -221,7 +237,9 @@ class Router:
         Raises ``router_sim.policies.NoWorkersError`` when the load source offers no worker.
         """
         start = time.perf_counter()
-        hashes = self.hash_request(tokens, scope, lora_id=lora_id, cache_salt=cache_salt)
+        hashes = self.hash_request(
+            tokens, scope, lora_id=lora_id, cache_salt=cache_salt, lora_name=lora_name
+        )
         if now_ms is None:
             now_ms = self.clock() if self.clock is not None else 0.0
         source = self.load_source

@@ -413,18 +413,35 @@ def vllm_stream(
         held["GPU/0"].append(show(batches[-1].events[-1].block_hashes[0]))
     if extra_tier:
         held[f"{extra_tier}/0"] = [show(a[0])]
+    old = version == "0.11.0"
+    lora_ref = {"lora_id": 1, "lora_name": None} if old else {"lora_name": "adapter-a"}
+    salted = 0 if old else 2
     expected = {
         "block_size": BLOCK,
         "held": held,
         "routes": [
             {"tokens": td[: 3 * BLOCK], "lora_name": None, "salt": None, "blocks": 3},
-            {"tokens": ta[: 2 * BLOCK], "lora_name": None, "salt": None, "blocks": 0},
+            # the clear reset the GPU cache only: blocks 0-1 are still on the CPU tier
+            {"tokens": ta[: 3 * BLOCK], "lora_name": None, "salt": None, "blocks": 2},
         ],
         "before_clear_routes": [
             {"tokens": ta, "lora_name": None, "salt": None, "blocks": 6, "after_batch": 1},
-            {"tokens": tl, "lora_name": "adapter-a", "salt": None, "blocks": 2, "after_batch": 1},
-            {"tokens": ts_, "lora_name": None, "salt": "tenant-a", "blocks": 2, "after_batch": 1},
-            {"tokens": ts_, "lora_name": None, "salt": None, "blocks": 0, "after_batch": 1},
+            # 0.11 names the adapter by lora_id only and does not publish the salt
+            {"tokens": tl, **lora_ref, "salt": None, "blocks": 2, "after_batch": 1},
+            {
+                "tokens": ts_,
+                "lora_name": None,
+                "salt": "tenant-a",
+                "blocks": salted,
+                "after_batch": 1,
+            },
+            {
+                "tokens": ts_,
+                "lora_name": None,
+                "salt": None,
+                "blocks": 2 - salted,
+                "after_batch": 1,
+            },
             {"tokens": tl, "lora_name": None, "salt": None, "blocks": 0, "after_batch": 1},
         ],
         "batches": len(batches),
@@ -465,14 +482,14 @@ class _Node:
 
 def sglang_stream(kv: types.ModuleType, rec: types.ModuleType) -> tuple[list[Any], dict[str, Any]]:
     names = rec.KvEventLoraNames()
-    names.register(lora_id="a" * 32, lora_name="adapter-a")
+    lora_key = "x" * 8 + "a" * 32  # SGLang's extra_key ends with the 32-character adapter id
+    names.register(types.SimpleNamespace(extra_key=lora_key, lora_id="a" * 32), "adapter-a")
     recorder = rec.KVCacheEventRecorder(enabled=True, page_size=BLOCK, lora_names=names)
     root = _Node(_Key([]), None)
     root.hash_value = []
     t1, t2 = toks(11, 2 * BLOCK), toks(12, BLOCK + 4)
     n1 = _Node(_Key(t1), root)
     n2 = _Node(_Key(t2), n1)
-    lora_key = "x" * 8 + "a" * 32
     nl = _Node(_Key(toks(13, 2 * BLOCK), extra_key=lora_key), root)
     ns = _Node(_Key(toks(14, 2 * BLOCK), cache_salt="tenant-a"), root)
     tb = toks(15, 2 * BLOCK + 1)  # bigram view: 32 bigrams over 33 raw tokens

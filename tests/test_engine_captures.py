@@ -1,0 +1,177 @@
+"""Golden captures recorded from vLLM's and SGLang's own event code (tests/data/engines/):
+the decoder reads every event of every version, live and replayed, and a Router with default
+arguments rebuilds each worker's cache from them: the state each stream implies (from the
+recording script's scenario, not from this project's code) and the prefixes route() finds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from events.capture import read_capture
+from events.codec import decode_batch, encode_batch
+from events.hashing import chain_hashes
+from events.model import DecodedBatch, KVCacheEvent, Removed, Stored, StoredBlock, cache_level_of
+from router_sim.load import StaticLoadSource, WorkerLoad
+from router_sim.router import Router
+
+ENGINES = Path(__file__).parent / "data" / "engines"
+NAMES = sorted(p.name for p in ENGINES.iterdir() if (p / "stream.jsonl").is_file())
+END = b"\xff" * 8
+
+
+def _load(name: str) -> tuple[list[DecodedBatch], list[DecodedBatch], list[list[bytes]], Any]:
+    """(live batches, replayed batches, raw replay replies, expected.json)."""
+    capture = read_capture(ENGINES / name / "stream.jsonl")
+    live = [decode_batch(m.frames[2]) for m in capture.messages if not m.replay]
+    replies = [list(m.frames) for m in capture.messages if m.replay]
+    replayed = [decode_batch(r[-1]) for r in replies if r[-2] != END]
+    expected = json.loads((ENGINES / name / "expected.json").read_text())
+    return live, replayed, replies, expected
+
+
+def _router() -> Router:
+    return Router(16, "kv_overlap", StaticLoadSource({0: WorkerLoad()}))
+
+
+def _overlap(router: Router, route: dict[str, Any]) -> int:
+    decision = router.route(
+        route["tokens"],
+        lora_id=route.get("lora_id"),
+        lora_name=route["lora_name"],
+        cache_salt=route["salt"],
+    )
+    return decision.overlaps[0]
+
+
+def test_every_engine_capture_is_present() -> None:
+    versions = {n.split("-")[0] + "-" + n.split("-")[1] for n in NAMES}
+    assert versions == {
+        "vllm-0.11.0",
+        "vllm-0.25.1",
+        "vllm-0.26.0",
+        "vllm-0.33.0",
+        "sglang-0.5.23",
+    }
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_event_decodes_live_and_replayed(name: str) -> None:
+    live, replayed, replies, expected = _load(name)
+    assert len(live) == expected["batches"]
+    assert all(b.malformed == [] for b in live + replayed)
+    assert sum(len(b.events) for b in live) == expected["events"]
+    assert replayed == live
+    # the replay reply ends with the end marker; vLLM <= 0.25.1 sends no topic frame
+    assert replies[-1][-2] == END
+    no_topic = name.startswith(("vllm-0.11", "vllm-0.25"))
+    assert {len(r) for r in replies} == ({3} if no_topic else {4})
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_engine_shapes_decode_to_their_meaning(name: str) -> None:
+    live, _, _, _ = _load(name)
+    stores = [e.data for b in live for e in b.events if isinstance(e.data, Stored)]
+    removals = [e.data for b in live for e in b.events if isinstance(e.data, Removed)]
+    if name.startswith("vllm"):
+        placeholders = [s for s in stores if not s.masked and all(not b.tokens for b in s.blocks)]
+        assert placeholders, "the CPU-offload placeholder stores are kept"
+        assert all(b.cache_level == cache_level_of("CPU") for b in placeholders[0].blocks)
+        salted = [s for s in stores if s.salt is not None]
+        # vLLM 0.11 publishes neither the salt nor the adapter's name
+        assert [s.salt for s in salted] == ([] if "0.11" in name else ["tenant-a"])
+        if not name.startswith("vllm-0.11"):
+            assert [s.lora_name for s in stores if s.lora_name] == ["adapter-a"]
+            masked = [s for s in stores if s.masked]
+            assert len(masked) == 1 and masked[0].group == 1 and len(masked[0].blocks) == 2
+            assert {r.group for r in removals} >= {0, 1}
+        if "bin" in name:
+            size = int(name.rsplit("bin", 1)[1])
+            assert all(isinstance(b.block_hash, str) for s in stores for b in s.blocks)
+            assert {len(str(b.block_hash)) for s in stores for b in s.blocks} == {2 * size}
+        tiers = {b.cache_level for s in stores for b in s.blocks}
+        extra = {"0.26": "FS", "0.33": "STORAGE"}.get(name.split("-")[1][:4])
+        assert tiers == {0, 1} | ({cache_level_of(extra)} if extra else set())
+        assert cache_level_of(extra or "CPU") != 0
+    else:
+        assert any(s.salt == "tenant-a" for s in stores)
+        assert any(s.lora_name == "adapter-a" for s in stores)
+        host = cache_level_of("CPU_PINNED")
+        assert host not in (0, 1) and any(b.cache_level == host for s in stores for b in s.blocks)
+        partial = [s for s in stores if s.block_size == 4]
+        assert len(partial) == 1 and len(partial[0].blocks[0].tokens) == 4
+        bigram = [s for s in stores if s.block_size == 16 and len(s.blocks) == 2 and s.salt is None]
+        assert bigram, "the bigram page store decodes"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_router_with_defaults_finds_the_announced_prefixes(name: str) -> None:
+    live, _, _, expected = _load(name)
+    router = _router()
+    checks = expected["before_clear_routes"]
+    for i, batch in enumerate(live):
+        router.apply(0, batch)
+        for route in (r for r in checks if r["after_batch"] == i):
+            assert _overlap(router, route) == route["blocks"], (i, route["blocks"])
+    for route in expected["routes"]:
+        assert _overlap(router, route) == route["blocks"]
+    index = router.indexer
+    anomalies = index.worker_anomalies(0)
+    # the sliding-window store's two masked blocks cannot be keyed; nothing else is odd
+    masked = 0 if name.startswith(("vllm-0.11", "sglang")) else 2
+    assert anomalies == {**dict.fromkeys(anomalies, 0), "unkeyed_block": masked}
+    assert index.worker_status(0).keying == "tokens"
+    held = dict(expected["held"])
+    held.update(expected.get("held_if_clear_keeps_host", {}))
+    want: dict[object, set[int]] = {}
+    for where, hashes in held.items():
+        medium, group = where.split("/")
+        for h in hashes:
+            h = h % 2**64 if isinstance(h, int) else h
+            key = index.key_of(0, h, int(group) or None)
+            want.setdefault(key, set()).add(cache_level_of(medium))
+    assert {k: set(index.holds(0, k)) for k in want} == want  # type: ignore[arg-type]
+    assert index.block_count(0) == len(want)
+
+
+def test_a_mixed_fleet_routes_with_one_default_router() -> None:
+    """vLLM, SGLang and this project's workers behind one Router(): a prompt stored on one
+    worker is found on that worker only."""
+    router = Router(16, "kv_overlap", StaticLoadSource({w: WorkerLoad() for w in range(3)}))
+    vllm, _, _, v_expected = _load("vllm-0.33.0")
+    sglang, _, _, s_expected = _load("sglang-0.5.23")
+    for batch in vllm:
+        router.apply(0, batch)
+    for batch in sglang:
+        router.apply(1, batch)
+    tokens = list(range(1000, 1048))
+    hashes = chain_hashes(tokens, 16)
+    blocks = [StoredBlock(h, tokens[16 * i : 16 * (i + 1)]) for i, h in enumerate(hashes)]
+    router.apply(2, decode_batch(encode_batch([KVCacheEvent(0, Stored(None, blocks, 16))], 0.0)))
+    assert router.route(tokens).overlaps == {0: 0, 1: 0, 2: 3}
+    assert router.indexer.worker_status(2).native
+    assert not router.indexer.worker_status(0).native
+    v_route, s_route = v_expected["routes"][0], s_expected["routes"][0]
+    assert router.route(v_route["tokens"]).overlaps == {0: 3, 1: 0, 2: 0}
+    assert router.route(s_route["tokens"]).overlaps == {0: 0, 1: 3, 2: 0}
+    assert router.route(v_route["tokens"]).worker == 0
+    assert router.route(s_route["tokens"]).worker == 1
+
+
+def test_a_worker_without_token_ids_is_keyed_by_its_hashes_and_says_so() -> None:
+    live, _, _, _ = _load("vllm-0.33.0")
+    router = _router()
+    placeholder_only = [
+        DecodedBatch(
+            b.ts, [e for e in b.events if isinstance(e.data, Stored) and e.data.block_size == 0]
+        )
+        for b in live
+    ]
+    for batch in placeholder_only:
+        router.apply(0, batch)
+    status = router.indexer.worker_status(0)
+    assert status.keying == "engine_hashes" and status.keyed_by_tokens == 0
+    assert router.indexer.worker_anomalies(0)["unkeyed_block"] > 0
