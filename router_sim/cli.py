@@ -2,7 +2,7 @@
 
 With no arguments it runs the built-in ``mixed`` synthetic workload on 4 workers with every
 policy (well under a minute). ``--trace mooncake`` runs the bundled Mooncake conversation trace.
-The comparison table goes to stdout, a progress bar to stderr, and with ``--out DIR`` the
+The comparison table goes to stdout, a progress bar (tqdm) to stderr, and with ``--out DIR`` the
 report (``report.json``, ``report.csv``, ``report.txt``) and plots (with matplotlib).
 """
 
@@ -12,11 +12,12 @@ import argparse
 import inspect
 import json
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, TextIO
+
+from tqdm import tqdm
 
 from router_sim.bound import compulsory_bound
 from router_sim.metrics import PolicySummary
@@ -35,33 +36,6 @@ TRACE_WORKERS = 8
 SYNTH_TOKENS_PER_BLOCK = 32
 SYNTH_DEVICE_BLOCKS = 2048
 SYNTH_WORKERS = 4
-
-
-class ProgressBar:
-    """A one-line progress bar on a text stream (redrawn at most every 0.1 s)."""
-
-    def __init__(self, stream: TextIO, width: int = 30) -> None:
-        self.stream = stream
-        self.width = width
-        self.label = ""
-        self._last = 0.0
-
-    def start(self, label: str) -> None:
-        self.label = label
-        self._last = 0.0
-
-    def update(self, done: int, total: int) -> None:
-        now = time.monotonic()
-        if done < total and now - self._last < 0.1:
-            return
-        self._last = now
-        frac = done / total if total else 1.0
-        filled = int(frac * self.width)
-        bar = "#" * filled + "." * (self.width - filled)
-        self.stream.write(f"\r{self.label:<16} [{bar}] {frac:6.1%} {done}/{total}")
-        if done >= total:
-            self.stream.write("\n")
-        self.stream.flush()
 
 
 def _parse_restart(text: str) -> Restart:
@@ -161,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", type=Path, help="write report.json/csv/txt and plots here")
     run.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     _add_service_parsers(sub)
+    from router_sim.sweep import cli as sweep_cli  # imports this module: load it lazily
+
+    sweep_cli.add_parsers(sub)
     return parser
 
 
@@ -229,12 +206,21 @@ def run(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
         stderr.write("router-sim: the workload has no requests\n")
         return 2
     bound = compulsory_bound(requests, tpb)
-    bar = None if args.no_progress else ProgressBar(stderr)
     summaries: dict[str, PolicySummary] = {}
     for name in args.policies:
-        if bar is not None:
-            bar.start(name)
-        summaries[name] = simulate(requests, name, config, bar.update if bar else None)
+        with tqdm(
+            total=len(requests),
+            desc=f"{name:<14}",
+            unit="req",
+            file=stderr,
+            disable=args.no_progress,
+            mininterval=0.2,
+        ) as bar:
+
+            def advance(done: int, total: int, bar: tqdm[Any] = bar) -> None:
+                bar.update(done - bar.n)
+
+            summaries[name] = simulate(requests, name, config, advance)
     cfg = {f.name: getattr(config, f.name) for f in fields(config)}
     cfg["restarts"] = [[r.worker, r.at_ms] for r in config.restarts]
     cfg["policy_options"] = config.policy_options
@@ -255,6 +241,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args_list.insert(0, "run")  # bare ``router-sim`` means ``router-sim run``
     parser = build_parser()
     args = parser.parse_args(args_list)
+    if args.command in ("sweep", "plan"):
+        from router_sim.sweep import cli as sweep_cli
+
+        return sweep_cli.main(args)
     if args.command in ("serve", "worker"):
         from router_sim.service import app, worker_proc
 

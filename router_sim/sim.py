@@ -223,7 +223,9 @@ class Simulation:
             w.announce()
             return
         self.subscriber.add_worker(w.worker_id, w.endpoint, w.replay_endpoint)
-        if not w.publisher.wait_for_subscribers(1, timeout_s=self.config.drain_timeout_s):
+        publisher = w.publisher
+        assert publisher is not None  # a ZeroMQ transport
+        if not publisher.wait_for_subscribers(1, timeout_s=self.config.drain_timeout_s):
             raise SimulationError(f"worker {w.worker_id}: subscriber never attached")
         self._delivered[w.worker_id] = -1
         w.announce()
@@ -250,7 +252,7 @@ class Simulation:
                 detail = "; ".join(
                     f"worker {w.worker_id}: sent up to seq {w.sent_seqs[-1]}, delivered "
                     f"{self._delivered[w.worker_id]}, {self.subscriber.status(w.worker_id)}"
-                    f", {w.publisher.stats}"
+                    f", {w.publisher.stats if w.publisher is not None else ''}"
                     for w in behind
                 )
                 raise SimulationError(

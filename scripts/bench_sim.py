@@ -8,18 +8,151 @@ max/mean), all from one invocation. Not part of the test suite.
     python scripts/bench_sim.py --policies round_robin random kv_overlap predicted_ttft
     python scripts/bench_sim.py --policies 'kv_overlap:{"overlap_weight": 4}' --spread-ms 3000
     python scripts/bench_sim.py --device-blocks 65536,4096 --tokens-per-block 512,128
+
+``--against-dynamo PYTHON`` runs NVIDIA Dynamo's Rust mocker (``ai-dynamo-runtime``, installed
+in its own environment whose interpreter is PYTHON; never a dependency of this project) on the
+same trace, fleet and block size, side by side with router-sim, as recorded and at each
+``--speedups`` factor: wall and CPU seconds, hit rate and TTFT for both, medians of
+``--repeats`` runs, each run alternating between the two simulators so that load on the
+machine hits both alike. Dynamo has two modes: ``round_robin`` is compared with ours, every
+other policy with its ``kv_router``.
+
+    python scripts/bench_sim.py --against-dynamo /path/to/venv/bin/python \\
+        --policies round_robin kv_overlap predicted_ttft --speedups 1,4 --repeats 3
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import itertools
 import json
+import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
+from typing import Any
 
 from router_sim.bound import compulsory_bound
 from router_sim.sim import SimConfig, simulate
-from router_sim.trace import load_trace
+from router_sim.trace import load_trace, resolve_trace
+
+# Runs in Dynamo's interpreter: one replay, its wall and CPU seconds (threads included) and
+# the summary fields we compare. Engine shape as ours: 512-token blocks, 65536 device blocks
+# per worker, 8192-token steps and 256 sequences (Dynamo's defaults for the last two).
+_DYNAMO_RUNNER = r"""
+import json, resource, sys, time
+from dynamo._core import run_mocker_trace_replay
+trace, workers, mode, speedup, tpb, blocks = sys.argv[1:7]
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+c0, t0 = cpu(), time.perf_counter()
+res = run_mocker_trace_replay(
+    [trace],
+    extra_engine_args={"engine": {"block_size": int(tpb), "num_gpu_blocks": int(blocks)}},
+    num_workers=int(workers),
+    router_mode=mode,
+    arrival_speedup_ratio=float(speedup),
+    trace_block_size=int(tpb),
+)
+wall, used = time.perf_counter() - t0, cpu() - c0
+s = res.summary
+print(json.dumps({"wall": wall, "cpu": used, "hit": s["prefix_cache_reused_ratio"],
+                  "p50": s["median_ttft_ms"], "p99": s["p99_ttft_ms"],
+                  "completed": s["completed_requests"]}))
+"""
+
+
+def _plain_trace(path: Path, out_dir: Path, max_requests: int | None) -> Path:
+    """Dynamo reads plain JSONL: a decompressed copy of the first ``max_requests`` lines."""
+    if path.suffix != ".gz" and max_requests is None:
+        return path
+    plain = out_dir / "trace.jsonl"
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as src, plain.open("w") as dst:
+        dst.writelines(itertools.islice(src, max_requests))
+    return plain
+
+
+def _num(value: object) -> float:
+    assert isinstance(value, (int, float))
+    return float(value)
+
+
+def _cpu_s() -> float:
+    return time.process_time()  # every thread of this process
+
+
+def _ours(requests: list[Any], policy: str, config: SimConfig) -> dict[str, float]:
+    c0, t0 = _cpu_s(), time.perf_counter()
+    f = simulate(requests, policy, config).as_dict()
+    return {
+        "wall": time.perf_counter() - t0,
+        "cpu": _cpu_s() - c0,
+        "hit": _num(f["hit_rate"]),
+        "p50": _num(f["ttft_p50_ms"]),
+        "p99": _num(f["ttft_p99_ms"]),
+        "completed": _num(f["completed"]),
+    }
+
+
+def _dynamo(python: str, trace: Path, args: argparse.Namespace, mode: str, speedup: float) -> Any:
+    cmd = [python, "-c", _DYNAMO_RUNNER, str(trace), str(args.workers), mode, str(speedup)]
+    cmd += [args.tokens_per_block.split(",")[0], args.device_blocks.split(",")[0]]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"Dynamo's mocker failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _median(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def against_dynamo(args: argparse.Namespace) -> None:
+    tpb = int(args.tokens_per_block.split(",")[0])
+    blocks = int(args.device_blocks.split(",")[0])
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = _plain_trace(resolve_trace(args.trace), Path(tmp), args.max_requests)
+        print(
+            f"trace {args.trace}, {args.workers} workers, {tpb}-token blocks, {blocks} device "
+            f"blocks per worker; medians of {args.repeats} run(s); CPU = user + system seconds"
+        )
+        print(
+            f"{'speedup':>7} {'policy':<18}{'ours wall':>10}{'Dynamo':>8}{'ratio':>7}"
+            f"{'ours CPU':>10}{'Dynamo':>8}{'hit %':>7}{'Dynamo':>8}{'TTFT p50':>9}{'Dynamo':>8}"
+            f"{'p99':>7}{'Dynamo':>8}"
+        )
+        for speedup in (float(x) for x in args.speedups.split(",")):
+            t0 = time.perf_counter()
+            requests = load_trace(args.trace, speedup=speedup, max_requests=args.max_requests)
+            load_s = time.perf_counter() - t0
+            for spec in args.policies:
+                policy, _, options = spec.partition(":")
+                config = SimConfig(
+                    workers=args.workers,
+                    tokens_per_block=tpb,
+                    device_blocks=blocks,
+                    policy_options={policy: json.loads(options)} if options else {},
+                )
+                mode = "round_robin" if policy == "round_robin" else "kv_router"
+                ours_runs, theirs_runs = [], []
+                for _ in range(args.repeats):
+                    run = _ours(requests, policy, config)
+                    run["wall"] += load_s  # Dynamo's figure includes reading the trace
+                    ours_runs.append(run)
+                    theirs_runs.append(_dynamo(args.against_dynamo, trace, args, mode, speedup))
+                o, d = _median(ours_runs), _median(theirs_runs)
+                label = spec
+                print(
+                    f"{speedup:>7g} {label:<18}{o['wall']:>10.2f}{d['wall']:>8.2f}"
+                    f"{o['wall'] / d['wall']:>7.2f}{o['cpu']:>10.2f}{d['cpu']:>8.2f}"
+                    f"{o['hit']:>7.1%}{d['hit']:>8.1%}{o['p50']:>9.0f}{d['p50']:>8.0f}"
+                    f"{o['p99']:>7.0f}{d['p99']:>8.0f}",
+                    flush=True,
+                )
 
 
 def main() -> None:
@@ -34,7 +167,17 @@ def main() -> None:
     parser.add_argument("--device-blocks", default="65536")
     parser.add_argument("--max-requests", type=int)
     parser.add_argument("--seed", default="0", help="comma-separated seeds: one row per seed")
+    parser.add_argument(
+        "--against-dynamo",
+        metavar="PYTHON",
+        help="interpreter of an environment with ai-dynamo-runtime: compare with its mocker",
+    )
+    parser.add_argument("--speedups", default="1,4", help="with --against-dynamo: factors")
+    parser.add_argument("--repeats", type=int, default=1, help="with --against-dynamo")
     args = parser.parse_args()
+    if args.against_dynamo:
+        against_dynamo(args)
+        return
     seeds = [int(x) for x in args.seed.split(",")]
 
     t0 = time.perf_counter()
@@ -68,7 +211,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 f = simulate(requests, policy, config).as_dict()
                 wall = time.perf_counter() - t0
-                hit = float(f["hit_rate"])
+                hit = _num(f["hit_rate"])
                 label = spec + (f" seed {seed}" if len(seeds) > 1 else "")
                 print(
                     f"{label:<34}{tpb:>5}{blocks:>11}{wall:>8.1f}{hit:>7.1%}"
