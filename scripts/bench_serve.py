@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
 import random
 import signal
 import statistics
@@ -48,6 +49,12 @@ def start(argv: list[str]) -> tuple[subprocess.Popen[str], dict[str, Any]]:
     if not line:
         raise RuntimeError(f"router-sim {' '.join(argv)} failed to start")
     return p, json.loads(line)
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -116,6 +123,8 @@ async def proxy_overhead(serve: str, worker: str, body: bytes, n: int) -> tuple[
                 async with session.post(base + "/v1/completions", data=body) as resp:
                     await resp.read()
                     assert resp.status == 200
+                    # the router must pick the worker that holds the prompt (worker 0)
+                    assert resp.headers.get("X-Router-Worker", "0") == "0"
                 if i >= 4:  # warm-up
                     out.append(time.perf_counter() - t)
     return direct, routed
@@ -168,8 +177,8 @@ def main() -> None:
             entries.append({k: ready[k] for k in ("id", "http", "events", "replay")})
         fleet = Path(tempfile.mkdtemp()) / "fleet.json"
         fleet.write_text(json.dumps({"tokens_per_block": TPB, "workers": entries}))
-        p, ready = start(["serve", "--fleet", str(fleet), "--port", "0"])
-        procs.append(p)
+        serve_proc, ready = start(["serve", "--fleet", str(fleet), "--port", "0"])
+        procs.append(serve_proc)
         serve = ready["http"]
         # a warm index: 4 prefixes per worker; the /route prompts share them (plus a tail)
         shared = [prompt(i, tokens - 64) for i in range(4 * args.workers)]
@@ -209,18 +218,22 @@ def main() -> None:
         )
         for name, (ctype, bodies) in encodings.items():
             before = decision_quantiles(asyncio.run(fetch(serve + "/metrics")))
+            c0 = cpu_s(serve_proc.pid)
             t0 = time.perf_counter()
             n, lat = asyncio.run(
                 route_load(serve + "/route", bodies, args.seconds, args.concurrency, ctype)
             )
             wall = time.perf_counter() - t0
+            cpu_us = (cpu_s(serve_proc.pid) - c0) / n * 1e6
             after = decision_quantiles(asyncio.run(fetch(serve + "/metrics")))
             ingested = after["events_applied"] - before["events_applied"]
             print(
                 f"  {name:6} {n / wall:6.0f} decisions/s   "
                 f"latency p50 {pct(lat, 0.5) * 1e3:5.2f} ms"
                 f"  p99 {pct(lat, 0.99) * 1e3:6.2f} ms (client side)   "
-                f"Stored events applied meanwhile {ingested:.0f}"
+                f"Stored events applied meanwhile {ingested:.0f}\n"
+                f"         service CPU {cpu_us:4.0f} us per decision "
+                f"(= {1e6 / cpu_us:.0f} decisions/s per core)"
             )
         stop.set()
         loader.join(30)
@@ -230,16 +243,20 @@ def main() -> None:
         )
         pr = shared[0] + [1]
         body = json.dumps({"prompt": pr, "max_tokens": 1}).encode()
+        c0 = cpu_s(serve_proc.pid)
         direct, routed = asyncio.run(
             proxy_overhead(serve, entries[0]["http"], body, args.proxy_requests)
         )
+        proxy_cpu_us = (cpu_s(serve_proc.pid) - c0) / len(routed) * 1e6
         d50, r50 = statistics.median(direct), statistics.median(routed)
         print(
             f"proxy: /v1/completions, {tokens}-token cached prompt, max_tokens 1, sequential, "
             f"{len(direct)} each\n"
             f"  direct p50 {d50 * 1e3:6.2f} ms   via router p50 {r50 * 1e3:6.2f} ms   "
-            f"overhead {(r50 - d50) * 1e3:5.2f} ms per request"
+            f"overhead {(r50 - d50) * 1e3:5.2f} ms per request; "
+            f"service CPU {proxy_cpu_us:.0f} us per proxied request"
         )
+        print(f"load average during the run: {os.getloadavg()[0]:.2f} (2 cores)")
     finally:
         for p in procs:
             if p.poll() is None:

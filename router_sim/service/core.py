@@ -272,6 +272,16 @@ class RouterService:
             "decision_us": round(d.decision_us, 1),
         }
 
+    def _keying(self, worker: int) -> str | None:
+        """How the index keys ``worker``'s blocks: ``tokens`` (requests find them),
+        ``engine_hashes`` (its events carry no token ids), ``mixed`` or ``none``; None with an
+        index that does not tell."""
+        status = getattr(self.router.indexer, "worker_status", None)
+        if status is None:
+            return None
+        keying = getattr(status(worker), "keying", None)
+        return None if keying is None else str(keying)
+
     def worker_report(self, worker: int) -> dict[str, Any]:
         """``GET /workers`` for one worker."""
         state = self.workers[worker]
@@ -297,6 +307,7 @@ class RouterService:
             "restarts": None if st is None else st.restarts,
             "in_flight": self.load.active(worker),
             "incarnation": state.incarnation,
+            "keying": self._keying(worker),
             "anomalies": self.router.indexer.worker_anomalies(worker),
             "probe_error": state.probe_error,
         }
