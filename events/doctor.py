@@ -18,9 +18,10 @@ number) so a long capture gives a short report. Problems make the CLI exit with 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import msgpack
 
@@ -36,6 +37,7 @@ from events.model import (
     Stored,
     Updated,
 )
+from events.sequencer import Deliver, Lost, Output, StreamSequencer
 from kvcache.keys import BlockKey, block_key, root_key
 from kvcache.scope import ReuseScope
 
@@ -77,12 +79,17 @@ class WorkerSummary:
     last_seq: int | None = None
 
 
+#: frames held back behind a gap before the doctor gives the gap up (bounded memory)
+_HOLD_MAX: Final = 4096
+
+
+def _raw(payload: bytes) -> bytes:
+    return payload
+
+
 @dataclass(slots=True)
 class _WorkerState:
-    last_seq: int | None = None
-    seen: dict[int, int] = field(default_factory=dict)  # seq -> hash of its payload
-    missing: set[int] = field(default_factory=set)
-    complete: bool = True  # history seen from seq 0 without an unfilled gap
+    complete: bool = True  # history seen from seq 0 (or a clear) without an unfilled gap
     known: dict[BlockHash, BlockKey | None] = field(default_factory=dict)
     partial: set[BlockHash] = field(default_factory=set)  # announced with < block_size tokens
 
@@ -100,6 +107,9 @@ class Doctor:
         self._states: dict[int, _WorkerState] = {}
         self._findings: dict[tuple[int, str, str], Finding] = {}
         self._topics: dict[int, bytes] = {}
+        self._streams: dict[int, StreamSequencer[bytes]] = {}
+        self._highest: dict[int, int] = {}
+        self._late: dict[int, dict[int, bool]] = {}  # seq -> replayed, for batches that came late
         self._announced: dict[BlockHash, int] = {}  # first hash -> block_size as sent
 
     # ---------------------------------------------------------------- findings
@@ -136,9 +146,13 @@ class Doctor:
     # ---------------------------------------------------------------- sequence
 
     def feed(self, worker: int, frames: Sequence[bytes], replay: bool = False) -> None:
-        """Check one received multipart message of ``worker``."""
-        summary = self.summaries.setdefault(worker, WorkerSummary())
-        state = self._states.setdefault(worker, _WorkerState())
+        """Check one received multipart message of ``worker``.
+
+        Well-formed messages go through the stream sequencer the subscriber uses, so batches
+        are checked in seq order whatever order they arrived in (a replayed or late batch
+        fills its gap first); gaps still open at :meth:`finish` are reported there.
+        """
+        self.summaries.setdefault(worker, WorkerSummary())
         if len(frames) != 3 or len(frames[1]) != 8:
             sizes = [len(f) for f in frames]
             self._note(
@@ -154,17 +168,83 @@ class Doctor:
         previous_topic = self._topics.setdefault(worker, topic)
         if topic != previous_topic:
             self._note("warning", worker, "topic", f"topic changed to {topic!r}", seq)
-        if not self._sequence(worker, state, seq, hash(payload), replay):
+        stream = self._streams.get(worker)
+        if stream is None:
+            # replay=True: a gap waits for the replayed (or late) frames of the capture; no
+            # clock runs, so it stays open until finish() or until too much is held behind it
+            stream = self._streams[worker] = StreamSequencer(_raw, replay=True)
+        highest = self._highest.get(worker, -1)
+        if seq < highest:
+            self._late.setdefault(worker, {})[seq] = replay
+        self._highest[worker] = max(highest, seq)
+        duplicates = stream.duplicates
+        outputs = stream.live(seq, payload, 0.0)
+        if stream.held > _HOLD_MAX:
+            outputs += stream.tick(math.inf)
+        if stream.duplicates > duplicates:
+            self._note("warning", worker, "duplicate", "duplicate batch (same seq twice)", seq)
+        self._consume(worker, stream, outputs)
+
+    def _consume(
+        self, worker: int, stream: StreamSequencer[bytes], outputs: list[Output[bytes]]
+    ) -> None:
+        for o in outputs:
+            if isinstance(o, Deliver):
+                self._check(worker, stream, o.seq, o.item)
+            elif isinstance(o, Lost):
+                self._lost(worker, o)
+
+    def _lost(self, worker: int, lost: Lost) -> None:
+        if lost.restart:
+            self._note(
+                "warning",
+                worker,
+                "restart",
+                "publisher restarted (seq went backwards): the router must drop this "
+                "worker's blocks and rebuild from the new stream",
+                None,
+            )
+            self._states[worker] = _WorkerState()
             return
-        state = self._states[worker]  # a restart replaces it
+        state = self._states.setdefault(worker, _WorkerState())
+        state.complete = False
+        if lost.span is None:
+            return
+        lo, hi = lost.span
+        if lo == 0 and self.summaries[worker].batches == 0:
+            self._note(
+                "info",
+                worker,
+                "seq",
+                f"stream joined at seq {hi + 1}: earlier batches were not seen, so unknown "
+                "parents are not counted as broken chains",
+                hi + 1,
+            )
+            return
+        span = f"seq {lo}" if lo == hi else f"seqs {lo}..{hi}"
+        self._note(
+            "problem",
+            worker,
+            "gap",
+            f"sequence gap: {span} never arrived ({hi - lo + 1} batch(es) lost); a "
+            "router would miss their events unless it replays or resynchronizes",
+            lo,
+        )
+
+    def _check(self, worker: int, stream: StreamSequencer[bytes], seq: int, payload: bytes) -> None:
+        """Check one batch, delivered in seq order."""
+        summary = self.summaries[worker]
+        state = self._states.setdefault(worker, _WorkerState())
+        state.complete = stream.complete
+        late = self._late.get(worker, {}).pop(seq, None)
+        if late is not None:
+            how = "replayed" if late else "arrived late (reordered)"
+            self._note("info", worker, "filled", f"a missing batch {how}", seq)
         summary.batches += 1
         summary.first_seq = seq if summary.first_seq is None else summary.first_seq
-        summary.last_seq = state.last_seq
+        summary.last_seq = seq
         try:
-            batch = decode_batch(payload)
-            events = batch.events
-            if batch.malformed:  # the decoder left those events out: say so, then look closer
-                raise DecodeError(batch.malformed[0])
+            events = decode_batch(payload).events
         except DecodeError as exc:
             self._note(
                 "problem", worker, "decode", f"payload does not decode: {exc}", seq, group=""
@@ -173,68 +253,6 @@ class Doctor:
         for event in events:
             summary.events += 1
             self._event(worker, state, summary, seq, event)
-
-    def _sequence(
-        self, worker: int, state: _WorkerState, seq: int, digest: int, replay: bool
-    ) -> bool:
-        """Track sequence numbers; False when the message repeats one already checked."""
-        last = state.last_seq
-        if last is None:
-            if seq > 0:
-                state.complete = False
-                self._note(
-                    "info",
-                    worker,
-                    "seq",
-                    f"stream joined at seq {seq}: earlier batches were not seen, so unknown "
-                    "parents are not counted as broken chains",
-                    seq,
-                )
-        elif seq > last + 1:
-            state.missing.update(range(last + 1, seq))
-            state.complete = False
-        elif state.seen.get(seq) == digest:
-            self._note("warning", worker, "duplicate", "duplicate batch (same seq twice)", seq)
-            return False
-        elif seq in state.missing:
-            state.missing.discard(seq)
-            how = "replayed" if replay else "arrived late (reordered)"
-            self._note("info", worker, "filled", f"a missing batch {how}", seq)
-            state.seen[seq] = digest
-            return True
-        elif seq <= last:
-            self._note(
-                "warning",
-                worker,
-                "restart",
-                "publisher restarted (seq went backwards): the router must drop this "
-                "worker's blocks and rebuild from the new stream",
-                seq,
-            )
-            self._close_gaps(worker, state)
-            state = self._states[worker] = _WorkerState(complete=seq == 0)
-        state.seen[seq] = digest
-        state.last_seq = seq
-        return True
-
-    def _close_gaps(self, worker: int, state: _WorkerState) -> None:
-        """Report the batches still missing as gaps (one finding per run of missing seqs)."""
-        missing = sorted(state.missing)
-        state.missing.clear()
-        start = 0
-        for i in range(1, len(missing) + 1):
-            if i == len(missing) or missing[i] != missing[i - 1] + 1:
-                lo, hi = missing[start], missing[i - 1]
-                span = f"seq {lo}" if lo == hi else f"seqs {lo}..{hi}"
-                self._note(
-                    "problem",
-                    worker,
-                    "gap",
-                    f"sequence gap: {span} never arrived ({hi - lo + 1} batch(es) lost); a "
-                    "router would miss their events unless it replays or resynchronizes",
-                    lo,
-                )
-                start = i
 
     def _lenient_events(self, payload: bytes) -> list[KVCacheEvent]:
         """Decode a payload whose only fault is stored events with a block_size that does not
@@ -493,8 +511,11 @@ class Doctor:
 
     def finish(self) -> list[Finding]:
         """End of input: report the gaps nothing filled; returns all findings."""
-        for worker, state in self._states.items():
-            self._close_gaps(worker, state)
+        for worker, stream in self._streams.items():
+            for _ in range(64):  # each tick closes one gap; the held frames behind it follow
+                if stream.deadline is None:
+                    break
+                self._consume(worker, stream, stream.tick(math.inf))
         return self.findings
 
     def render(self) -> str:

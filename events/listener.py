@@ -1,24 +1,45 @@
 """Raw listening for ``kv-events``: SUB sockets per worker, gap filling over replay sockets.
 
 Unlike :class:`events.subscriber.ZmqEventSubscriber`, which hands an application decoded,
-ordered batches, the listener hands its callback the raw frames exactly as they arrived
-(malformed ones included), so ``listen --record`` captures what was on the wire and the doctor
-judges it. A gap (or a stream first seen above seq 0) is filled from the publisher's replay
-socket (WIRE.md 5) when one is given; replayed messages are marked as such.
+ordered batches, the listener hands its callback the raw frames (malformed ones included), so
+``listen --record`` captures what was on the wire and the doctor judges it. The order of
+well-formed frames, the gap filling and the replay deadlines come from the same
+:class:`~events.sequencer.StreamSequencer` the subscriber uses: a gap (or a stream first seen
+above seq 0) is filled from the publisher's replay socket (WIRE.md 5, every engine's reply
+layout) when one is given, replayed messages are marked as such and come before the live frame
+that revealed the gap. Frames still held back when listening ends are handed over as they are.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import zmq
 
 from events.endpoints import EndpointError, connectable, should_bind
 from events.publisher import END_SEQ
+from events.sequencer import Abandon, Deliver, Output, Request, StreamSequencer
+from events.snapshot import parse_info
 
 OnMessage = Callable[[int, list[bytes], bool], None]
 """Called with (worker index, frames, replayed) for every received message."""
+
+
+def _raw(payload: bytes) -> bytes:
+    return payload
+
+
+@dataclass(slots=True)
+class _Stream:
+    worker: int
+    seq: StreamSequencer[bytes]
+    replay_endpoint: str | None
+    dealer: zmq.Socket[bytes] | None = None
+    topic: bytes = b""
+    topics: dict[int, bytes] = field(default_factory=dict)  # replayed seq -> its topic frame
 
 
 def listen(
@@ -40,9 +61,11 @@ def listen(
         should_bind(endpoint)  # refuse a bad replay endpoint now, not at the first gap
     ctx = zmq.Context()
     socks: list[zmq.Socket[bytes]] = []
+    streams: list[_Stream] = []
     try:
         poller = zmq.Poller()
-        for endpoint in endpoints:
+        owners: dict[zmq.Socket[bytes], tuple[_Stream, bool]] = {}
+        for worker, endpoint in enumerate(endpoints):
             sock = ctx.socket(zmq.SUB)
             socks.append(sock)  # before anything can fail: an open socket blocks ctx.term()
             sock.setsockopt(zmq.LINGER, 0)
@@ -58,38 +81,74 @@ def listen(
                     f"cannot {verb} {endpoint}: {exc}; write tcp://HOST:PORT, ipc://PATH or "
                     "inproc://NAME"
                 ) from exc
+            replay = replay_endpoints[worker] if worker < len(replay_endpoints) else None
+            stream = _Stream(
+                worker,
+                StreamSequencer(_raw, replay=replay is not None, replay_timeout_s=replay_timeout_s),
+                replay,
+            )
+            streams.append(stream)
             poller.register(sock, zmq.POLLIN)
-        last: dict[int, int] = {}
+            owners[sock] = (stream, False)
+
+        def run(stream: _Stream, outputs: list[Output[bytes]]) -> None:
+            for o in outputs:
+                if isinstance(o, Deliver):
+                    t = stream.topics.pop(o.seq, stream.topic) if o.replayed else stream.topic
+                    on_message(stream.worker, [t, o.seq.to_bytes(8, "big"), o.item], o.replayed)
+                elif isinstance(o, Request):
+                    if stream.dealer is None:
+                        stream.dealer = _dealer(ctx, stream.replay_endpoint)
+                        socks.append(stream.dealer)
+                        poller.register(stream.dealer, zmq.POLLIN)
+                        owners[stream.dealer] = (stream, True)
+                    stream.dealer.send_multipart([b"", o.start.to_bytes(8, "big")])
+                elif isinstance(o, Abandon) and stream.dealer is not None:
+                    poller.unregister(stream.dealer)
+                    owners.pop(stream.dealer)
+                    stream.dealer.close(linger=0)
+                    socks.remove(stream.dealer)
+                    stream.dealer = None
+
         received = 0
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while count is None or received < count:
-            wait_ms = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1e3))
-            ready = dict(poller.poll(wait_ms))
-            if not ready:
+        while True:
+            busy = [s for s in streams if s.seq.mode != "live"]
+            if count is not None and received >= count and not busy:
                 break
-            for worker, sock in enumerate(socks):
-                if sock not in ready:
+            now = time.monotonic()
+            wake = [s.seq.deadline for s in busy if s.seq.deadline is not None]
+            until = min([*wake, *([deadline] if deadline is not None else [])], default=None)
+            wait_ms = None if until is None else max(0, int((until - now) * 1e3))
+            ready = dict(poller.poll(wait_ms))
+            now = time.monotonic()
+            if not ready and deadline is not None and now >= deadline:
+                break
+            for sock in list(ready):
+                owner = owners.get(sock)
+                if owner is None:
+                    continue
+                stream, is_replay = owner
+                if is_replay:
+                    _read_replay(stream, sock, now, run)
                     continue
                 frames = sock.recv_multipart()
-                seq = int.from_bytes(frames[1], "big") if len(frames) == 3 else None
-                prev = last.get(worker)
-                want_from = None
-                if seq is not None and worker < len(replay_endpoints):
-                    if prev is None and seq > 0:
-                        want_from = 0
-                    elif prev is not None and seq > prev + 1:
-                        want_from = prev + 1
-                if want_from is not None:
-                    for replayed in _replay(
-                        ctx, replay_endpoints[worker], want_from, seq or 0, replay_timeout_s
-                    ):
-                        on_message(worker, replayed, True)
-                if seq is not None:
-                    last[worker] = seq
-                on_message(worker, frames, False)
                 received += 1
                 if count is not None and received >= count:
-                    break
+                    for live in socks[: len(endpoints)]:
+                        with contextlib.suppress(KeyError):
+                            poller.unregister(live)  # only replays are finished from here
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    on_message(stream.worker, frames, False)  # for the doctor to judge
+                else:
+                    stream.topic = frames[0]
+                    run(stream, stream.seq.live(int.from_bytes(frames[1], "big"), frames[2], now))
+            for stream in streams:
+                if stream.seq.deadline is not None and now >= stream.seq.deadline:
+                    run(stream, stream.seq.tick(now))
+        for stream in streams:  # frames still waiting for a gap that never filled
+            for seq, payload in stream.seq.drain_held():
+                on_message(stream.worker, [stream.topic, seq.to_bytes(8, "big"), payload], False)
         return received
     finally:
         for sock in socks:
@@ -97,30 +156,37 @@ def listen(
         ctx.term()
 
 
-def _replay(
-    ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, start: int, stop: int, timeout_s: float
-) -> list[list[bytes]]:
-    """Ask a replay socket for batches ``start..stop-1`` (WIRE.md 5); returns their frames
-    ``[topic, seq, payload]``. A silent or broken replay socket gives what arrived in time."""
+def _dealer(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str | None) -> zmq.Socket[bytes]:
+    assert endpoint is not None
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
-    got: list[list[bytes]] = []
     try:
-        try:
-            dealer.connect(connectable(endpoint))
-        except zmq.ZMQError as exc:
-            raise EndpointError(f"cannot connect to replay endpoint {endpoint}: {exc}") from exc
-        dealer.send_multipart([b"", start.to_bytes(8, "big")])
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left_ms = int((deadline - time.monotonic()) * 1e3)
-            if left_ms <= 0 or not dealer.poll(left_ms):
-                break
-            frames = dealer.recv_multipart()
-            if len(frames) == 4 and frames[2] == END_SEQ:
-                break
-            if len(frames) == 4 and len(frames[2]) == 8 and int.from_bytes(frames[2], "big") < stop:
-                got.append(frames[1:])
-    finally:
+        dealer.connect(connectable(endpoint))
+    except zmq.ZMQError as exc:
         dealer.close(linger=0)
-    return got
+        raise EndpointError(f"cannot connect to replay endpoint {endpoint}: {exc}") from exc
+    return dealer
+
+
+def _read_replay(
+    stream: _Stream,
+    sock: zmq.Socket[bytes],
+    now: float,
+    run: Callable[[_Stream, list[Output[bytes]]], None],
+) -> None:
+    """Replies in either layout: ``[b"", topic, seq, payload]`` or, from vLLM <= 0.25.1,
+    ``[b"", seq, payload]``; each replay ends with the end marker (seq ff*8)."""
+    with contextlib.suppress(zmq.Again):
+        while stream.dealer is sock:
+            frames = sock.recv_multipart(zmq.NOBLOCK)
+            n = len(frames)
+            if n not in (3, 4) or frames[0] != b"" or len(frames[n - 2]) != 8:
+                stream.seq.malformed()
+                continue
+            seq_b, body = frames[n - 2], frames[n - 1]
+            if seq_b == END_SEQ:
+                run(stream, stream.seq.replay_end(parse_info(body), now))
+                continue
+            seq = int.from_bytes(seq_b, "big")
+            stream.topics[seq] = frames[1] if n == 4 else stream.topic
+            run(stream, stream.seq.replayed_frame(seq, body, now))

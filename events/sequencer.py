@@ -59,9 +59,12 @@ class Deliver(Generic[T]):
 
 @dataclass(frozen=True, slots=True)
 class Lost:
-    """History was lost: drop the worker's view; later deliveries rebuild what they can."""
+    """History was lost: drop the worker's view; later deliveries rebuild what they can.
+    ``span``: the seqs known lost (first, last), when known; ``restart``: a new publisher."""
 
     reason: str
+    span: tuple[int, int] | None = None
+    restart: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +174,13 @@ class StreamSequencer(Generic[T]):
     def held(self) -> int:
         return len(self._pending)
 
+    def drain_held(self) -> list[tuple[int, bytes]]:
+        """Hand over (and forget) the frames held back for a gap, in seq order."""
+        held = sorted(self._pending.items())
+        self._pending.clear()
+        self._heap.clear()
+        return held
+
     def live(self, seq: int, payload: bytes, now: float) -> list[Output[T]]:
         """A frame from the live socket."""
         out: list[Output[T]] = []
@@ -231,6 +241,7 @@ class StreamSequencer(Generic[T]):
                     f"seqs {self.next_seq}..{info.next_seq - 1} were never sent (dropped by the "
                     "publisher) or expired",
                     out,
+                    (self.next_seq, info.next_seq - 1),
                 )
                 self.next_seq = info.next_seq
         self._after(out, now)
@@ -364,7 +375,7 @@ class StreamSequencer(Generic[T]):
                 if changed and self.incarnation is not None
                 else f"it has handled {info.next_seq} seqs, {self._mark_at_request} were seen"
             )
-            self._lost(f"publisher restarted: {why}", out)
+            self._lost(f"publisher restarted: {why}", out, restart=True)
             # the frames held may be the old publisher's: the new stream is replayed from 0
             self._pending.clear()
             self._heap.clear()
@@ -424,7 +435,9 @@ class StreamSequencer(Generic[T]):
 
     def _restart(self, seq: int, payload: bytes, out: list[Output[T]], now: float) -> None:
         self.restarts += 1
-        self._lost(f"publisher restarted: seq {seq} arrived after seq {self.last_seq}", out)
+        self._lost(
+            f"publisher restarted: seq {seq} arrived after seq {self.last_seq}", out, restart=True
+        )
         if self.mode != "live":
             out.append(Abandon())  # replies of the old stream must not be read as the new
         self.mode = "live"
@@ -481,7 +494,7 @@ class StreamSequencer(Generic[T]):
                 lost = f"seqs {self.next_seq}..{seq - 1} lost"
                 if not self.replay:
                     lost += " and the worker has no replay endpoint"
-                self._lost(f"{why}: {lost}", out)
+                self._lost(f"{why}: {lost}", out, (self.next_seq, seq - 1))
                 self.next_seq = seq
 
     def _request_replay(self, out: list[Output[T]], now: float) -> None:
@@ -509,6 +522,7 @@ class StreamSequencer(Generic[T]):
                 f"replay reached seq {seq} without seqs {start}..{resume - 1}: the publisher no "
                 "longer buffers them (expired, or dropped before they were sent)",
                 out,
+                (start, resume - 1),
             )
             self.next_seq = resume
         if seq < self.next_seq:
@@ -518,7 +532,11 @@ class StreamSequencer(Generic[T]):
         # trickles garbage or repeats cannot keep the stream waiting
         self._deadline = min(now + self.replay_timeout_s, self._hard_deadline)
         self._progress = True
-        self._apply(seq, payload, out, now, replayed=True)
+        held = pending.pop(seq, None)
+        if held is not None:  # it also arrived live: delivered as such
+            self._apply(seq, held, out, now, replayed=False)
+        else:
+            self._apply(seq, payload, out, now, replayed=True)
 
     def _apply(
         self, seq: int, payload: bytes, out: list[Output[T]], now: float, *, replayed: bool
@@ -543,7 +561,14 @@ class StreamSequencer(Generic[T]):
             self._digests.pop(self._digest_order.popleft(), None)
         out.append(Deliver(seq, item, replayed=replayed))
 
-    def _lost(self, reason: str, out: list[Output[T]]) -> None:
+    def _lost(
+        self,
+        reason: str,
+        out: list[Output[T]],
+        span: tuple[int, int] | None = None,
+        *,
+        restart: bool = False,
+    ) -> None:
         self.resyncs += 1
         self.complete = False
-        out.append(Lost(reason))
+        out.append(Lost(reason, span, restart))

@@ -443,6 +443,8 @@ class ZmqEventSubscriber:
         try:
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.setsockopt(zmq.RCVHWM, 0)  # a replay is bounded by the publisher's ring
+            # an engine's replay endpoint may come up after this subscriber: retry soon
+            dealer.setsockopt(zmq.RECONNECT_IVL, 50)
             _attach(dealer, connectable(w.replay_endpoint), False)
         except BaseException:
             dealer.close(linger=0)

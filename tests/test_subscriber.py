@@ -296,7 +296,9 @@ def test_restart_seen_at_seq_zero_needs_no_replay(
 def test_subscriber_binds_when_the_publisher_connects(ctx: Ctx) -> None:
     live, replay = f"tcp://127.0.0.1:{free_tcp_port()}", f"tcp://127.0.0.1:{free_tcp_port()}"
     model = StateModel()
-    with ZmqEventSubscriber(context=ctx, replay_timeout_ms=150) as sub:
+    # the DEALER connects before the publisher binds its replay endpoint: ZeroMQ's reconnect
+    # takes a moment, which a 150 ms replay timeout would not always leave
+    with ZmqEventSubscriber(context=ctx, replay_timeout_ms=2000) as sub:
         sub.add_worker(0, live, replay, bind=True)
         # tcp://127.0.0.1:PORT is connect mode for the publisher (WIRE.md 4)
         with ZmqEventPublisher(live, replay, context=ctx, drop_live=lambda s: s == 1) as pub:
