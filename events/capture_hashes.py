@@ -58,7 +58,7 @@ class CaptureHashes:
             raise GoldenError(f"cannot read capture {path}: {exc.strerror}") from None
         except CaptureError as exc:
             raise GoldenError(f"{path}: {exc}") from None
-        self.undecodable = 0
+        self.undecodable = 0  # messages and events that did not decode
         self._by_link: dict[tuple[BlockHash | None, tuple[int, ...]], list[_Announced]]
         self._by_link = defaultdict(list)
         self._by_tokens: dict[tuple[int, ...], list[_Announced]] = defaultdict(list)
@@ -67,14 +67,15 @@ class CaptureHashes:
             # that omit the topic, [b"", seq, payload]; a replay's end marker has no payload
             payload = message.frames[-1] if len(message.frames) in (3, 4) else b""
             if not payload:
-                self.undecodable += len(message.frames) not in (3, 4)
+                self.undecodable += int(len(message.frames) not in (3, 4))
                 continue
             try:
-                events = decode_batch(payload).events
+                batch = decode_batch(payload)
             except DecodeError:
                 self.undecodable += 1
                 continue
-            for event in events:
+            self.undecodable += len(batch.malformed)
+            for event in batch.events:
                 if isinstance(event.data, Stored):
                     self._add(event.data)
         self._sizes = sorted({len(t) for t in self._by_tokens}, reverse=True)
@@ -168,6 +169,10 @@ class CaptureHashes:
                 "the prompt is not in the capture: no block announced without a parent holds "
                 "its first tokens under its scope (was it served while recording?)"
             )
+            if self.undecodable:
+                cause += (
+                    f"; {self.undecodable} message(s) or event(s) of the capture did not decode"
+                )
         elif walk.broken is not None:
             i, announced, wanted = walk.broken
             cause = (

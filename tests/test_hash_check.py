@@ -345,6 +345,13 @@ def test_this_projects_recorded_worker_captures(tmp_path: Path) -> None:
     assert "1 of 3 checks differ" in text
     assert "case 'tenant-a' [v1_block_key, 16 tokens per block" in text
     assert "likely cause: the salt is not mixed in" in text
+    # block_size 32 announced over 16-token blocks: those stores do not decode, and the
+    # report says so instead of only "not in the capture"
+    wrong = CaptureHashes(CAPTURES / "wrong_block_size.jsonl")
+    causes = {d.cause for d in compare_capture(golden, wrong, "v1_block_key")}
+    assert (
+        len(causes) == 1 and "message(s) or event(s) of the capture did not decode" in causes.pop()
+    )
 
 
 def test_any_engine_recorded_then_checked(tmp_path: Path) -> None:
