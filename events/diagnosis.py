@@ -5,6 +5,10 @@ A stream's hash that differs from the one recomputed from tokens, parent hash an
 mixed in, the salt mixed into every block, the parent not chained, the two sides configured
 with different scopes, or another algorithm altogether. :func:`explain_mismatch` recomputes the
 mismatched blocks under each hypothesis and names the first one that reproduces all of them.
+
+:func:`explain_chain` does the same for a whole prompt's hashes against a golden file's
+(:mod:`events.hashcheck`): each cause, another block size and wider token ids included, is
+replayed over the prompt, and the one that yields the observed hashes is named.
 """
 
 from __future__ import annotations
