@@ -14,14 +14,8 @@ This module is the only writer of a block's page state (``tier``, ``page``, ``pr
 ``refs``, ``susp``, ``tick``, ``here``, ``gen``, ``uid``); the tree writes the structure through
 ``attach``/``detach``, which only this pool calls. Sequences and the manager use the named
 operations: ``acquire``/``grow``/``free`` (pages for a sequence), ``store_full``/
-``store_partial`` (blocks join the tree), ``suspend``/``resume``/``release``, ``clear``.
-
-Page data moves are not copied one by one: an operation records where each moved block's data
-was when the operation began and the copy-on-write requests, and :meth:`BlockPool.finish`
-issues one ``copy_pages`` per (source tier, destination tier). Downward copies run first,
-slowest source tier first, so a page is read before the operation's later writes land on it;
-upward copies (onboarding, resume) and copy-on-write run last, into pages whose old data has
-already been copied out.
+``store_partial`` (blocks join the tree), ``suspend``/``resume``/``release``, ``clear``, and
+``finish`` at the end of each operation (:mod:`kvcache.batch` then copies and tells the moves).
 """
 
 from __future__ import annotations
@@ -29,8 +23,8 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from hashlib import sha256
 
+from kvcache.batch import Batch
 from kvcache.errors import OutOfPagesError
 from kvcache.eviction import EvictionQueue, eviction_key
 from kvcache.keys import tokens_to_bytes
@@ -52,7 +46,7 @@ class Counters:
 
 
 class BlockPool:
-    """Pools, per-tier classes and eviction queues of all tiers, plus per-operation batching."""
+    """Pools, per-tier classes and eviction queues of all tiers."""
 
     def __init__(
         self,
@@ -65,7 +59,6 @@ class BlockPool:
         self.tree = tree
         self.pools = pools
         self.sink = sink
-        self.storage = storage
         self.tokens_per_block = tokens_per_block
         n = len(pools)
         self.num_tiers = n
@@ -76,9 +69,7 @@ class BlockPool:
         self.counters = Counters()
         self._uid = 0
         self._tick = 0
-        self._sink_tier: dict[Block, int] = {}  # moved blocks -> tier the sink last heard of
-        self._copy_from: dict[Block, tuple[int, int]] = {}  # moved blocks -> (tier, page) at start
-        self._cow: list[tuple[int, int, int, int]] = []  # src tier, src page, dst page, tokens
+        self.batch = Batch(sink, storage, tokens_per_block)
 
     # ----------------------------------------------------------------- classes and candidacy
 
@@ -96,37 +87,14 @@ class BlockPool:
         if b.refs == 0 and b.here == 0 and b.page >= 0:
             self.queues[b.tier][1 if b.susp else 0].push(b)
 
-    def _pin(self, b: Block) -> None:
-        if b.refs == 0:
-            self._count(b, -1)
-            b.refs = 1
-            self._count(b, 1)
-            b.gen += 1
-        else:
-            b.refs += 1
-
-    def _unpin(self, b: Block, tick: int) -> None:
-        """One live holder less; ``tick`` becomes its last use if now unpinned."""
-        if b.refs == 1:
-            self._count(b, -1)
-            b.refs = 0
-            self._count(b, 1)
-            b.tick = tick
-            self._refresh(b)
-        else:
-            b.refs -= 1
-
-    def _hold(self, b: Block, live: bool, tick: int) -> None:
-        """Turn one suspended holder into a live one (``live``) or the other way round."""
+    def _holders(self, b: Block, refs: int, susp: int, tick: int | None = None) -> None:
+        """Set ``b``'s live (``refs``) and suspended holders, and its last release."""
         self._count(b, -1)
-        if live:
-            b.susp -= 1
-            b.refs += 1
-        else:
-            b.refs -= 1
-            b.susp += 1
-            b.tick = tick
+        b.refs = refs
+        b.susp = susp
         self._count(b, 1)
+        if tick is not None:
+            b.tick = tick
         self._refresh(b)
 
     # ------------------------------------------------------------------------------ capacity
@@ -201,43 +169,32 @@ class BlockPool:
     ) -> list[Block]:
         """Pin reused ``full`` blocks (onboarding those on slower tiers) and, with a
         copy-on-write ``src``, add a private page holding its first ``num_src`` tokens."""
-        for b in full:
-            self._pin(b)
+        pinned = [*full, src] if src is not None else full  # src stays put for this operation
+        for b in pinned:
+            self._holders(b, b.refs + 1, b.susp)
         away = [b for b in full if b.tier != 0]
         need = len(away) + (src is not None)
-        if not need:
-            return list(full)
-        if src is not None:
-            self._pin(src)  # keep the copy-on-write source where it is for this operation
         try:
             cow = " + 1 copy-on-write" if src else ""
             self._check_room(need, f"reusing {len(full)} blocks{cow} needs {need}")
         except OutOfPagesError:
-            for b in [*full, *([src] if src is not None else [])]:
-                self._unpin(b, b.tick)
+            for b in pinned:
+                self._holders(b, b.refs - 1, b.susp)
             raise
-        blocks = list(full)
-        blocks += self._onboard(away, 1 if src is not None else 0, scope, priority)
+        # Every device page is had before anything moves up, so the evictions (downward
+        # copies) are issued before the onboarding copies read the slower tiers.
+        dev = [self._allocate(0) for _ in away]
+        blocks = full + self._privates(len(pinned) - len(full), scope, priority)
+        self._onboard(away, dev)
         if src is not None:
-            if self.storage is not None:
-                self._cow.append((src.tier, src.page, blocks[-1].page, num_src))
-            self._unpin(src, src.tick)
+            self.batch.copy_on_write(src, blocks[-1].page, num_src)
+            self._holders(src, src.refs - 1, src.susp)
         return blocks
 
-    def _onboard(
-        self, away: list[Block], extra: int, scope: ReuseScope | None, priority: int
-    ) -> list[Block]:
-        """Move pinned ``away`` blocks to the device tier and make ``extra`` private pages.
-
-        Every device page is allocated before anything moves, so the evictions (downward
-        copies) complete before the onboarding copies read the slower tiers.
-        """
-        dev = [self._allocate(0) for _ in away]
-        privates = self._privates(extra, scope, priority) if scope is not None else []
-        for b, page in zip(away, dev, strict=True):
+    def _onboard(self, away: list[Block], pages: list[int]) -> None:
+        for b, page in zip(away, pages, strict=True):
             self._move(b, 0, page, copy=True)
         self.counters.onboards += len(away)
-        return privates
 
     def free(self, b: Block) -> None:
         """Release ``b``'s page (the block is gone: dropped, or a private page given back)."""
@@ -245,44 +202,39 @@ class BlockPool:
         self.pools[b.tier].release(b.page)
         b.page = -1
         b.gen += 1
-        self._copy_from.pop(b, None)
+        self.batch.freed(b)
 
     def suspend(self, blocks: Sequence[Block]) -> None:
         """A sequence stops pinning ``blocks``: they may move down, never be dropped."""
         tick = self.next_tick()
         for b in blocks:
-            self._hold(b, live=False, tick=tick)
+            self._holders(b, b.refs - 1, b.susp + 1, tick)
 
     def resume(self, blocks: Sequence[Block]) -> None:
         """Pin ``blocks`` again, bringing them back to the device tier (``OutOfPagesError``
         with nothing changed when it cannot hold them)."""
         ticks = [b.tick for b in blocks]
         for b in blocks:
-            self._hold(b, live=True, tick=0)
+            self._holders(b, b.refs + 1, b.susp - 1)
         away = [b for b in blocks if b.tier != 0]
         try:
             self._check_room(len(away), f"resume() needs {len(away)}")
         except OutOfPagesError:
             for b, t in zip(blocks, ticks, strict=True):
-                self._hold(b, live=False, tick=t)
+                self._holders(b, b.refs - 1, b.susp + 1, t)
             raise
-        self._onboard(away, 0, None, 0)
+        self._onboard(away, [self._allocate(0) for _ in away])
 
     def release(self, blocks: Sequence[Block], suspended: bool) -> None:
-        """A sequence lets go of ``blocks``: tree blocks stay cached, private pages are freed."""
+        """A sequence lets go of ``blocks``: tree blocks stay cached, private pages are freed;
+        a block no live sequence holds any more was last used now."""
         tick = self.next_tick()
         for b in blocks:
             if not b.in_tree:
                 self.free(b)
-            elif not suspended:
-                self._unpin(b, tick)
-            else:
-                self._count(b, -1)
-                b.susp -= 1
-                self._count(b, 1)
-                if b.refs == 0:
-                    b.tick = tick
-                self._refresh(b)
+                continue
+            refs, susp = (b.refs, b.susp - 1) if suspended else (b.refs - 1, b.susp)
+            self._holders(b, refs, susp, None if refs else tick)
 
     # --------------------------------------------------------------------------- tree edits
 
@@ -295,18 +247,11 @@ class BlockPool:
         slower tier: the page holds the same KV). After the first block that is not cached,
         none is (a new block has no children), so the rest joins as one chain."""
         tpb = self.tokens_per_block
-        step = 4 * tpb
         data = tokens_to_bytes(tokens[first * tpb : last * tpb])
         node = self._parent_node(scope, blocks, first)
-        key: bytes = node.key
         i = first
-        while i < last:
-            off = (i - first) * step
-            key = sha256(key + data[off : off + step]).digest()
-            cached = self.tree.lookup(node, key)
-            if cached is None:
-                break
-            self._pin(cached)
+        for cached in self.tree.match_full(node, data, last - first, 4 * tpb):
+            self._holders(cached, cached.refs + 1, cached.susp)
             b = blocks[i]
             if cached.tier == 0:
                 self.free(b)
@@ -372,7 +317,7 @@ class BlockPool:
 
     def _replace_partial(self, old: Block) -> None:
         """Take a partial block out of the tree because a new block extends it."""
-        self.flush_moves()
+        self.batch.flush_moves()
         self._unlink(old)
         if old.refs == 0 and old.susp == 0:
             self.free(old)
@@ -382,7 +327,7 @@ class BlockPool:
 
     def _emit_stored(self, blocks: list[Block]) -> None:
         if blocks and self.sink is not None:
-            self.flush_moves()
+            self.batch.flush_moves()
             self.sink.on_stored(blocks)
 
     # --------------------------------------------------------------------- moves and drops
@@ -391,11 +336,7 @@ class BlockPool:
         """Put ``b`` on ``page`` of ``tier`` and free its old page. With ``copy`` the data
         follows (batched at :meth:`finish`); without, ``page`` already holds it."""
         old_tier, old_page = b.tier, b.page
-        if self.storage is not None:
-            if copy:
-                self._copy_from.setdefault(b, (old_tier, old_page))
-            else:
-                self._copy_from.pop(b, None)
+        self.batch.moved(b, old_tier, old_page, copy)
         self.pools[old_tier].release(old_page)
         self._count(b, -1)
         b.tier, b.page = tier, page
@@ -413,8 +354,6 @@ class BlockPool:
                 parent.gen += 1  # no longer a leaf on its tier
         b.here = sum(1 for c in b.iter_children() if c.tier == tier)
         self._refresh(b)
-        if b.in_tree:
-            self._sink_tier.setdefault(b, old_tier)
 
     def _drop(self, victims: list[Block], evicted: bool = True) -> None:
         """Remove cached blocks and their subtrees from the tree and free their pages. The
@@ -422,7 +361,7 @@ class BlockPool:
         when a ``clear`` emptied the tree."""
         gone = [b for v in victims for b in self.tree.subtree(v)]
         everything = not evicted and len(gone) == self.tree.num_blocks
-        self.flush_moves()
+        self.batch.flush_moves()
         for b in gone:
             self._unlink(b)
             self.free(b)
@@ -448,53 +387,11 @@ class BlockPool:
         if victims:
             self._drop(victims, evicted=False)
 
-    # ------------------------------------------------------------------ operation batching
-
-    def flush_moves(self) -> None:
-        """Tell the sink about the moves of the current operation, one call per tier pair."""
-        if not self._sink_tier:
-            return
-        groups: dict[tuple[int, int], list[Block]] = {}
-        for b, old in self._sink_tier.items():
-            if b.in_tree and b.tier != old:
-                groups.setdefault((old, b.tier), []).append(b)
-        self._sink_tier.clear()
-        if self.sink is not None:
-            for (old, new), blocks in sorted(groups.items(), key=_pair_order):
-                self.sink.on_moved(blocks, old, new)
-
     def finish(self) -> None:
-        """End of an operation: flush sink moves and issue the batched page copies."""
-        self.flush_moves()
-        storage = self.storage
-        if storage is None or not (self._copy_from or self._cow):
-            return
-        tpb = self.tokens_per_block
-        groups: dict[tuple[int, int], tuple[list[int], list[int], list[int]]] = {}
-        for b, (tier, page) in self._copy_from.items():
-            if b.page >= 0 and (tier, page) != (b.tier, b.page):
-                src, dst, counts = groups.setdefault((tier, b.tier), ([], [], []))
-                src.append(page)
-                dst.append(b.page)
-                counts.append(tpb)
-        for tier, page, dst_page, n in self._cow:
-            src, dst, counts = groups.setdefault((tier, 0), ([], [], []))
-            src.append(page)
-            dst.append(dst_page)
-            counts.append(n)
-        self._copy_from.clear()
-        self._cow.clear()
-        for (s, d), (src, dst, counts) in sorted(groups.items(), key=_pair_order):
-            partial = any(c != tpb for c in counts)
-            storage.copy_pages(s, src, d, dst, counts if partial else None)
+        """End of an operation: the sink hears of its moves, the storage copies the pages."""
+        self.batch.finish()
 
     def next_tick(self) -> int:
         """A fresh value of the use counter (release order)."""
         self._tick += 1
         return self._tick
-
-
-def _pair_order(item: tuple[tuple[int, int], object]) -> tuple[int, int]:
-    # Downward first, slowest source first; then upward and same-tier copies.
-    src, dst = item[0]
-    return (0, -src) if dst > src else (1, src)

@@ -1,11 +1,12 @@
 """Eviction candidates of one tier: a prioritized LRU heap.
 
-Order (what goes first): lowest ``priority``, then oldest ``tick`` (the manager's counter at the
+Order (what goes first): lowest ``priority``, then oldest ``tick`` (the pool's counter at the
 block's last release), then lowest ``uid`` (oldest block). Only *leaves on their tier* are
 candidates: a block with an unpinned child on the same tier is not offered until that child
 has left the tier, so a chain is evicted from its end, and an inner block never leaves a tier
-before its descendants there. The manager pushes a block when it becomes a candidate and bumps
-``block.gen`` whenever its state changes, which turns older heap entries stale (lazy deletion).
+before its descendants there. The block pool pushes a block when it becomes a candidate and
+bumps ``block.gen`` whenever its state changes, which turns older heap entries stale (lazy
+deletion).
 
 Each tier has two queues: cached blocks, and pages of suspended sequences. The victim is the
 first of the two heads in the order above, except that a suspended page is taken only when the

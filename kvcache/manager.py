@@ -25,7 +25,7 @@ Decisions (TensorRT-LLM's KVCacheManagerV2 is the reference for the semantics):
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from kvcache.block_pool import BlockPool
@@ -35,7 +35,7 @@ from kvcache.keys import token_array, tokens_to_bytes
 from kvcache.pool import PagePool
 from kvcache.scope import DEFAULT_SCOPE, ReuseScope
 from kvcache.sequence import KVCache
-from kvcache.sink import EventSink
+from kvcache.sink import BlockView, EventSink
 from kvcache.stats import KVCacheStats, TierUsage
 from kvcache.storage_protocol import PageStorage
 from kvcache.tree import Block, RadixTree
@@ -202,6 +202,12 @@ class KVCacheManager:
     def num_cached_blocks(self) -> int:
         """Blocks in the tree (every scope, every tier)."""
         return self._tree.num_blocks
+
+    def iter_blocks(self) -> Iterator[BlockView]:
+        """Every block in the tree (every scope, every tier), each after its parent: the cache's
+        contents as an event sink sees them, for a consumer's snapshot of the whole state.
+        Do not change the cache while iterating."""
+        return iter(self._tree.iter_blocks())
 
     @property
     def stats(self) -> KVCacheStats:

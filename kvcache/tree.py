@@ -183,11 +183,6 @@ class RadixTree:
         return best, best_len
 
     @staticmethod
-    def lookup(node: Node, key: bytes) -> Block | None:
-        """The full child of ``node`` with ``key``."""
-        return node.children.get(key) if node.children else None
-
-    @staticmethod
     def is_useless_partial(node: Node, tokens: array[int]) -> bool:
         """A partial block whose tokens are a prefix of a sibling's adds nothing reusable."""
         n = len(tokens)

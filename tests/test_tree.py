@@ -6,7 +6,7 @@ from array import array
 from hashlib import sha256
 
 from kvcache import ReuseScope
-from kvcache.keys import tokens_to_bytes
+from kvcache.keys import blockchain_keys, tokens_to_bytes
 from kvcache.tree import Block, RadixTree, ScopeRoot
 
 TPB = 2
@@ -110,3 +110,20 @@ def test_scopes_never_share_nodes() -> None:
             assert o is not None
             assert b not in tree.match_full(o, data([1, 2]), 1, 4 * TPB)
     assert [b.scope for b in tree.iter_blocks()] == scopes
+
+
+def test_attach_chain_keys_match_the_wire_key_chain() -> None:
+    """Keys of a chain attached at once equal ``blockchain_keys`` (WIRE.md section 2), and each
+    block's parent is the one before it."""
+    tree = RadixTree()
+    scope = ReuseScope(lora_id=7, salt=9)
+    root = tree.root(scope, create=True)
+    assert root is not None
+    tokens = array("i", [5, 6, 7, 8, 9, 10])
+    blocks = [Block(i, scope, 0, i, 35) for i in range(3)]
+    tree.attach_chain(root, blocks, tokens, TPB)
+    assert [b.key for b in blocks] == blockchain_keys(scope, list(tokens), TPB)
+    assert [b.parent for b in blocks] == [None, blocks[0], blocks[1]]
+    assert [list(b.tokens) for b in blocks] == [[5, 6], [7, 8], [9, 10]]
+    assert tree.match_full(root, data(list(tokens)), 3, 4 * TPB) == blocks
+    assert tree.num_blocks == 3 and all(b.is_full and b.in_tree for b in blocks)
