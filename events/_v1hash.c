@@ -210,6 +210,64 @@ done:
     return result;
 }
 
+/* chain_lists(token_lists, parent, lora, salt): the V1 hash of each list of token ids in turn,
+ * each chained to the previous one (the first to parent). Stops before the first empty list
+ * (its block has no tokens to hash): the result may be shorter than the input. */
+static PyObject *v1_chain_lists(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *lists, *parent_obj, *lora, *salt;
+    scope_t scope;
+    if (!PyArg_ParseTuple(args, "OOOO:chain_lists", &lists, &parent_obj, &lora, &salt)) {
+        return NULL;
+    }
+    if (!PyList_Check(lists)) {
+        PyErr_SetString(PyExc_TypeError, "chain_lists: token_lists must be a list");
+        return NULL;
+    }
+    int has_parent;
+    uint64_t parent;
+    if (parse_optional_u64(parent_obj, "parent_hash", &has_parent, &parent) < 0 ||
+        parse_scope(lora, salt, &scope) < 0) {
+        return NULL;
+    }
+    if (!has_parent) {
+        PyErr_SetString(PyExc_TypeError, "parent_hash must be an int (0 for a first block)");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(lists);
+    PyObject *result = PyList_New(0);
+    if (result == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t b = 0; b < n; b++) {
+        PyObject *item = PyList_GET_ITEM(lists, b);
+        tokens_t toks;
+        if (PyList_Check(item) && PyList_GET_SIZE(item) == 0) {
+            break;
+        }
+        if (get_tokens(item, &toks) < 0) {
+            Py_DECREF(result);
+            return NULL;
+        }
+        uint32_t sign = 0;
+        parent = hash_block(toks.data, toks.n, parent, &scope, &sign);
+        release_tokens(&toks);
+        if (sign & UINT32_C(0x80000000)) {
+            negative_token_error();
+            Py_DECREF(result);
+            return NULL;
+        }
+        PyObject *v = PyLong_FromUnsignedLongLong(parent);
+        if (v == NULL || PyList_Append(result, v) < 0) {
+            Py_XDECREF(v);
+            Py_DECREF(result);
+            return NULL;
+        }
+        Py_DECREF(v);
+    }
+    return result;
+}
+
 static PyObject *v1_chain(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *tokens_obj, *lora, *salt;
@@ -857,6 +915,9 @@ static PyMethodDef methods[] = {
     {"chain", v1_chain, METH_VARARGS,
      "chain(tokens, tokens_per_block, lora_id, salt_id) -> list[int]: V1 hashes of every full "
      "block of packed int32 token ids."},
+    {"chain_lists", v1_chain_lists, METH_VARARGS,
+     "chain_lists(token_lists, parent_hash, lora_id, salt_id) -> list[int]: V1 hash of each "
+     "list of token ids chained from parent_hash; stops before the first empty list."},
     {"msgpack_scan", msgpack_scan, METH_VARARGS,
      "msgpack_scan(data, max_depth) -> int: 0 one well-formed object, 1 nested deeper than "
      "max_depth, 2 truncated, 3 invalid type byte, 4 trailing bytes."},

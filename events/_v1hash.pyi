@@ -10,6 +10,12 @@ def chain(
 ) -> list[int]:
     """V1 hashes of every full block of packed native-endian int32 token ids."""
 
+def chain_lists(
+    token_lists: list[Any], parent_hash: int, lora_id: int | None, salt_id: int | None
+) -> list[int]:
+    """V1 hash of each list of token ids in turn, chained from ``parent_hash``; stops before
+    the first empty list."""
+
 def first_bad_token(tokens: list[object]) -> int:
     """Index of the first item that is not an exact int in [0, 2**31), or -1."""
 

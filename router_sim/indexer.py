@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, repeat, takewhile
 from operator import and_, neg, or_
@@ -75,11 +75,6 @@ ANOMALY_KINDS: Final[tuple[str, ...]] = (
 _MASK64: Final = (1 << 64) - 1
 _GROUP_MUL: Final = 0x9E3779B97F4A7C15  # odd: distinct groups give distinct masks
 
-try:  # one block's V1 hash from a list of ids in one native call, when the extension is built
-    from events._v1hash import block_hash as _native_block_hash
-except ImportError:  # pragma: no cover - depends on the install
-    _native_block_hash = None  # type: ignore[assignment]
-
 
 def lora_name_id(name: str) -> int:
     """The LoRA id a router uses for an adapter known by name (engines that send
@@ -93,11 +88,28 @@ def _group_mask(group: int | None) -> int:
     return 0 if not group else (group * _GROUP_MUL) & _MASK64 or 1
 
 
-def _key_of_block(tokens: list[int], parent: int, lora: int | None, salt: int | None) -> int:
-    if _native_block_hash is not None:
-        key: int = _native_block_hash(tokens, parent, lora, salt)
-        return key
-    return hashing.v1_block_hash_py(tokens, parent, lora, salt)
+def _chain_lists_py(
+    token_lists: list[list[int]], parent: int, lora: int | None, salt: int | None
+) -> list[int]:
+    """V1 key of each block's token ids in turn, chained from ``parent``; stops before the
+    first block without tokens (the reference of the native ``chain_lists``)."""
+    keys: list[int] = []
+    for tokens in token_lists:
+        if not tokens:
+            break
+        parent = hashing.v1_block_hash(tokens, parent, lora, salt)
+        keys.append(parent)
+    return keys
+
+
+try:  # one native call keys a whole store, when the extension is built
+    from events._v1hash import chain_lists as _native_chain_lists
+except ImportError:  # pragma: no cover - depends on the install
+    _native_chain_lists = None  # type: ignore[assignment]
+
+_chain_lists: Callable[[list[list[int]], int, int | None, int | None], list[int]] = (
+    _native_chain_lists if _native_chain_lists is not None else _chain_lists_py
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -394,29 +406,41 @@ class KvIndexer:
         salt = first.cache_salt_id
         if salt is None and data.salt is not None:
             salt = cache_salt_id(data.salt)
+        computed: list[int] = []
+        if chain is not None:
+            try:
+                computed = _chain_lists([b.tokens for b in data.blocks], chain, lora, salt)
+            except (TypeError, ValueError, OverflowError):
+                computed = []
+        n = len(computed)
+        blocks = data.blocks
+        if n == len(blocks):  # the common case: every block keyed from its tokens at once
+            hashes: list[BlockHash] = [b.block_hash for b in blocks]
+            counts[0] += n
+            if gmask:
+                computed = [k ^ gmask for k in computed]
+            elif computed == hashes:  # the worker hashes as the router does: no map
+                counts[2] += n
+                return computed  # type: ignore[return-value]
+            keys.update(
+                zip(hashes if not group else [(h, group) for h in hashes], computed, strict=True)
+            )
+            return computed  # type: ignore[return-value]
         out: list[IndexKey] = []
-        for block in data.blocks:
+        for i, block in enumerate(blocks):
             h = block.block_hash
-            tokens = block.tokens
-            if tokens and chain is not None:
-                try:
-                    chain = _key_of_block(tokens, chain, lora, salt)
-                except (TypeError, ValueError):
-                    chain = None
-            else:
-                chain = None
-            if chain is None:
+            if i >= n:
                 # No tokens (placeholder, masked store) or a chain cut short: the block keeps
                 # the key its hash already has, else its engine hash.
                 k = self._key_of(keys, h, group)
                 if k == (h if not group else (h, group)) and k not in held:
                     if not data.masked:  # a masked store's worker does send token ids
                         counts[1] += 1
-                    if not tokens:
+                    if not block.tokens:
                         self._anomaly(worker, UNKEYED_BLOCK)
                 out.append(k)
                 continue
-            key = chain ^ gmask
+            key = computed[i] ^ gmask
             counts[0] += 1
             if key == h and not group:
                 counts[2] += 1
@@ -433,8 +457,22 @@ class KvIndexer:
         self._check_block_size(worker, data)
         device, slower = self._device, self._slower
         refs = self._refs[worker]
+        held_add, device_add = held.setdefault, device.setdefault
         for block, h in zip(data.blocks, self._stored_keys(worker, held, data), strict=True):
             level = block.cache_level
+            if not level:
+                # the common case, one lookup per map for a block new to the worker and to
+                # the fleet (as in the by-hash path)
+                size = len(held)
+                old = held_add(h, 1)
+                if len(held) == size:
+                    if old & 1:
+                        continue
+                    held[h] = old | 1
+                m = device_add(h, bit)
+                if m != bit:
+                    device[h] = m | bit
+                continue
             lbit = 1 << level if level > 0 else 1
             old = held.get(h, 0)
             if old & lbit:
@@ -481,9 +519,22 @@ class KvIndexer:
         keys = self._keys[worker]
         refs = self._refs[worker]
         group = data.group
+        device = self._device
+        keep = ~bit
+        kget = keys.get
         for eh in data.block_hashes:
-            h: IndexKey = self._key_of(keys, eh, group)
+            ek: IndexKey = eh if not group else (eh, group)
+            h: IndexKey = kget(ek, ek)
             old = held.get(h, 0)
+            if old == 1 and mask & 1:
+                # the common eviction: the only copy was on the device tier
+                del held[h]
+                m = device.pop(h) & keep
+                if m:
+                    device[h] = m
+                if ek is not h:
+                    keys.pop(ek, None)
+                continue
             gone = old & mask
             if not gone:
                 unknown += 1
@@ -499,7 +550,7 @@ class KvIndexer:
                     continue
             self._drop_levels(bit, held, h, old, gone)
             if keys and h not in held:
-                keys.pop(eh if not group else (eh, group), None)
+                keys.pop(ek, None)
         if unknown:
             self._anomaly(worker, UNKNOWN_REMOVAL, unknown)
 
