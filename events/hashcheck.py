@@ -18,8 +18,9 @@ recomputes them) or any other name for an engine's own hashing, checked from cap
 
 Hashes come from a *hasher* (:data:`Hasher`: this library by default, :func:`worker_hasher` for
 this project's worker, or an engine's own function) or from a capture an engine published
-(:func:`capture_hasher`). :func:`check` compares them with the golden values and diagnoses
-each drift (:func:`events.diagnosis.explain_chain`); :func:`record` computes a golden file.
+(:class:`events.capture_hashes.CaptureHashes`). :func:`compare` sets them against the
+golden values and diagnoses each drift (:func:`events.diagnosis.explain_chain`);
+:func:`record` computes a golden file.
 """
 
 from __future__ import annotations
