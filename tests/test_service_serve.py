@@ -222,7 +222,28 @@ def test_workers_are_removed_and_added_at_run_time(fleet: Fleet) -> None:
 
 def test_a_killed_worker_is_seen_and_routing_recovers_after_restart(fleet: Fleet) -> None:
     old = fleet.workers[1]
-    old.kill()
+    # a second router that probes rarely: it learns of the death from the refused connection
+    blind = start_serve(fleet.path, "--health-interval", "60")
+    try:
+        p = prefix(50)
+        status, _, _ = post_json(old.http + "/v1/completions", {"prompt": [*p, 1], "max_tokens": 1})
+        assert status == 200
+
+        def blind_route() -> dict[str, Any]:
+            return dict(post_json(blind.http + "/route", {"prompt": p})[2])
+
+        poll("prefix 50 indexed on worker 1", lambda: blind_route()["overlaps"]["1"] == 4)
+        assert blind_route()["worker"] == 1
+        old.kill()
+        status, headers, _ = request(
+            "POST", blind.http + "/v1/completions", {"prompt": [*p, 2], "max_tokens": 1}
+        )
+        assert status == 200 and headers["X-Router-Worker"] != "1"  # the next choice served it
+        assert workers_by_id(blind)[1]["state"] == "down"
+        metrics = _samples(request("GET", blind.http + "/metrics")[2].decode())
+        assert metrics["router_worker_up"] == 3
+    finally:
+        blind.stop()
     poll("worker 1 down", lambda: workers_by_id(fleet.serve)[1]["state"] == "down")
     for k in range(4):
         worker, _ = fleet.complete(prefix(30 + k))

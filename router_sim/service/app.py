@@ -15,8 +15,9 @@ Endpoints:
 - ``GET /healthz``, ``GET /metrics`` (Prometheus text format).
 
 Bad requests get a 4xx with a JSON error (:mod:`router_sim.service.protocol`); a worker that
-cannot be reached gets 502 and is skipped until its health probe answers again; no eligible
-worker is 503.
+that refuses the connection is skipped until its health probe answers again and the request
+goes to the next choice (up to :data:`MAX_ATTEMPTS` workers); a worker that fails after that
+is a 502; no eligible worker is 503.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from aiohttp import web
 
 from events.endpoints import EndpointError
 from router_sim.policies import POLICIES, NoWorkersError
+from router_sim.router import RoutingDecision
 from router_sim.service.core import FleetConflict, RouterService
 from router_sim.service.fleet import FleetError, FleetFile, load_fleet, parse_worker
 from router_sim.service.protocol import (
@@ -77,22 +79,46 @@ async def route(request: web.Request) -> web.Response:
     return web.json_response(svc.explain(decision))
 
 
+MAX_ATTEMPTS = 3
+"""Workers tried per completion when the chosen one refuses the connection (it died since its
+last health probe); each refusal takes that worker out of routing until it answers again."""
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     svc = request.app[SERVICE]
     raw = await read_body(request)
     body = parse_body(CompletionBody, raw)
     lora = svc.resolve_lora(body.lora_id, body.lora_name, body.model)
-    try:
-        decision = svc.decide(body.prompt, lora, body.cache_salt)
-    except NoWorkersError as exc:
-        return _no_workers(exc)
-    worker = decision.worker
     if lora != body.lora_id:  # resolved from a name: the worker keys its cache by the id
         raw = json.dumps({**json.loads(raw), "lora_id": lora}).encode()
-    url = svc.workers[worker].entry.http + "/v1/completions"
-    ticket = svc.load.begin(
-        worker, len(body.prompt), decision.chosen_overlap * svc.fleet.tokens_per_block
+    refused: list[str] = []
+    for _ in range(MAX_ATTEMPTS):
+        try:
+            decision = svc.decide(body.prompt, lora, body.cache_salt)
+        except NoWorkersError as exc:
+            return _no_workers(exc)
+        resp = await _forward(request, svc, body, raw, decision)
+        if resp is not None:
+            return resp
+        refused.append(str(decision.worker))
+    return error_response(
+        502, f"workers {', '.join(refused)} refused the connection", "bad_gateway"
     )
+
+
+async def _forward(
+    request: web.Request,
+    svc: RouterService,
+    body: CompletionBody,
+    raw: bytes,
+    decision: RoutingDecision,
+) -> web.StreamResponse | None:
+    """Forward to the decided worker and relay its answer; None when it refused the
+    connection (nothing was sent: another worker may take the request)."""
+    worker = decision.worker
+    url = svc.workers[worker].entry.http + "/v1/completions"
+    cached = decision.chosen_overlap * svc.fleet.tokens_per_block
+    ticket = svc.load.begin(worker, len(body.prompt), cached)
     svc.metrics.inflight.labels(str(worker)).inc()
     headers = {"X-Router-Worker": str(worker)}
     resp: web.StreamResponse | None = None
@@ -119,9 +145,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
             await resp.write_eof()
             outcome = "200"
             return resp
+    except aiohttp.ClientConnectorError as exc:
+        svc.mark_down(worker, f"{type(exc).__name__}: {exc}")
+        outcome = "refused"
+        return None
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        if isinstance(exc, aiohttp.ClientConnectorError):
-            svc.mark_down(worker, f"{type(exc).__name__}: {exc}")
         if resp is not None:
             return resp  # the stream had started: it ends short, as the worker's did
         return error_response(
