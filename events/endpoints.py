@@ -39,8 +39,9 @@ def should_bind(endpoint: str) -> bool:
 def offset_for_rank(endpoint: str, dp_rank: int) -> str:
     """The endpoint the publisher of data-parallel rank ``dp_rank`` uses.
 
-    tcp: port + rank (a wildcard port ``*`` cannot be offset and is returned unchanged, each rank
-    then gets its own ephemeral port); inproc/ipc: ``_dp{rank}`` suffix for ranks above 0.
+    tcp: port + rank (a wildcard port ``*`` or port 0 cannot be offset and is returned
+    unchanged, each rank then gets its own ephemeral port); inproc/ipc: ``_dp{rank}`` suffix for
+    ranks above 0.
     """
     _check(endpoint)
     if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or dp_rank < 0:
@@ -52,7 +53,10 @@ def offset_for_rank(endpoint: str, dp_rank: int) -> str:
     host, sep, port = endpoint.rpartition(":")
     if not sep or host == "tcp":
         raise EndpointError(f"tcp endpoint {endpoint!r} has no port; write tcp://HOST:PORT")
-    if port == "*":
+    if port in ("*", "0"):
+        # an ephemeral port: each rank binds its own. vLLM's rule adds the rank to the number
+        # (port 0 becomes port r, a fixed low port nobody chose); ZeroMQ's wildcard and port 0
+        # both mean "any free port", so they stay as they are
         return endpoint
     if not port.isdigit():
         raise EndpointError(f"tcp endpoint {endpoint!r} has a non-numeric port {port!r}")

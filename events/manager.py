@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 from array import array
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
@@ -158,6 +158,7 @@ class KVCacheEventManager:
         self._next_id = 0
         self.dropped_events = 0
         """Events dropped from the buffer because it was full (oldest first)."""
+        self._dropped_untaken = 0
         self.duplicate_stores = 0
         """Stored calls for blocks already announced (ignored; a cache bug if ever non-zero)."""
 
@@ -388,6 +389,7 @@ class KVCacheEventManager:
             overflow = len(self._buffer) + len(ready) - self.max_entries
             if overflow > 0:
                 self.dropped_events += overflow
+                self._dropped_untaken += overflow
             self._buffer.extend(ready)  # the deque's maxlen discards the oldest
             self._ready.notify_all()
             return len(ready)
@@ -404,6 +406,63 @@ class KVCacheEventManager:
             events = list(self._buffer)
             self._buffer.clear()
             return events
+
+    def take_dropped(self) -> int:
+        """Events dropped by the full buffer since the last call (0: the drained history is
+        whole). A publisher must make such a loss visible before it publishes what is drained
+        next, e.g. ``if mgr.take_dropped(): publisher.skip()``: subscribers then see a gap that
+        no replay fills, and recover by snapshot instead of keeping a silently wrong view."""
+        with self._lock:
+            dropped, self._dropped_untaken = self._dropped_untaken, 0
+            return dropped
+
+    def snapshot(self, blocks: Iterable[BlockView]) -> list[KVCacheEvent] | None:
+        """The announced state as ``Stored`` events, one chain per run of the tree; None when it
+        would not match the events handed out so far (some are pending or still buffered).
+
+        ``blocks`` is the cache's content, each block after its parent
+        (``KVCacheManager.iter_blocks()``): the tree is the truth, so blocks whose Stored
+        events were dropped by a full buffer are included and blocks whose removal was
+        dropped are not. Only announced blocks appear (partial ones only with
+        ``announce_partial``), under the hashes and tiers they have now. Call it on the thread
+        that drives the cache, right after draining and publishing: the result is then the
+        state every published batch adds up to.
+        """
+        with self._lock:
+            if self._pending or self._buffer:
+                return None
+            hashes = self._hashes
+            out: list[_Pending] = []
+            for block in blocks:
+                h = hashes.get(block.key)
+                if h is None:
+                    continue
+                parent = block.parent
+                parent_hash = None if parent is None else hashes.get(parent.key)
+                if parent_hash is None and parent is not None:
+                    parent_hash = self._parent_hash(block)
+                scope = block.scope
+                sb = _stored_block(
+                    h,
+                    _token_list(block.tokens),
+                    scope.lora_id,
+                    block.tier,
+                    block.priority,
+                    scope.salt,
+                )
+                self._append_stored(parent_hash, sb, out)
+            block_size = self._block_size
+            return [
+                KVCacheEvent(
+                    i,
+                    Stored(p.parent_hash, p.blocks, block_size),
+                    self.window_size,
+                    self._algo_name,
+                    self.dp_rank,
+                )
+                for i, p in enumerate(out)
+                if isinstance(p, _PendingStored)
+            ]
 
     @property
     def num_pending(self) -> int:

@@ -36,6 +36,9 @@ def test_bind_or_connect(endpoint: str, bind: bool) -> None:
         ("inproc://kv", 2, "inproc://kv_dp2"),
         ("ipc:///tmp/kv", 1, "ipc:///tmp/kv_dp1"),
         ("tcp://127.0.0.1:*", 4, "tcp://127.0.0.1:*"),
+        # port 0 is "any free port" to ZeroMQ: every rank binds its own, never port 0 + rank
+        ("tcp://127.0.0.1:0", 3, "tcp://127.0.0.1:0"),
+        ("tcp://*:0", 1, "tcp://*:0"),
     ],
 )
 def test_data_parallel_offset(endpoint: str, rank: int, expected: str) -> None:
