@@ -89,13 +89,26 @@ class BlockPool:
 
     def _holders(self, b: Block, refs: int, susp: int, tick: int | None = None) -> None:
         """Set ``b``'s live (``refs``) and suspended holders, and its last release."""
-        self._count(b, -1)
+        t = b.tier  # _count(b, -1), then _count(b, 1), inlined: this runs for every reused block
+        if b.refs:
+            self.pinned[t] -= 1
+        elif b.susp:
+            self.suspended[t] -= 1
+        else:
+            self.cached[t] -= 1
+        if refs:
+            self.pinned[t] += 1
+        elif susp:
+            self.suspended[t] += 1
+        else:
+            self.cached[t] += 1
         b.refs = refs
         b.susp = susp
-        self._count(b, 1)
         if tick is not None:
             b.tick = tick
-        self._refresh(b)
+        b.gen += 1  # and _refresh
+        if refs == 0 and b.here == 0 and b.page >= 0:
+            self.queues[b.tier][1 if susp else 0].push(b)
 
     # ------------------------------------------------------------------------------ capacity
 
@@ -174,6 +187,8 @@ class BlockPool:
             self._holders(b, b.refs + 1, b.susp)
         away = [b for b in full if b.tier != 0]
         need = len(away) + (src is not None)
+        if not need:
+            return list(full)
         try:
             cow = " + 1 copy-on-write" if src else ""
             self._check_room(need, f"reusing {len(full)} blocks{cow} needs {need}")
