@@ -202,6 +202,7 @@ class Simulation:
             self._queues: list[deque[tuple[float, SubscriberMessage]]] = [
                 deque() for _ in self.workers
             ]
+            self._queued: set[int] = set()
             self._delivered: list[int] = [-1] * len(self.workers)
             self._last_due: list[float] = [0.0] * len(self.workers)
             self._restarts = sorted(config.restarts, key=lambda r: r.at_ms)
@@ -234,9 +235,10 @@ class Simulation:
         """Receive until every frame the workers sent live has been delivered."""
         if self._memory:
             for w in self.workers:
-                wid = w.worker_id
-                for seq, payload in w.take_frames():
-                    self._enqueue(BatchDelivery(wid, seq, decode_batch(payload)))
+                if w.has_frames:
+                    wid = w.worker_id
+                    for seq, payload in w.take_frames():
+                        self._enqueue(BatchDelivery(wid, seq, decode_batch(payload)))
             return
         deadline = time.monotonic() + self.config.drain_timeout_s
         while True:
@@ -271,19 +273,25 @@ class Simulation:
         else:
             due = self._last_due[wid]  # in order: right before the next delivery
         self._queues[wid].append((due, msg))
+        self._queued.add(wid)
 
     def _apply_due(self, now_ms: float) -> None:
-        for wid, q in enumerate(self._queues):
+        # only the workers with something queued: O(active workers), not O(fleet)
+        for wid in sorted(self._queued):
+            q = self._queues[wid]
             while q and q[0][0] <= now_ms:
                 _, msg = q.popleft()
                 if isinstance(msg, BatchDelivery):
                     self.router.apply(wid, msg.batch)
                 elif isinstance(msg, ResyncRequired):
                     self.router.reset_worker(wid)
+            if not q:
+                self._queued.discard(wid)
 
     def _advance(self, t_ms: float) -> None:
         for w in self.workers:
-            w.run_until(t_ms)
+            if not w.idle:  # an idle worker's clock catches up when a request arrives
+                w.run_until(t_ms)
         self._drain()
         self._apply_due(t_ms)
 
@@ -292,6 +300,7 @@ class Simulation:
             fault = self._restarts.pop(0)
             self._advance(fault.at_ms)
             w = self.workers[fault.worker]
+            w.run_until(fault.at_ms)  # an idle worker's clock: the restart's time
             if not self._memory:
                 st = self.subscriber.status(w.worker_id)  # its counters end with this connection
                 self._carried.gaps += st.gaps

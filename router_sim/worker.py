@@ -159,6 +159,7 @@ class SimWorker:
         self.sent_seqs: list[int] = []
         """Seqs of the current publisher sent live (not dropped), in order."""
         self.publisher: ZmqEventPublisher | None = None
+        self._load: WorkerLoad | None = None
         self._outbox: list[tuple[int, bytes]] = []
         self._next_seq = 0
         self.published = 0
@@ -231,6 +232,11 @@ class SimWorker:
     def replay_endpoint(self) -> str | None:
         return self._zmq().replay_endpoint
 
+    @property
+    def has_frames(self) -> bool:
+        """Memory transport: frames are waiting for :meth:`take_frames`."""
+        return bool(self._outbox)
+
     def take_frames(self) -> list[tuple[int, bytes]]:
         """Memory transport: the (seq, payload) frames published since the last call, in
         order. They are the bytes a ZeroMQ subscriber would receive (less topic and seq)."""
@@ -250,6 +256,7 @@ class SimWorker:
             s.record.preemptions += 1
         self.waiting = deque(requeue)
         self._admission_blocked = False
+        self._load = None
         if self.publisher is not None:
             self.publisher.close(timeout_s=5.0)
         self.restarts += 1
@@ -311,7 +318,10 @@ class SimWorker:
     # ------------------------------------------------------------------------- load
 
     def load(self) -> WorkerLoad:
-        """The load snapshot the router sees."""
+        """The load snapshot the router sees (kept until the worker next changes: a fleet of
+        mostly idle workers costs the router one lookup per worker, not a walk of queues)."""
+        if self._load is not None:
+            return self._load
         pending = 0
         decode_blocks = 0
         tpb = self.config.tokens_per_block
@@ -324,12 +334,13 @@ class SimWorker:
                 decode_blocks += -(-(s.req.input_length + s.generated) // tpb)
             else:
                 pending += s.target - s.computed
-        return WorkerLoad(
+        self._load = WorkerLoad(
             active_requests=len(self.waiting) + len(self.running),
             pending_prefill_tokens=pending,
             kv_usage=min(1.0, max(0.0, self.manager.kv_usage(0))),
             decode_blocks=decode_blocks,
         )
+        return self._load
 
     @property
     def idle(self) -> bool:
@@ -347,6 +358,7 @@ class SimWorker:
         """A routed request arrives at ``now_ms`` (``prompt``: its tokens, if already built)."""
         if self.idle:
             self.clock_ms = max(self.clock_ms, now_ms)
+        self._load = None
         seq = _Seq(req, record, self._order)
         if prompt is not None:
             seq.full = prompt + req.output_tokens()
@@ -456,6 +468,7 @@ class SimWorker:
             self.clock_ms = t_ms
 
     def _step(self, t_ms: float) -> bool:
+        self._load = None
         self._admit_waiting()
         tpb = self.config.tokens_per_block
         # pages for this step's decode tokens first (may preempt, so iterate over a copy)
