@@ -244,7 +244,10 @@ class Doctor:
         summary.first_seq = seq if summary.first_seq is None else summary.first_seq
         summary.last_seq = seq
         try:
-            events = decode_batch(payload).events
+            batch = decode_batch(payload)
+            events = batch.events
+            if batch.malformed:  # the decoder left those events out: say so, then look closer
+                raise DecodeError(batch.malformed[0])
         except DecodeError as exc:
             self._note(
                 "problem", worker, "decode", f"payload does not decode: {exc}", seq, group=""
