@@ -62,9 +62,8 @@ class BlockPool:
         self.tokens_per_block = tokens_per_block
         n = len(pools)
         self.num_tiers = n
-        self.pinned = [0] * n
-        self.cached = [0] * n
-        self.suspended = [0] * n
+        self.pinned, self.suspended, self.cached = [0] * n, [0] * n, [0] * n  # pages per tier
+        self._classes = (self.pinned, self.suspended, self.cached)
         self.queues = [(EvictionQueue(p.num_blocks), EvictionQueue(p.num_blocks)) for p in pools]
         self.counters = Counters()
         self._uid = 0
@@ -74,12 +73,7 @@ class BlockPool:
     # ----------------------------------------------------------------- classes and candidacy
 
     def _count(self, b: Block, sign: int) -> None:
-        if b.refs:
-            self.pinned[b.tier] += sign
-        elif b.susp:
-            self.suspended[b.tier] += sign
-        else:
-            self.cached[b.tier] += sign
+        self._classes[0 if b.refs else 1 if b.susp else 2][b.tier] += sign
 
     def _refresh(self, b: Block) -> None:
         """Invalidate ``b``'s heap entries and offer it again if it is a candidate now."""
@@ -89,19 +83,9 @@ class BlockPool:
 
     def _holders(self, b: Block, refs: int, susp: int, tick: int | None = None) -> None:
         """Set ``b``'s live (``refs``) and suspended holders, and its last release."""
-        t = b.tier  # _count(b, -1), then _count(b, 1), inlined: this runs for every reused block
-        if b.refs:
-            self.pinned[t] -= 1
-        elif b.susp:
-            self.suspended[t] -= 1
-        else:
-            self.cached[t] -= 1
-        if refs:
-            self.pinned[t] += 1
-        elif susp:
-            self.suspended[t] += 1
-        else:
-            self.cached[t] += 1
+        t = b.tier  # _count(b, -1) and _count(b, 1), inlined: this runs for every reused block
+        self._classes[0 if b.refs else 1 if b.susp else 2][t] -= 1
+        self._classes[0 if refs else 1 if susp else 2][t] += 1
         b.refs = refs
         b.susp = susp
         if tick is not None:
