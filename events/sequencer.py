@@ -210,11 +210,13 @@ class StreamSequencer(Generic[T]):
         self._reconnect_probe = False
         start = self._request_start
         # another request is worth it when this one may not have covered the gap: something
-        # came back, the stream moved on while it was in flight, or the publisher had not yet
-        # handled the missing seqs when it answered. Else the ring no longer has them.
+        # came back, the stream moved on while it was in flight, a live frame newer than the
+        # request arrived, or the publisher had not yet handled the missing seqs when it
+        # answered. Else the ring no longer has them.
         progress = (
             self._progress
             or self.next_seq != start
+            or self._mark > self._mark_at_request  # a frame revealed the gap after the ask
             or (info is not None and self.next_seq is not None and info.next_seq <= self.next_seq)
         )
         if info is not None:
