@@ -4,8 +4,8 @@ The event manager builds one StoredBlock per announced block and the wire decode
 decoded block. A frozen dataclass's generated ``__init__`` stores every field through
 ``object.__setattr__``, about a microsecond per record; the builders here allocate the record
 with ``object.__new__`` and store each field through its slot descriptor, which is the same
-store without the detour. The result is the same object (equal, hashable, frozen), tested
-against the regular constructor.
+store without the detour. The result is the same object (equal, frozen, and like the
+dataclass not hashable, its tokens being a list), tested against the regular constructor.
 
 Each builder has a readable pure-Python form (the ``*_py`` functions, the reference) and, when
 the optional extension ``events._v1hash`` is built, a native form that does the same work in one
