@@ -188,15 +188,27 @@ def test_block_size_defaults_to_the_first_blocks_token_count() -> None:
     assert (wire["block_size"], wire["token_ids"]) == (3, [1, 2, 3, 4, 5])
 
 
-def test_decoded_hashes_match_what_a_router_computes() -> None:
-    tokens = list(range(100, 116))
-    scope = ReuseScope(lora_id=3, salt=77)
-    hashes = chain_hashes(tokens, 4, scope)
-    blocks = [StoredBlock(h, tokens[4 * i : 4 * i + 4], lora_id=3) for i, h in enumerate(hashes)]
-    decoded = decode_batch(encode_batch([KVCacheEvent(0, Stored(None, blocks, 4))], 0.0))
-    data = decoded.events[0].data
+def test_decoded_blocks_rehash_to_the_published_v1_chain() -> None:
+    """A router re-derives each block's hash from the decoded tokens, adapter and salt. The
+    payload carries the published V1 chain (tests/data/v1_hash_vectors.json, transcribed from
+    WIRE.md 3, not computed here), so decoding must keep every field the hash depends on and
+    the router's hashing must agree with the published values."""
+    vectors = json.loads((Path(__file__).parent / "data" / "v1_hash_vectors.json").read_text())
+    case = vectors["v1_chain"][1]  # tokens 0..7, 4 per block, ReuseScope(lora_id=7, salt=11)
+    tpb, tokens, published = case["tokens_per_block"], case["tokens"], case["hashes"]
+    lora, salt = case["scope"]["lora_id"], case["scope"]["salt"]
+    blocks = [
+        StoredBlock(h, tokens[tpb * i : tpb * (i + 1)], lora_id=lora, cache_salt_id=salt)
+        for i, h in enumerate(published)
+    ]
+    payload = encode_batch([KVCacheEvent(0, Stored(None, blocks, tpb))], 0.0)
+    data = decode_batch(payload).events[0].data
     assert isinstance(data, Stored)
-    assert [b.block_hash for b in data.blocks] == hashes
+    first = data.blocks[0]
+    scope = ReuseScope(lora_id=first.lora_id, salt=first.cache_salt_id)
+    decoded_tokens = [t for b in data.blocks for t in b.tokens]
+    assert chain_hashes(decoded_tokens, tpb, scope) == published
+    assert [b.block_hash for b in data.blocks] == published
 
 
 @pytest.mark.parametrize(
