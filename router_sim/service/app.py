@@ -193,7 +193,10 @@ async def remove_worker(request: web.Request) -> web.Response:
 async def healthz(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
     up = sum(1 for s in svc.workers.values() if s.up)
-    return web.json_response({"status": "ok", "workers": len(svc.workers), "workers_up": up})
+    # without its event pump the index goes stale: a load balancer should stop using this one
+    ok = svc.pump.alive
+    body = {"status": "ok" if ok else "events_stopped", "workers": len(svc.workers)}
+    return web.json_response({**body, "workers_up": up}, status=200 if ok else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -69,6 +69,11 @@ class EventPump:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """False once the pump's thread has stopped (closed, or failed: see the log)."""
+        return self._thread.is_alive()
+
     def statuses(self) -> dict[int, WorkerStatus]:
         """The latest stream status of every subscribed worker (a snapshot, replaced whole
         after each round, so reading it from the loop needs no lock)."""

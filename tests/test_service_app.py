@@ -1,0 +1,86 @@
+"""The router service in process (aiohttp's test server), without workers: the edge cases."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from router_sim.service.app import build_app
+from router_sim.service.core import RouterService
+from router_sim.service.fleet import FleetFile
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run(scenario: Callable[[TestClient[Any, Any], RouterService], Awaitable[None]]) -> None:
+    async def main() -> None:
+        svc = RouterService(FleetFile(), health_interval_s=0.05, probe_timeout_s=0.5)
+        async with TestClient(TestServer(build_app(svc))) as client:
+            await scenario(client, svc)
+
+    asyncio.run(main())
+
+
+def test_no_worker_is_a_503_with_a_json_error() -> None:
+    async def scenario(client: TestClient[Any, Any], svc: RouterService) -> None:
+        for path in ("/route", "/v1/completions"):
+            resp = await client.post(path, data=json.dumps({"prompt": [1, 2, 3]}))
+            assert resp.status == 503
+            assert (await resp.json())["error"]["type"] == "service_unavailable"
+
+    run(scenario)
+
+
+def test_a_worker_that_does_not_answer_is_listed_down_and_never_chosen() -> None:
+    async def scenario(client: TestClient[Any, Any], svc: RouterService) -> None:
+        port = _closed_port()
+        entry = {
+            "id": 4,
+            "http": f"http://127.0.0.1:{port}",
+            "events": f"tcp://127.0.0.1:{port}",
+        }
+        resp = await client.post("/workers", data=json.dumps(entry))
+        assert resp.status == 201
+        report = await resp.json()
+        assert report["state"] == "down" and report["up"] is False
+        assert "ClientConnectorError" in report["probe_error"]
+        resp = await client.post("/route", data=json.dumps({"prompt": [1, 2, 3]}))
+        assert resp.status == 503
+        resp = await client.delete("/workers/4")
+        assert resp.status == 200
+        assert (await (await client.get("/workers")).json()) == {"workers": []}
+
+    run(scenario)
+
+
+def test_healthz_fails_once_the_event_pump_is_gone() -> None:
+    async def scenario(client: TestClient[Any, Any], svc: RouterService) -> None:
+        resp = await client.get("/healthz")
+        assert resp.status == 200
+        assert await resp.json() == {"status": "ok", "workers": 0, "workers_up": 0}
+        await asyncio.get_running_loop().run_in_executor(None, svc.pump.stop)
+        resp = await client.get("/healthz")
+        assert resp.status == 503 and (await resp.json())["status"] == "events_stopped"
+
+    run(scenario)
+
+
+def test_oversized_bodies_are_a_json_413() -> None:
+    async def scenario(client: TestClient[Any, Any], svc: RouterService) -> None:
+        resp = await client.post("/route", data=b"[" + b"1," * (9 << 20) + b"1]")
+        assert resp.status == 413
+        assert (await resp.json())["error"]["code"] == 413
+
+    run(scenario)
