@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from array import array
+from types import SimpleNamespace
 
 import pytest
 
@@ -19,6 +20,7 @@ from events.model import (
 from events.subscriber import BatchDelivery, ResyncRequired, SubscriberMessage
 from kvcache.scope import DEFAULT_SCOPE, ReuseScope
 from router_sim import KvIndexer, Router, StaticLoadSource, WorkerLoad, make_policy
+from router_sim import router as router_module
 from router_sim.policies import DEFAULT_OVERLAP_WEIGHT, NoWorkersError
 
 TPB = 4
@@ -86,7 +88,12 @@ def test_v2_hash_algorithm_end_to_end() -> None:
     assert all(isinstance(h, str) and len(h) == 64 for h in d.block_hashes)
 
 
-def test_counters_record_locality_given_up() -> None:
+def test_counters_record_locality_given_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    ticks = iter(range(1000))
+    step = 2.0**-17  # seconds per read of the fake perf_counter: exact in binary
+    monkeypatch.setattr(
+        router_module, "time", SimpleNamespace(perf_counter=lambda: next(ticks) * step)
+    )
     router = Router(TPB, "round_robin", loads(3))
     router.apply(2, stored_batch(PROMPT))
     chosen = [router.route(PROMPT).worker for _ in range(3)]
@@ -96,7 +103,9 @@ def test_counters_record_locality_given_up() -> None:
     assert s.decisions_below_best == 2
     assert s.locality_given_up_blocks == 8  # 4 blocks given up, twice
     assert dict(s.chosen) == {0: 1, 1: 1, 2: 1}
-    assert len(s.recent_decision_us) == 3 and s.decision_us_p50() >= 0.0
+    # a decision reads the clock twice: each one took one step of the fake clock
+    assert list(s.recent_decision_us) == [step * 1e6] * 3
+    assert s.decision_us_p50() == step * 1e6 and s.decision_us_mean() == step * 1e6
 
 
 def test_only_the_load_sources_workers_are_candidates() -> None:
