@@ -327,3 +327,38 @@ def test_errors_name_what_was_wrong() -> None:
         KvOverlapPolicy().choose(req({}))
     with pytest.raises(ValueError, match="credit"):
         KvOverlapPolicy(slower_credit=1.5)
+
+
+def test_bounded_load_caps_a_worker_at_one_plus_epsilon_of_the_mean() -> None:
+    from router_sim.policies.base import BoundedLoad
+
+    b = BoundedLoad(0.5)
+    for _ in range(3):
+        b.record(0)
+    # 3 sent to 2 workers: cap ceil(1.5 * (3 + 1) / 2) = 3, and worker 0 has 3
+    assert b.eligible([0, 1]) == [1]
+    b.record(1)
+    # 4 sent: cap ceil(1.5 * 5 / 2) = 4
+    assert b.eligible([0, 1]) == [0, 1]
+    assert BoundedLoad(None).eligible([0, 1]) == [0, 1]
+    b.forget(0)
+    assert b.sent == {1: 1}
+    with pytest.raises(ValueError, match="balance"):
+        BoundedLoad(0.0)
+
+
+@pytest.mark.parametrize("name", ["kv_overlap", "predicted_ttft"])
+def test_balance_sends_a_popular_prefix_to_a_second_worker(name: str) -> None:
+    """Without the cap every request goes to the holder; with balance=0.5 over 2 workers the
+    holder may take decision n + 1 only while it was sent fewer than ceil(1.5 (n + 1) / 2):
+    caps 1, 2, 3, 3, 4, 5 for decisions 1..6, so the 4th goes to worker 1. Ties among
+    workers holding nothing go to the one sent fewest requests."""
+    loads = {0: IDLE, 1: IDLE}
+    sticky = make_policy(name, seed=1)
+    assert {sticky.choose(req(loads, {0: on_device(8)})).worker for _ in range(6)} == {0}
+    balanced = make_policy(name, seed=1, balance=0.5)
+    picks = [balanced.choose(req(loads, {0: on_device(8)})).worker for _ in range(6)]
+    assert picks == [0, 0, 0, 1, 0, 0]
+    fresh = make_policy(name, seed=1, balance=0.5)
+    spread = [fresh.choose(req(loads)).worker for _ in range(4)]
+    assert sorted(spread[:2]) == [0, 1] and sorted(spread[2:]) == [0, 1]

@@ -103,10 +103,12 @@ def lowest_cost(
     costs: Mapping[int, float],
     loads: Mapping[int, WorkerLoad],
     draw: Callable[[], float] | None = None,
+    prefer: Callable[[int], int] | None = None,
 ) -> int:
     """The worker of lowest cost; equal costs go to the least loaded, and workers still tied
     are picked with ``draw()`` (a uniform draw in [0, 1) from the caller's seeded RNG, made
-    only when there is a tie).
+    only when there is a tie). With ``prefer``, the tied workers of lowest ``prefer(worker)``
+    are kept before the draw.
 
     Without ``draw`` a tie goes to the lowest worker id, which piles every tied decision
     on one worker: with spread-out arrivals most workers are idle and equally cheap when a
@@ -116,9 +118,56 @@ def lowest_cost(
     tied = [w for w, c in costs.items() if math.isclose(c, best, rel_tol=1e-12, abs_tol=1e-9)]
     lightest = min(load_rank(loads[w]) for w in tied)
     tied = sorted(w for w in tied if load_rank(loads[w]) == lightest)
+    if prefer is not None and len(tied) > 1:
+        first = min(prefer(w) for w in tied)
+        tied = [w for w in tied if prefer(w) == first]
     if draw is None or len(tied) == 1:
         return tied[0]
     return tied[min(len(tied) - 1, int(draw() * len(tied)))]
+
+
+class BoundedLoad:
+    """Caps each worker's share of the decisions at ``1 + epsilon`` times the fleet's mean.
+
+    Consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam, SODA 2018)
+    applied to cache affinity: a worker may take the next request only while the requests it
+    was sent stay under ``ceil((1 + epsilon) * (sent to the fleet + 1) / workers)``. Below the
+    cap the policy's own choice stands; a worker at the cap is skipped, so a popular prefix
+    gets a second home (one recomputation) instead of one worker taking every conversation
+    that started there. Counts are the policy's own decisions (a live router knows what it
+    sent); ``None`` turns the cap off.
+    """
+
+    def __init__(self, epsilon: float | None) -> None:
+        if epsilon is not None and not epsilon > 0:
+            raise ValueError(f"balance (epsilon) must be > 0 or None, got {epsilon}")
+        self.epsilon = epsilon
+        self.sent: dict[int, int] = {}
+
+    def eligible(self, workers: Sequence[int]) -> list[int]:
+        """The workers under the cap (never empty: the least-sent worker is below the mean)."""
+        if self.epsilon is None or not workers:
+            return list(workers)
+        sent = self.sent
+        total = sum(sent.get(w, 0) for w in workers)
+        cap = math.ceil((1.0 + self.epsilon) * (total + 1) / len(workers))
+        return [w for w in workers if sent.get(w, 0) < cap] or list(workers)
+
+    def prefer(self) -> Callable[[int], int] | None:
+        """Tie-break for :func:`lowest_cost`: the worker sent the fewest requests (a request
+        no worker holds anything of can go anywhere: send it where it evens the counts)."""
+        if self.epsilon is None:
+            return None
+        sent = self.sent
+        return lambda w: sent.get(w, 0)
+
+    def record(self, worker: int) -> None:
+        """Count a decision for ``worker``."""
+        self.sent[worker] = self.sent.get(worker, 0) + 1
+
+    def forget(self, worker: int) -> None:
+        """``worker`` left the fleet: its count goes with it."""
+        self.sent.pop(worker, None)
 
 
 def softmax_sample(

@@ -28,12 +28,13 @@ given up without it:
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final, Protocol, runtime_checkable
 
 from events.model import BlockHash
 from router_sim.load import WorkerLoad
 from router_sim.policies.base import (
+    BoundedLoad,
     PolicyChoice,
     RouteRequest,
     RoutingError,
@@ -59,6 +60,9 @@ requests (8 workers, 512-token blocks) weights 8, 16 and 32 reach 96.7, 97.0 and
 the compulsory-miss bound with 65536-block tiers, and 4, 16 and 64 reach 92.7, 93.5 and
 93.0 % with 4096-block tiers; weight 1 reaches 92.2 %.
 """
+
+DEFAULT_BALANCE: Final[float | None] = None
+"""Default ``balance`` (epsilon of :class:`~router_sim.policies.base.BoundedLoad`)."""
 
 DEFAULT_RECOMPUTE_WEIGHT: Final = 1.0
 """Extra weight of a request's uncached blocks over queued ones (see the module docstring)."""
@@ -102,6 +106,7 @@ class KvOverlapPolicy:
         slower_credit: float = 0.75,
         seed: int = 0,
         recompute_weight: float = DEFAULT_RECOMPUTE_WEIGHT,
+        balance: float | None = DEFAULT_BALANCE,
     ) -> None:
         if overlap_weight < 0 or temperature < 0 or recompute_weight < 0:
             raise ValueError(
@@ -114,25 +119,32 @@ class KvOverlapPolicy:
         self.device_credit = device_credit
         self.slower_credit = slower_credit
         self.recompute_weight = recompute_weight
+        self.bounded = BoundedLoad(balance)
         self._rng = random.Random(seed)
 
     def cached(self, request: RouteRequest) -> dict[int, float]:
-        """Credited cached blocks per candidate worker."""
+        """Credited cached blocks per candidate worker (those under the balance cap)."""
         return {
             w: credited_blocks(request.matches.get(w), self.device_credit, self.slower_credit)
-            for w in candidates(request)
+            for w in self.bounded.eligible(candidates(request))
         }
 
     def choose(self, request: RouteRequest) -> PolicyChoice:
         cached = self.cached(request)
-        return choose_by_cost(
+        choice = choose_by_cost(
             self,
             request,
             cached,
             self.overlap_weight,
             self.temperature,
             self.recompute_weight,
+            prefer=self.bounded.prefer(),
         )
+        self.bounded.record(choice.worker)
+        return choice
+
+    def forget_worker(self, worker: int) -> None:
+        self.bounded.forget(worker)
 
     def uniform(self) -> float:
         return self._rng.random()
@@ -149,6 +161,7 @@ def choose_by_cost(
     overlap_weight: float,
     temperature: float,
     recompute_weight: float = DEFAULT_RECOMPUTE_WEIGHT,
+    prefer: Callable[[int], int] | None = None,
 ) -> PolicyChoice:
     """Score every candidate with :func:`overlap_cost` and pick (or sample) one; ties are
     broken by load, then by ``sampler``'s seeded draws."""
@@ -161,7 +174,7 @@ def choose_by_cost(
         chosen, probs = softmax_sample(costs, temperature, sampler.uniform())
         reason = f"sampled with p={probs[chosen]:.3f} at temperature {temperature}"
     else:
-        chosen = lowest_cost(costs, loads, sampler.uniform)
+        chosen = lowest_cost(costs, loads, sampler.uniform, prefer)
         reason = "lowest cost"
     return PolicyChoice(chosen, reason, costs=costs, predicted_overlap=cached)
 

@@ -27,13 +27,14 @@ from typing import Final
 
 from router_sim.load import TimingModel
 from router_sim.policies.base import (
+    BoundedLoad,
     PolicyChoice,
     RouteRequest,
     candidates,
     credited_blocks,
     lowest_cost,
 )
-from router_sim.policies.overlap import DEFAULT_RECOMPUTE_WEIGHT, check_credits
+from router_sim.policies.overlap import DEFAULT_BALANCE, DEFAULT_RECOMPUTE_WEIGHT, check_credits
 from router_sim.timing_model import PolynomialTiming
 
 DEFAULT_CHUNK_TOKENS: Final = 8192
@@ -54,6 +55,7 @@ class PredictedTtftPolicy:
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         recompute_weight: float = DEFAULT_RECOMPUTE_WEIGHT,
         seed: int = 0,
+        balance: float | None = DEFAULT_BALANCE,
     ) -> None:
         check_credits(device_credit, slower_credit)
         if chunk_tokens < 1 or recompute_weight < 0:
@@ -66,6 +68,7 @@ class PredictedTtftPolicy:
         self.slower_credit = slower_credit
         self.chunk_tokens = chunk_tokens
         self.recompute_weight = recompute_weight
+        self.bounded = BoundedLoad(balance)
         self._rng = random.Random(seed)
 
     def chunked_prefill_ms(self, tokens: int) -> float:
@@ -100,9 +103,10 @@ class PredictedTtftPolicy:
         return self.predict_ms(request, worker) + recompute
 
     def choose(self, request: RouteRequest) -> PolicyChoice:
-        workers = candidates(request)
+        workers = self.bounded.eligible(candidates(request))
         costs = {w: self.cost_ms(request, w) for w in workers}
-        chosen = lowest_cost(costs, request.loads, self._rng.random)
+        chosen = lowest_cost(costs, request.loads, self._rng.random, self.bounded.prefer())
+        self.bounded.record(chosen)
         overlap = {
             w: credited_blocks(request.matches.get(w), self.device_credit, self.slower_credit)
             for w in workers
@@ -112,6 +116,9 @@ class PredictedTtftPolicy:
             f"with recomputation counted (cost {costs[chosen]:.1f} ms)"
         )
         return PolicyChoice(chosen, reason, costs=costs, predicted_overlap=overlap)
+
+    def forget_worker(self, worker: int) -> None:
+        self.bounded.forget(worker)
 
 
 __all__ = ["DEFAULT_CHUNK_TOKENS", "PredictedTtftPolicy"]
