@@ -14,7 +14,7 @@ Endpoints:
   entry as JSON), ``DELETE /workers/{id}``;
 - ``GET /healthz``, ``GET /metrics`` (Prometheus text format).
 
-Bad requests get a 4xx with a JSON error (:mod:`router_sim.service.protocol`); a worker that
+Bad requests get a 4xx with a JSON error (:mod:`router_sim.service.protocol`); a worker
 that refuses the connection is skipped until its health probe answers again and the request
 goes to the next choice (up to :data:`MAX_ATTEMPTS` workers); a worker that fails after that
 is a 502; no eligible worker is 503.
