@@ -432,7 +432,9 @@ class KVCacheEventManager:
             if self._pending or self._buffer:
                 return None
             hashes = self._hashes
-            out: list[_Pending] = []
+            runs: list[tuple[BlockHash | None, list[StoredBlock]]] = []
+            run: list[StoredBlock] = []
+            tail: StoredBlock | None = None
             for block in blocks:
                 h = hashes.get(block.key)
                 if h is None:
@@ -442,26 +444,41 @@ class KVCacheEventManager:
                 if parent_hash is None and parent is not None:
                     parent_hash = self._parent_hash(block)
                 scope = block.scope
+                tokens = block.tokens
                 sb = _stored_block(
                     h,
-                    _token_list(block.tokens),
+                    tokens.tolist() if type(tokens) is array else list(tokens),
                     scope.lora_id,
                     block.tier,
                     block.priority,
                     scope.salt,
                 )
-                self._append_stored(parent_hash, sb, out)
+                # a child right after its parent, alike in all but tokens, extends the chain
+                # (the rule of _append_stored, inline: it runs once per cached block)
+                if (
+                    tail is not None
+                    and parent_hash is not None
+                    and tail.block_hash == parent_hash
+                    and tail.cache_level == sb.cache_level
+                    and tail.lora_id == sb.lora_id
+                    and tail.cache_salt_id == sb.cache_salt_id
+                    and tail.priority == sb.priority
+                ):
+                    run.append(sb)
+                else:
+                    run = [sb]
+                    runs.append((parent_hash, run))
+                tail = sb
             block_size = self._block_size
             return [
                 KVCacheEvent(
                     i,
-                    Stored(p.parent_hash, p.blocks, block_size),
+                    Stored(parent_hash, chain, block_size),
                     self.window_size,
                     self._algo_name,
                     self.dp_rank,
                 )
-                for i, p in enumerate(out)
-                if isinstance(p, _PendingStored)
+                for i, (parent_hash, chain) in enumerate(runs)
             ]
 
     @property

@@ -34,8 +34,9 @@ _INFO: Final = struct.Struct(">4sQQB")
 _HEADER: Final = struct.Struct(">QQII")
 #: the snapshot request's second frame, and the tag frame of every snapshot reply part
 SNAPSHOT_TAG: Final = b"kv-snapshot"
-#: blocks per snapshot part (well inside the decoder's default per-event and payload limits)
-PART_BLOCKS: Final = 4096
+#: blocks per snapshot part: well inside the decoder's limits, and small enough that a part
+#: costs about what a live batch does to decode
+PART_BLOCKS: Final = 1024
 FLAG_SNAPSHOTS: Final = 1
 
 
