@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import IO, Final
 
 from events.capture import CaptureError, CaptureWriter, read_capture
+from events.cli_args import ArgError, OneLineParser, check_kv_events_args, error_line
 from events.codec import DecodeError, decode_batch
 from events.doctor import Doctor, DoctorOptions
 from events.endpoints import EndpointError
@@ -255,7 +256,7 @@ def _add_stream_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``kv-events`` argument parser."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="kv-events", description="Listen to, check and hash KV cache events."
     )
     sub = parser.add_subparsers(dest="command", required=True)
@@ -416,9 +417,13 @@ def main(argv: Sequence[str] | None = None, out: IO[str] | None = None) -> int:
     except SystemExit as exc:  # argparse reports usage errors itself, with status 2
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     try:
+        check_kv_events_args(args)  # types, ranges, UTF-8, endpoints: before any work
         return _COMMANDS[args.command](args, stream)
-    except (UsageError, GoldenError) as exc:
-        sys.stderr.write(f"kv-events {args.command}: error: {exc}\n")
+    except (UsageError, GoldenError, ArgError) as exc:
+        sys.stderr.write(error_line(f"kv-events {args.command}: error: {exc}"))
+        return EXIT_USAGE
+    except RecursionError:  # json's parser on a file nested thousands of levels deep
+        sys.stderr.write(f"kv-events {args.command}: error: an input is nested too deeply\n")
         return EXIT_USAGE
     except KeyboardInterrupt:
         return EXIT_OK

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import sys
 from collections.abc import Sequence
 from dataclasses import fields
@@ -19,10 +18,12 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
+from events.cli_args import ArgError, OneLineParser, error_line, loads_json
 from router_sim.bound import compulsory_bound
 from router_sim.metrics import PolicySummary
 from router_sim.policies import POLICIES
 from router_sim.report import build_report, format_table, write_outputs
+from router_sim.run_args import check_run_args
 from router_sim.sim import ALL_POLICIES, Restart, SimConfig, simulate
 from router_sim.trace import load_trace
 from router_sim.workloads import WORKLOADS, Request, SyntheticSpec, synthetic_workload
@@ -61,10 +62,10 @@ def _parse_policies(text: str) -> list[str]:
 
 
 def _parse_policy_options(text: str) -> dict[str, dict[str, Any]]:
-    try:
-        options = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    try:  # no NaN/Infinity, no RecursionError on deep nesting
+        options = loads_json(text, "--policy-options")
+    except ArgError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
         raise argparse.ArgumentTypeError(
             f'want an object of objects, e.g. {{"kv_overlap": {{"overlap_weight": 2}}}}; got {text}'
@@ -83,7 +84,7 @@ def _parse_policy_options(text: str) -> dict[str, dict[str, Any]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="router-sim", description="KV-aware routing simulator: policies vs the bound."
     )
     sub = parser.add_subparsers(dest="command")
@@ -178,6 +179,7 @@ def _given(value: int | None, default: int) -> int:
 
 
 def run(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+    check_run_args(args)  # every flag and --out, before any work (router_sim.run_args)
     trace = args.trace is not None
     tpb = _given(args.tokens_per_block, TRACE_TOKENS_PER_BLOCK if trace else SYNTH_TOKENS_PER_BLOCK)
     config = SimConfig(
@@ -252,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return run(args, sys.stdout, sys.stderr)
     except (ValueError, FileNotFoundError) as exc:
-        sys.stderr.write(f"router-sim: {exc}\n")
+        sys.stderr.write(error_line(f"router-sim: {exc}"))
         return 2
 
 

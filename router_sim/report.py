@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -118,7 +119,19 @@ def _scalar_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def write_json(report: Report, path: Path) -> None:
-    path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    """Standard JSON (RFC 8259 has no NaN or Infinity): a non-finite number is written as null."""
+    text = json.dumps(_finite(report), indent=2, allow_nan=False)
+    path.write_text(text + "\n", encoding="utf-8")
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def write_csv(report: Report, path: Path) -> None:

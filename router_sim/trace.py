@@ -13,18 +13,28 @@ The Mooncake conversation trace ships with the package (``router_sim/data``): pa
 from __future__ import annotations
 
 import gzip
-import json
 import math
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import IO, Final
 
+from events.cli_args import ArgError, loads_json
 from router_sim.workloads import TOKENS_PER_HASH_ID, Request
 
 BUNDLED: Final[dict[str, str]] = {"mooncake": "conversation_trace.jsonl.gz"}
 """Short names of the traces bundled in ``router_sim/data``."""
+
+
+MAX_TRACE_TOKENS: Final = 2**20
+"""Largest input_length or output_length of a trace row (1,048,576 tokens, past any model's
+context today): ``output_length`` 10**9 used to hang the simulator decoding, 2**30 to divide by
+zero inside it."""
+MAX_TIMESTAMP_MS: Final = 1e13
+"""Largest |timestamp| (about 317 years in ms): later times only turn arithmetic into NaN."""
+MAX_HASH_ID: Final = 2**63 - 1
 
 
 class TraceError(ValueError):
@@ -67,25 +77,36 @@ def _open(path: Path) -> IO[str]:
 def _row(obj: object, where: str, tokens_per_hash_id: int) -> TraceRow:
     if not isinstance(obj, dict):
         raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    try:
-        ts = float(obj["timestamp"])
-        inp = int(obj["input_length"])
-        out = int(obj["output_length"])
-        ids = tuple(int(h) for h in obj["hash_ids"])
-    except KeyError as exc:
-        raise TraceError(f"{where}: missing field {exc.args[0]!r}") from None
-    except (TypeError, ValueError) as exc:
-        raise TraceError(f"{where}: bad field value ({exc})") from None
-    if inp < 1 or out < 0:
-        raise TraceError(f"{where}: input_length must be >= 1 and output_length >= 0")
-    if any(h < 0 for h in ids):
-        raise TraceError(f"{where}: hash ids must be non-negative")
+    missing = [
+        k for k in ("timestamp", "input_length", "output_length", "hash_ids") if k not in obj
+    ]
+    if missing:
+        raise TraceError(f"{where}: missing field {missing[0]!r}")
+    # exact JSON types, no coercion: "10", true and 600.5 are not token counts
+    ts, inp, out, ids = obj["timestamp"], obj["input_length"], obj["output_length"], obj["hash_ids"]
+    if not _is_number(ts) or not abs(ts) <= MAX_TIMESTAMP_MS:
+        raise TraceError(f"{where}: timestamp must be a number of ms within +-1e13, got {ts!r}")
+    if not _is_int(inp) or not 1 <= inp <= MAX_TRACE_TOKENS:
+        raise TraceError(f"{where}: input_length must be an integer in [1, 2**20], got {inp!r}")
+    if not _is_int(out) or not 0 <= out <= MAX_TRACE_TOKENS:
+        raise TraceError(f"{where}: output_length must be an integer in [0, 2**20], got {out!r}")
+    if not isinstance(ids, list) or not all(_is_int(h) and 0 <= h <= MAX_HASH_ID for h in ids):
+        raise TraceError(f"{where}: hash_ids must be a list of non-negative integers below 2**63")
+    ts, ids = float(ts), tuple(ids)
     if len(ids) < math.ceil(inp / tokens_per_hash_id):
         raise TraceError(
             f"{where}: {len(ids)} hash ids cannot cover input_length {inp} "
             f"at {tokens_per_hash_id} tokens per id"
         )
     return TraceRow(ts, inp, out, ids)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def iter_trace(
@@ -99,12 +120,12 @@ def iter_trace(
             for lineno, line in enumerate(fh, 1):
                 if not line.strip():
                     continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise TraceError(f"{p}:{lineno}: not JSON ({exc.msg})") from None
+                try:  # standard JSON: NaN/Infinity and deep nesting are errors, not values
+                    obj = loads_json(line, f"{p}:{lineno}")
+                except ArgError as exc:
+                    raise TraceError(str(exc)) from None
                 yield _row(obj, f"{p}:{lineno}", tokens_per_hash_id)
-    except (OSError, EOFError, UnicodeDecodeError) as exc:
+    except (OSError, EOFError, UnicodeDecodeError, zlib.error) as exc:
         # not gzip, truncated, a directory, not UTF-8: the file, not a line, is at fault
         raise TraceError(
             f"{p}: cannot read it as a .jsonl or .jsonl.gz trace after line {lineno} ({exc})"

@@ -1,0 +1,128 @@
+"""Up-front checks of ``router-sim run``'s flags and output folder.
+
+Every number is checked for type, finiteness and a sane upper bound before a single request is
+simulated: ``--workers 100000`` used to hang building the fleet, ``--device-blocks 1e10`` raised
+``MemoryError``, ``--max-requests 10**12`` hung generating a synthetic workload, ``nan`` in a
+float flag produced a table of NaN (or, for ``--event-delay-ms``, a run that never applied an
+event), and a directory named ``report.json`` in ``--out`` was found only after the whole run.
+Violations raise :class:`~events.cli_args.ArgError` (a ``ValueError``): ``router-sim`` prints
+it as one line and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Final
+
+from events.cli_args import MAX_BLOCK_TOKENS, ArgError, check_float, check_int
+from router_sim.policies import POLICIES, make_policy
+
+MAX_WORKERS: Final = 4096
+MAX_BLOCKS_PER_WORKER: Final = 2**31
+MAX_FLEET_BLOCKS: Final = 2**26
+"""Device plus host blocks over the whole fleet: about 45 bytes of simulator state each
+(measured: 2**24 blocks on one worker peak at 0.73 GB), so about 3 GB at the bound."""
+MAX_BATCH_TOKENS: Final = 2**24
+MAX_SYNTHETIC_REQUESTS: Final = 1_000_000
+"""A synthetic workload is generated in memory up front; a trace stops at its last line."""
+MAX_TRACE_REQUESTS: Final = 100_000_000
+MAX_SEED: Final = 2**63 - 1
+MAX_MS: Final = 1e12
+"""Longest simulated time a flag may name (about 31 years)."""
+MAX_SPEEDUP: Final = 1e6
+OUTPUT_NAMES: Final = (
+    "report.json",
+    "report.csv",
+    "report.txt",
+    "hit_rate.png",
+    "ttft_cdf.png",
+    "load_per_worker.png",
+)
+"""What ``router-sim run --out`` writes (router_sim.report.write_outputs)."""
+
+
+def check_run_args(args: argparse.Namespace) -> None:
+    """Raise :class:`ArgError` for the first flag of ``router-sim run`` out of range."""
+    check_int("--workers", args.workers, 1, MAX_WORKERS)
+    check_int("--device-blocks", args.device_blocks, 1, MAX_BLOCKS_PER_WORKER)
+    check_int("--host-blocks", args.host_blocks, 0, MAX_BLOCKS_PER_WORKER)
+    check_int("--tokens-per-block", args.tokens_per_block, 1, MAX_BLOCK_TOKENS)
+    check_int("--seed", args.seed, 0, MAX_SEED)
+    check_int("--max-batch-tokens", args.max_batch_tokens, 1, MAX_BATCH_TOKENS)
+    most = MAX_TRACE_REQUESTS if args.trace is not None else MAX_SYNTHETIC_REQUESTS
+    check_int("--max-requests", args.max_requests, 1, most)
+    check_float("--event-delay-ms", args.event_delay_ms, 0.0, MAX_MS)
+    check_float("--speedup", args.speedup, 1.0 / MAX_SPEEDUP, MAX_SPEEDUP)
+    check_float("--spread-ms", args.spread_ms, 0.0, MAX_MS)
+    check_float("--drop-rate", args.drop_rate, 0.0, 0.99)
+    for restart in args.restart:
+        check_int("--restart worker", restart.worker, 0, MAX_WORKERS - 1)
+        check_float("--restart time", restart.at_ms, 0.0, MAX_MS)
+    workers = args.workers if args.workers is not None else 1
+    blocks = (args.device_blocks or 0) + (args.host_blocks or 0)
+    if workers * blocks > MAX_FLEET_BLOCKS:
+        raise ArgError(
+            f"{workers} workers x {blocks} blocks = {workers * blocks} KV blocks exceeds the "
+            f"simulator's limit of {MAX_FLEET_BLOCKS} (about 3 GB); lower --workers, "
+            "--device-blocks or --host-blocks"
+        )
+    for name, options in args.policy_options.items():
+        check_policy_options(name, options)
+    if args.out is not None:
+        check_out_dir(args.out)
+
+
+def check_policy_options(name: str, options: dict[str, Any]) -> None:
+    """Each option has the type of the policy's default for it, is finite, and the policy
+    accepts the set (its constructor's own range checks run here, before any run)."""
+    params = inspect.signature(POLICIES[name]).parameters
+    for key, value in options.items():
+        param = params.get(key)
+        if param is None:
+            raise ArgError(f"--policy-options: {name!r} takes no option {key!r}")
+        default = param.default
+        if isinstance(default, bool):
+            ok = isinstance(value, bool)
+        elif isinstance(default, int):
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif isinstance(default, float):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            ok = ok and math.isfinite(value)
+        elif isinstance(default, str):
+            ok = isinstance(value, str)
+        else:
+            raise ArgError(f"--policy-options: {name}.{key} cannot be set from the command line")
+        if not ok:
+            raise ArgError(
+                f"--policy-options: {name}.{key} wants a finite {type(default).__name__} "
+                f"like {default!r}, got {value!r}"
+            )
+    try:
+        make_policy(name, **options)
+    except (TypeError, ValueError) as exc:
+        raise ArgError(f"--policy-options: {exc}") from None
+
+
+def check_out_dir(out: Path) -> None:
+    """``out`` is (or can be made) a writable folder whose report names are free for files.
+
+    Made here, before the runs: a folder that cannot be written used to surface as a traceback
+    after the last policy had run.
+    """
+    if out.exists() and not out.is_dir():
+        raise ArgError(f"--out {out} exists and is not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".router-sim-check-"):
+            pass
+    except OSError as exc:
+        raise ArgError(f"cannot create --out {out}: {exc.strerror or exc}") from None
+    for name in OUTPUT_NAMES:
+        path = out / name
+        if path.exists() and (not path.is_file() or not os.access(path, os.W_OK)):
+            raise ArgError(f"--out {out}: {name} exists and is not a writable file")
