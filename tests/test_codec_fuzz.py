@@ -4,6 +4,8 @@ huge declared lengths, deep nesting)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +73,65 @@ def decoder_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
     return str(request.param)
 
 
+def limits(top: int) -> st.SearchStrategy[DecodeLimits]:
+    """Any limits up to ``top`` per field: tiny ones that refuse almost everything, ones near
+    the payloads' own sizes, the defaults, and large ones (the format needs a depth of 4)."""
+    field = st.one_of(st.integers(1, 16), st.integers(1, 1 << 12), st.integers(1, top))
+    values = st.fixed_dictionaries({name: field for name in DecodeLimits.__slots__})
+    return values.map(lambda v: DecodeLimits(**{**v, "max_depth": max(4, v["max_depth"])}))
+
+
+@FUZZ
+@given(index=st.integers(0, len(VALID) - 1), lim=limits((1 << 31) - 1))
+def test_valid_payloads_under_any_limits(index: int, lim: DecodeLimits) -> None:
+    _decodes_or_rejects(VALID[index], lim)
+    # limits that hold the payload's whole size decode it as the defaults do
+    roomy = {n: max(getattr(lim, n), len(VALID[index])) for n in DecodeLimits.__slots__}
+    assert decode_batch(VALID[index], DecodeLimits(**roomy)) == decode_batch(VALID[index])
+
+
+_HUGE_LIMITS_CHECK = """
+import resource, sys
+from pathlib import Path
+resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))  # a runaway allocation fails fast
+from events import _records, wire_decode
+from events.codec import DecodeLimits, decode_batch
+if sys.argv[1] == "pure":
+    wire_decode._native_msgpack_scan = None
+    wire_decode._native_first_bad_token = None
+    wire_decode.stored_blocks = _records.stored_blocks_py
+for path in sys.argv[2:]:
+    payload = Path(path).read_bytes()
+    for big in (1 << 31, 1 << 32, 1 << 40, 1 << 63, 1 << 64):
+        try:
+            limits = DecodeLimits(**{n: big for n in DecodeLimits.__slots__})
+        except ValueError:
+            continue  # refusing such limits up front is fine too
+        assert decode_batch(payload, limits) == decode_batch(payload), (path, big)
+"""
+
+
+def test_huge_limits_are_refused_or_harmless(
+    request: pytest.FixtureRequest, decoder_build: str, tmp_path: Path
+) -> None:
+    """Limits far above any payload must not crash the decoder. Run in a child process with
+    capped memory: a max_depth of 2**32 makes the native scan allocate a 2**32-entry stack,
+    which raises MemoryError or aborts the interpreter."""
+    if decoder_build == "native":
+        request.applymarker(
+            pytest.mark.xfail(
+                strict=True, reason="the native scan sizes its stack from max_depth unchecked"
+            )
+        )
+    paths = []
+    for i, payload in enumerate(VALID):
+        paths.append(tmp_path / f"{i}.msgpack")
+        paths[-1].write_bytes(payload)
+    argv = [sys.executable, "-c", _HUGE_LIMITS_CHECK, decoder_build, *map(str, paths)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 @FUZZ
 @given(payload=st.binary(max_size=256))
 def test_random_bytes(payload: bytes) -> None:
@@ -103,8 +164,11 @@ def test_every_truncation(index: int) -> None:
         max_size=4,
     ),
     byte=st.integers(0, 255),
+    lim=limits((1 << 31) - 1),
 )
-def test_mutations_of_valid_payloads(index: int, edits: list[tuple[str, int]], byte: int) -> None:
+def test_mutations_of_valid_payloads(
+    index: int, edits: list[tuple[str, int]], byte: int, lim: DecodeLimits
+) -> None:
     data = bytearray(VALID[index])
     for op, where in edits:
         pos = where % len(data) if data else 0
@@ -118,6 +182,7 @@ def test_mutations_of_valid_payloads(index: int, edits: list[tuple[str, int]], b
             del data[pos]
     _decodes_or_rejects(bytes(data))
     _decodes_or_rejects(bytes(data), SMALL_LIMITS)
+    _decodes_or_rejects(bytes(data), lim)
 
 
 # Any msgpack value at all, in the positions the decoder reads.
