@@ -12,13 +12,26 @@ Payload: a msgpack array ``[ts: float64, events: array, data_parallel_rank: int 
   lora_id / medium / priority / salt and only its last block may be short, so a ``Stored``
   whose blocks differ in those is sent as several chained ``BlockStored`` events.
 - ``Removed`` -> ``BlockRemoved``; ``AllBlocksCleared`` -> ``AllBlocksCleared``.
-- ``Updated`` -> extension ``{"type": "BlockUpdated", "block_hash", "cache_level": [old, new] |
-  nil, "priority": [old, new] | nil}`` and ``Created`` -> extension ``{"type": "CacheCreated",
-  "num_blocks_per_cache_level"}``: decoders that do not know them skip them as unknown types.
-  (An engine that wants the wire's Removed + Stored pair for a tier move configures its event
-  manager with ``moves_as="removed_stored"``.)
+- ``Updated`` and ``Created`` have no event of their own in vLLM's or SGLang's decoders, which
+  reject a whole batch with an event type they do not know. By default a tier move
+  (``Updated`` with a ``cache_level`` diff) travels as the pair engines send for it:
+  ``BlockRemoved`` on the old medium, then a placeholder ``BlockStored`` on the new one (no
+  token ids, ``block_size`` 0, as vLLM's CPU offload announces blocks); a priority change and
+  ``Created`` are not sent. With ``extensions=True`` they travel as this project's extension
+  events ``{"type": "BlockUpdated", "block_hash", "cache_level": [old, new] | nil,
+  "priority": [old, new] | nil}`` and ``{"type": "CacheCreated", "num_blocks_per_cache_level"}``.
 - Every event map also carries ``event_id``; ``window_size`` and ``attention_dp_rank`` only when
   they are not the defaults (0, the batch's rank).
+- ``form="positional"`` writes each event as an array instead, for consumers of vLLM <= 0.25
+  whose events are positional: ``["BlockStored", block_hashes, parent_block_hash, token_ids,
+  block_size, lora_id, medium]`` (vLLM 0.11's fields, in its order), ``["BlockRemoved",
+  block_hashes, medium]``, ``["AllBlocksCleared"]``; extension fields are not sent (a
+  positional decoder reads them by position), and extension events are map-only.
+
+What the default writes decodes in vLLM >= 0.26 and SGLang: their map-form structs ignore
+unknown fields and every field they require is present (``lora_id``, ``lora_name``,
+``medium``); tests check it against the structs recorded from their releases
+(``tests/data/engines/decoder_rules.json``).
 
 With the optional extension, one C pass splits a Stored event's blocks into wire events and
 another packs each long ``token_ids`` array, byte for byte what msgpack writes (the pure
@@ -180,11 +193,43 @@ def _diff_wire(diff: EventDiff | None) -> list[int] | None:
     return None if diff is None else [diff.old_value, diff.new_value]
 
 
-def _encode_event(event: KVCacheEvent, dp_rank: int | None, out: list[dict[str, Any]]) -> None:
+def _encode_move(
+    event: KVCacheEvent, data: Updated, dp_rank: int | None, out: list[dict[str, Any]]
+) -> None:
+    """A tier move as engines send it: removed on the old medium, a placeholder store (no
+    token ids) on the new one. A priority change alone is not announced."""
+    diff = data.cache_level
+    if diff is None or diff.old_value == diff.new_value:
+        return
+    h = _wire_hash(data.block_hash)
+    removed = {"type": "BlockRemoved", "block_hashes": [h], "medium": medium_of(diff.old_value)}
+    out.append(_common(event, removed, dp_rank))
+    stored = {
+        "type": "BlockStored",
+        "block_hashes": [h],
+        "parent_block_hash": None,
+        "token_ids": [],
+        "block_size": 0,
+        "lora_id": None,
+        "medium": medium_of(diff.new_value),
+        "lora_name": None,
+    }
+    out.append(_common(event, stored, dp_rank))
+
+
+def _encode_event(
+    event: KVCacheEvent, dp_rank: int | None, out: list[dict[str, Any]], extensions: bool = False
+) -> None:
     data = event.data
     if isinstance(data, Stored):
         _encode_stored(event, data, dp_rank, out)
         return
+    if not extensions:
+        if isinstance(data, Updated):
+            _encode_move(event, data, dp_rank, out)
+            return
+        if isinstance(data, Created):
+            return
     wire: dict[str, Any]
     if isinstance(data, Removed):
         wire = {
@@ -211,15 +256,61 @@ def _encode_event(event: KVCacheEvent, dp_rank: int | None, out: list[dict[str, 
     out.append(_common(event, wire, dp_rank))
 
 
-def encode_batch(events: Iterable[KVCacheEvent], ts: float, dp_rank: int | None = None) -> bytes:
+_POSITIONAL_FIELDS: Final[dict[str, tuple[str, ...]]] = {
+    # vLLM 0.11's array_like structs, in field order
+    "BlockStored": (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+    ),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+}
+
+
+def _positional(wire: list[dict[str, Any]]) -> list[list[Any]]:
+    out: list[list[Any]] = []
+    for event in wire:
+        kind = event["type"]
+        names = _POSITIONAL_FIELDS.get(kind)
+        if names is None:
+            raise ValueError(f"{kind} has no positional form (extension events are map-only)")
+        out.append([kind, *(event[name] for name in names)])
+    return out
+
+
+def encode_batch(
+    events: Iterable[KVCacheEvent],
+    ts: float,
+    dp_rank: int | None = None,
+    *,
+    form: str = "map",
+    extensions: bool = False,
+) -> bytes:
     """One wire payload ``[ts, events, dp_rank]`` for ``events`` in order.
 
-    Raises ``ValueError`` for a hash that is not a uint64 or v2_sha256 hex digest, or a stored
-    block with no tokens or more than ``block_size``.
+    ``form``: ``"map"`` (tagged maps, what vLLM >= 0.25 and SGLang read) or ``"positional"``
+    (arrays, what vLLM <= 0.25's consumers read). ``extensions``: send ``Updated`` and
+    ``Created`` as this project's extension events instead of what engines send (see the
+    module docstring).
+
+    Raises ``ValueError`` for a hash that is not a uint64 or v2_sha256 hex digest, a stored
+    block with no tokens or more than ``block_size``, an unknown ``form``, or an extension
+    event in the positional form.
     """
+    if form not in ("map", "positional"):
+        raise ValueError(f"form must be 'map' or 'positional', got {form!r}")
     wire: list[dict[str, Any]] = []
     for event in events:
-        _encode_event(event, dp_rank, wire)
+        _encode_event(event, dp_rank, wire, extensions)
+    if form == "positional":
+        packed_positional: bytes = msgpack.packb(
+            [float(ts), _positional(wire), dp_rank], use_bin_type=True
+        )
+        return packed_positional
     if _native_pack_uints is None:
         packed: bytes = msgpack.packb([float(ts), wire, dp_rank], use_bin_type=True)
         return packed

@@ -551,6 +551,71 @@ def sglang_stream(kv: types.ModuleType, rec: types.ModuleType) -> tuple[list[Any
     return out, expected
 
 
+# ----------------------------------------------------------------------------- decoder rules
+
+
+def decoder_rules(mod: types.ModuleType) -> dict[str, Any]:
+    """The engine's event structs as its msgspec decoder reads them: per event tag, whether it
+    is positional, its fields in order with whether each is required, and whether unknown
+    fields are refused."""
+    import msgspec  # the engines' own dependency; this script's only use of it
+
+    out: dict[str, Any] = {}
+    for cls in (mod.BlockStored, mod.BlockRemoved, mod.AllBlocksCleared):
+        info = msgspec.inspect.type_info(cls)
+        out[str(info.tag)] = {
+            "array_like": info.array_like,
+            "forbid_unknown_fields": info.forbid_unknown_fields,
+            "fields": [[f.encode_name, f.required] for f in info.fields],
+        }
+    return out
+
+
+def project_payloads() -> dict[str, bytes]:
+    """What this project's encoder writes for a representative batch: a salted LoRA chain, a
+    tier move (as the default sends it), a removal, a clear, a capacity announcement."""
+    sys.path.insert(0, str(OUT.parent.parent.parent))
+    from events.codec import encode_batch
+    from events.model import (
+        AllBlocksCleared,
+        Created,
+        EventDiff,
+        KVCacheEvent,
+        Removed,
+        Stored,
+        StoredBlock,
+        Updated,
+    )
+
+    blocks = [StoredBlock(2**64 - 1 - i, list(range(i, i + BLOCK)), 3, 0, 35, 7) for i in range(2)]
+    events = [
+        KVCacheEvent(0, Created([100, 200])),
+        KVCacheEvent(1, Stored(None, blocks, BLOCK)),
+        KVCacheEvent(2, Updated(2**64 - 1, cache_level=EventDiff(0, 1))),
+        KVCacheEvent(3, Removed([2**64 - 2], 0)),
+        KVCacheEvent(4, AllBlocksCleared()),
+    ]
+    return {
+        "map": encode_batch(events, 1.0, 0),
+        "positional": encode_batch(events, 1.0, 0, form="positional"),
+        "map+extensions": encode_batch(events, 1.0, 0, extensions=True),
+    }
+
+
+def engine_decodes(mod: types.ModuleType, payloads: dict[str, bytes]) -> dict[str, str]:
+    """Whether the engine's own decoder (msgspec, its KVEventBatch) reads each payload."""
+    import msgspec
+
+    result: dict[str, str] = {}
+    for form, payload in payloads.items():
+        try:
+            batch = msgspec.msgpack.decode(payload, type=mod.KVEventBatch)
+            result[form] = f"ok: {len(batch.events)} events"
+        except Exception as exc:
+            result[form] = f"rejected: {exc}"
+    return result
+
+
 # ----------------------------------------------------------------------------- main
 
 README = """# {name}
@@ -586,6 +651,9 @@ def main() -> None:
         ("vllm", "0.26.0", 16),
     ]
     jobs += [("sglang", v, None) for v in SGLANG_VERSIONS]
+    rules_path = OUT / "decoder_rules.json"
+    rules: dict[str, Any] = json.loads(rules_path.read_text()) if rules_path.exists() else {}
+    payloads = project_payloads()
     for engine, version, bin_size in jobs:
         name = f"{engine}-{version}" + (f"-bin{bin_size}" if bin_size else "")
         if args.only and args.only != name:
@@ -596,6 +664,11 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as work:
             if engine == "vllm":
                 mod = load_vllm(wheel)
+                if not bin_size:
+                    rules[name] = {
+                        "events": decoder_rules(mod),
+                        "this_project_encoder": engine_decodes(mod, payloads),
+                    }
                 batches, expected = vllm_stream(mod, version, bin_size)
                 messages = record(mod.ZmqEventPublisher, batches, Path(work))
                 module = "vllm/distributed/kv_events.py"
@@ -627,6 +700,10 @@ def main() -> None:
                 )
             else:
                 kv, rec = load_sglang(wheel)
+                rules[name] = {
+                    "events": decoder_rules(kv),
+                    "this_project_encoder": engine_decodes(kv, payloads),
+                }
                 batches, expected = sglang_stream(kv, rec)
                 messages = record(kv.ZmqEventPublisher, batches, Path(work))
                 module = (
@@ -664,6 +741,9 @@ def main() -> None:
                 )
             )
         print(f"{name}: {len(messages)} messages")
+    rules_path.write_text(json.dumps(rules, indent=1, sort_keys=True) + "\n")
+    for name, rule in sorted(rules.items()):
+        print(name, rule["this_project_encoder"])
 
 
 if __name__ == "__main__":

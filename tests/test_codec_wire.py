@@ -77,7 +77,8 @@ def test_golden_payload_decodes_to_its_expected_batch(name: str) -> None:
 
 def test_encoder_output_is_byte_exact() -> None:
     batch = _expected("encoder_map_form")
-    payload = encode_batch(batch.events, ts=batch.ts, dp_rank=batch.dp_rank)
+    # the golden payload holds this project's extension event BlockUpdated: asked for
+    payload = encode_batch(batch.events, ts=batch.ts, dp_rank=batch.dp_rank, extensions=True)
     assert payload == (WIRE_DIR / "encoder_map_form.msgpack").read_bytes()
 
 
@@ -151,7 +152,8 @@ def batches(draw: st.DrawFn) -> DecodedBatch:
 @settings(max_examples=200, deadline=None)
 @given(batch=batches())
 def test_round_trip(batch: DecodedBatch) -> None:
-    assert decode_batch(encode_batch(batch.events, batch.ts, batch.dp_rank)) == batch
+    payload = encode_batch(batch.events, batch.ts, batch.dp_rank, extensions=True)
+    assert decode_batch(payload) == batch
 
 
 def test_v2_sha256_hashes_travel_as_32_byte_bin() -> None:
@@ -225,7 +227,7 @@ def test_decoded_blocks_rehash_to_the_published_v1_chain() -> None:
 )
 def test_encoder_rejects_what_the_wire_cannot_carry(data: Any, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
-        encode_batch([KVCacheEvent(0, data)], 0.0)
+        encode_batch([KVCacheEvent(0, data)], 0.0, extensions=True)
 
 
 # --- tolerant decoding ------------------------------------------------------------------------

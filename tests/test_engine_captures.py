@@ -9,12 +9,24 @@ import json
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 
 from events.capture import read_capture
 from events.codec import decode_batch, encode_batch
 from events.hashing import chain_hashes
-from events.model import DecodedBatch, KVCacheEvent, Removed, Stored, StoredBlock, cache_level_of
+from events.model import (
+    AllBlocksCleared,
+    Created,
+    DecodedBatch,
+    EventDiff,
+    KVCacheEvent,
+    Removed,
+    Stored,
+    StoredBlock,
+    Updated,
+    cache_level_of,
+)
 from router_sim.load import StaticLoadSource, WorkerLoad
 from router_sim.router import Router
 
@@ -175,3 +187,76 @@ def test_a_worker_without_token_ids_is_keyed_by_its_hashes_and_says_so() -> None
     status = router.indexer.worker_status(0)
     assert status.keying == "engine_hashes" and status.keyed_by_tokens == 0
     assert router.indexer.worker_anomalies(0)["unkeyed_block"] > 0
+
+
+RULES = json.loads((ENGINES / "decoder_rules.json").read_text())
+
+
+def _project_batch() -> list[KVCacheEvent]:
+    blocks = [StoredBlock(2**64 - 1 - i, list(range(i, i + 16)), 3, 1, 35, 7) for i in range(2)]
+    return [
+        KVCacheEvent(0, Created([100, 200])),
+        KVCacheEvent(1, Stored(None, blocks, 16)),
+        KVCacheEvent(2, Updated(2**64 - 1, cache_level=EventDiff(1, 0))),
+        KVCacheEvent(3, Updated(2**64 - 2, priority=EventDiff(35, 80))),
+        KVCacheEvent(4, Removed([2**64 - 2], 0)),
+        KVCacheEvent(5, AllBlocksCleared()),
+    ]
+
+
+def _satisfies(events: list[Any], rules: dict[str, Any]) -> None:
+    """Each event has a tag the engine knows and every field its struct requires."""
+    for event in events:
+        if isinstance(event, dict):
+            rule = rules[event["type"]]
+            assert not rule["array_like"]
+            required = {name for name, req in rule["fields"] if req}
+            assert required <= set(event), (event["type"], required - set(event))
+            hashes = event.get("block_hashes", [])
+            assert all(type(h) is int and 0 <= h < 2**64 for h in hashes)
+        else:
+            rule = rules[event[0]]
+            assert rule["array_like"]
+            names = [name for name, _ in rule["fields"]]
+            required = sum(1 for _, req in rule["fields"] if req)
+            assert required <= len(event) - 1 <= len(names)
+
+
+@pytest.mark.parametrize("name", sorted(RULES))
+def test_what_this_project_sends_by_default_decodes_in_each_engine(name: str) -> None:
+    """Structural check against the structs recorded from each release; the recording script
+    also ran the engines' own decoders on this encoder's output (recorded verdicts)."""
+    rules = RULES[name]["events"]
+    positional = any(r["array_like"] for r in rules.values())
+    form = "positional" if positional else "map"
+    payload = encode_batch(_project_batch(), 1.0, 0, form=form)
+    events = msgpack.unpackb(payload, raw=False)[1]
+    assert [e["type"] if isinstance(e, dict) else e[0] for e in events] == [
+        "BlockStored",
+        "BlockRemoved",  # the tier move: removed from the old medium ...
+        "BlockStored",  # ... and a placeholder on the new one; the priority change is dropped
+        "BlockRemoved",
+        "AllBlocksCleared",
+    ]
+    _satisfies(events, rules)
+    assert RULES[name]["this_project_encoder"][form].startswith("ok")
+    extended = msgpack.unpackb(encode_batch(_project_batch(), 1.0, 0, extensions=True))[1]
+    assert {"CacheCreated", "BlockUpdated"} <= {e["type"] for e in extended}
+    assert not set(rules) & {"CacheCreated", "BlockUpdated"}  # extensions: only when asked
+
+
+def test_the_default_tier_move_keeps_a_router_exact() -> None:
+    """A move sent as Removed + placeholder Stored leaves the index as the extension event
+    would: the block on its new tier, under the key it already had."""
+    tokens = list(range(2000, 2032))
+    hashes = chain_hashes(tokens, 16)
+    blocks = [StoredBlock(h, tokens[16 * i : 16 * (i + 1)]) for i, h in enumerate(hashes)]
+    move = KVCacheEvent(1, Updated(hashes[1], cache_level=EventDiff(0, 1)))
+    for extensions in (False, True):
+        router = _router()
+        for events in ([KVCacheEvent(0, Stored(None, blocks, 16))], [move]):
+            router.apply(0, decode_batch(encode_batch(events, 0.0, extensions=extensions)))
+        index = router.indexer
+        assert [index.holds(0, index.key_of(0, h)) for h in hashes] == [(0,), (1,)]
+        detail = index.find_matches_detailed(hashes)[0]
+        assert (detail.matched_blocks, detail.device_run) == (2, 1)
