@@ -92,6 +92,9 @@ class _WorkerState:
     complete: bool = True  # history seen from seq 0 (or a clear) without an unfilled gap
     known: dict[BlockHash, BlockKey | None] = field(default_factory=dict)
     partial: set[BlockHash] = field(default_factory=set)  # announced with < block_size tokens
+    # the worker publishes its engine's own block hashes (vLLM, SGLang): no algorithm this
+    # project knows recomputes them, so the hash check stops and the other checks go on
+    engine_hashes: bool = False
 
 
 # ------------------------------------------------------------------------- the doctor
@@ -374,6 +377,12 @@ class Doctor:
                 seq,
             )
         expected = announced or opts.block_size
+        if data.masked or not any(sizes):
+            # a placeholder (CPU offload) or masked (sliding-window) store: its blocks' tokens
+            # are not on the wire, so there is nothing to size-check or recompute
+            for blk in blocks:
+                state.known.setdefault(blk.block_hash, None)
+            return
         if expected is not None:
             if any(s != expected for s in sizes[:-1]) or sizes[-1] > expected:
                 self._note(
@@ -441,6 +450,10 @@ class Doctor:
         data: Stored,
     ) -> None:
         blocks = data.blocks
+        if state.engine_hashes:
+            for blk in blocks:
+                state.known[blk.block_hash] = None
+            return
         parent_hash = data.parent_hash
         parent_key: BlockKey | None
         first = blocks[0]
@@ -470,8 +483,59 @@ class Doctor:
                 mismatched.append(i)
             state.known[blk.block_hash] = key
             parent_hash, parent_key = blk.block_hash, key
+        if mismatched and self._engine_hashes(worker, state, summary, seq, algo, data, keys):
+            return
         if mismatched:
             self._explain(worker, seq, algo, data, mismatched, keys)
+
+    def _engine_hashes(
+        self,
+        worker: int,
+        state: _WorkerState,
+        summary: WorkerSummary,
+        seq: int,
+        algo: HashAlgo,
+        data: Stored,
+        keys: list[BlockKey | None],
+    ) -> bool:
+        """Recognize a worker that publishes its engine's own hashes: a first stored chain
+        (no parent) whose hashes no known algorithm recomputes under any scope, with no usual
+        cause explaining them (vLLM's sha256 of CBOR with a process seed, SGLang's namespaced
+        page hashes, bin hashes of other lengths). Says so once and stops checking hashes."""
+        if self.options.hash_algo is not None or data.parent_hash is not None:
+            return False  # the router's algorithm was named, or the chain's start is unseen
+        first = data.blocks[0]
+        for candidate in HashAlgo:
+            key = keys[0]
+            want = self._expected(
+                candidate,
+                first.tokens,
+                None,
+                self._scope_of(first.lora_id, first.cache_salt_id),
+                key,
+            )
+            if want == first.block_hash:
+                return False  # a known algorithm, mis-declared or mis-scoped: explain it
+        explanation = explain_mismatch(
+            algo, data, [0], keys[:1], self._scope_of, self.options.scope is not None
+        )
+        if not explanation.startswith(("unexplained", "another algorithm")):
+            return False
+        state.engine_hashes = True
+        summary.hashes_checked -= len(data.blocks)
+        for blk in data.blocks:
+            state.known[blk.block_hash] = None
+        self._note(
+            "info",
+            worker,
+            "engine-hashes",
+            "block hashes are the engine's own (no V1/V2 recomputation under any scope "
+            "matches, as with vLLM's or SGLang's): not recomputable, so not checked; sequence, "
+            "parent chains, block sizes and token counts are; a router keys these blocks by "
+            "their token ids",
+            seq,
+        )
+        return True
 
     def _expected(
         self,

@@ -627,8 +627,10 @@ classes, published them through the engine's own `ZmqEventPublisher` (PUB + ROUT
 `ipc://` endpoints), and recorded what a SUB and a DEALER received.
 
 - `stream.jsonl`: capture format of `events.capture` (`kv-events listen --record`): the
-  {n} live messages `[topic, seq, payload]`, then the replay reply to a DEALER request for
-  seq 0 (`replay: true`; frames exactly as the DEALER received them, end marker included).
+  {n} live messages `[topic, seq, payload]` as a SUB received them.
+- `replay_raw.jsonl`: same format, the publisher's reply to a DEALER request for seq 0
+  (`replay: true`), frames exactly as the DEALER received them (leading empty delimiter
+  frame, with or without the topic frame as this version sends it, end marker included).
 - `expected.json`: the state the scenario implies, written by the script from the scenario
   itself: `held` = engine hashes the worker holds at the end per `MEDIUM/group`;
   `routes` = prompts and how many leading blocks a router must find on this worker at the end;
@@ -727,7 +729,10 @@ def main() -> None:
                     "signed int64 event hashes made by SGLang's "
                     "recorder from sha256 page-hash chains."
                 )
-            write_capture(out / "stream.jsonl", messages, "ipc://pub")
+            live = [m for m in messages if not m["replay"]]
+            write_capture(out / "stream.jsonl", live, "ipc://pub")
+            replies = [m for m in messages if m["replay"]]
+            write_capture(out / "replay_raw.jsonl", replies, "ipc://replay")
             (out / "expected.json").write_text(json.dumps(expected, indent=1) + "\n")
             (out / "README.md").write_text(
                 README.format(
