@@ -8,6 +8,10 @@ Commands (exit status 0: fine, 1: problems found, 2: usage error)::
                    [--cache-salt S | --salt-id N] [--json]
     kv-events hash --check GOLDEN [--capture FILE] [--algo A]... [--hasher library|worker]
     kv-events hash --record GOLDEN --corpus FILE [--capture FILE] [--algo A]...
+    kv-events keygen DIR [--name NAME]
+
+listen and doctor take ``--curve-key NAME.key_secret --curve-server-key SERVER.key`` to read a
+CURVE-protected stream (:mod:`events.security`).
 
 Worker ``w`` is the ``w``-th endpoint given. The listener (:mod:`events.listener`) connects to
 each endpoint (a wildcard address such as ``tcp://*:5557`` is read as the loopback address), or
@@ -40,6 +44,12 @@ from events.model import (
     Stored,
     Updated,
     medium_of,
+)
+from events.security import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    SecurityError,
+    curve_client_from,
+    generate_keys,
 )
 from kvcache.keys import blockchain_keys, root_key, token_array
 from kvcache.scope import ReuseScope, cache_salt_id
@@ -252,6 +262,22 @@ def _add_stream_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--count", type=int, help="stop after this many live messages")
     p.add_argument("--timeout", type=float, help="stop after this many seconds")
     p.add_argument("--bind", action="store_true", help="bind instead of connecting")
+    p.add_argument(
+        "--curve-key",
+        metavar="KEY_SECRET",
+        help="this listener's CURVE key pair (a .key_secret file from kv-events keygen)",
+    )
+    p.add_argument(
+        "--curve-server-key",
+        metavar="KEY",
+        help="the publisher's CURVE public key (.key file); with --curve-key, turns CURVE on",
+    )
+    p.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=DEFAULT_MAX_MESSAGE_BYTES,
+        help=f"drop a peer that sends a bigger message (default {DEFAULT_MAX_MESSAGE_BYTES})",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -276,6 +302,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_scope_args(p)
     _add_stream_args(p)
+
+    p = sub.add_parser("keygen", help="write a CURVE key pair (NAME.key, NAME.key_secret)")
+    p.add_argument("directory", help="folder for the key files (created if missing)")
+    p.add_argument("--name", default="kv-events", help="file name stem (default kv-events)")
 
     p = sub.add_parser("hash", help="print block hashes, or check / record a golden file of them")
     src = p.add_mutually_exclusive_group(required=True)
@@ -339,6 +369,7 @@ def _listen_with(
     if timeout is None and args.count is None:
         timeout = default_timeout_s
     try:
+        curve = curve_client_from(args.curve_key, args.curve_server_key)
         return listen(
             endpoints,
             on_message,
@@ -347,9 +378,20 @@ def _listen_with(
             count=args.count,
             timeout_s=timeout,
             bind=args.bind,
+            curve=curve,
+            max_message_bytes=args.max_message_bytes,
         )
-    except EndpointError as exc:
+    except (EndpointError, SecurityError) as exc:
         raise UsageError(str(exc)) from None
+
+
+def _cmd_keygen(args: argparse.Namespace, out: IO[str]) -> int:
+    try:
+        public, secret = generate_keys(args.directory, args.name)
+    except SecurityError as exc:
+        raise UsageError(str(exc)) from None
+    out.write(f"public key: {public}\nsecret key: {secret} (keep it private)\n")
+    return EXIT_OK
 
 
 def _cmd_doctor(args: argparse.Namespace, out: IO[str]) -> int:
@@ -406,7 +448,12 @@ def _cmd_hash(args: argparse.Namespace, out: IO[str]) -> int:
     return EXIT_OK
 
 
-_COMMANDS: Final = {"listen": _cmd_listen, "doctor": _cmd_doctor, "hash": _cmd_hash}
+_COMMANDS: Final = {
+    "listen": _cmd_listen,
+    "doctor": _cmd_doctor,
+    "hash": _cmd_hash,
+    "keygen": _cmd_keygen,
+}
 
 
 def main(argv: Sequence[str] | None = None, out: IO[str] | None = None) -> int:

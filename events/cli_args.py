@@ -151,12 +151,14 @@ def check_kv_events_args(args: argparse.Namespace) -> None:
         )
     check_utf8("--topic", getattr(args, "topic", None))
     check_utf8("--cache-salt", getattr(args, "cache_salt", None))
+    check_utf8("--name", getattr(args, "name", None))
     check_int("--count", getattr(args, "count", None), 1, MAX_COUNT)
     check_float("--timeout", getattr(args, "timeout", None), 0.0, MAX_TIMEOUT_S, low_open=True)
     check_int("--block-size", getattr(args, "block_size", None), 1, MAX_BLOCK_TOKENS)
     check_int("--tokens-per-block", getattr(args, "tokens_per_block", None), 1, MAX_BLOCK_TOKENS)
     check_int("--lora-id", getattr(args, "lora_id", None), 0, U64_MAX)
     check_int("--salt-id", getattr(args, "salt_id", None), 0, U64_MAX)
+    check_int("--max-message-bytes", getattr(args, "max_message_bytes", None), 1, 2**31)
 
 
 def error_line(text: str) -> str:

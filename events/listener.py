@@ -21,6 +21,7 @@ import zmq
 
 from events.endpoints import EndpointError, connectable, should_bind
 from events.publisher import END_SEQ
+from events.security import DEFAULT_MAX_MESSAGE_BYTES, CurveClient, limit_inbound, secure_client
 from events.sequencer import Abandon, Deliver, Output, Request, StreamSequencer
 from events.snapshot import parse_info
 
@@ -52,11 +53,20 @@ def listen(
     timeout_s: float | None = None,
     bind: bool = False,
     replay_timeout_s: float = 1.0,
+    curve: CurveClient | None = None,
+    max_message_bytes: int | None = DEFAULT_MAX_MESSAGE_BYTES,
 ) -> int:
     """Receive messages from one SUB socket per endpoint until ``count`` live messages arrived
     or ``timeout_s`` passed; returns the number of live messages. With replay endpoints, a gap
     (or a stream first seen above seq 0) is filled from the publisher's replay socket.
-    Raises :class:`~events.endpoints.EndpointError` for an endpoint ZeroMQ cannot attach to."""
+    Raises :class:`~events.endpoints.EndpointError` for an endpoint ZeroMQ cannot attach to.
+    ``curve`` and ``max_message_bytes``: as for :class:`~events.subscriber.ZmqEventSubscriber`."""
+
+    def secure(sock: zmq.Socket[bytes]) -> None:
+        if curve is not None:
+            secure_client(sock, curve)
+        limit_inbound(sock, max_message_bytes)
+
     for endpoint in replay_endpoints:
         should_bind(endpoint)  # refuse a bad replay endpoint now, not at the first gap
     ctx = zmq.Context()
@@ -70,6 +80,7 @@ def listen(
             socks.append(sock)  # before anything can fail: an open socket blocks ctx.term()
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
+            secure(sock)
             try:
                 if bind:
                     sock.bind(endpoint)
@@ -98,7 +109,7 @@ def listen(
                     on_message(stream.worker, [t, o.seq.to_bytes(8, "big"), o.item], o.replayed)
                 elif isinstance(o, Request):
                     if stream.dealer is None:
-                        stream.dealer = _dealer(ctx, stream.replay_endpoint)
+                        stream.dealer = _dealer(ctx, stream.replay_endpoint, secure)
                         socks.append(stream.dealer)
                         poller.register(stream.dealer, zmq.POLLIN)
                         owners[stream.dealer] = (stream, True)
@@ -156,11 +167,16 @@ def listen(
         ctx.term()
 
 
-def _dealer(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str | None) -> zmq.Socket[bytes]:
+def _dealer(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    endpoint: str | None,
+    secure: Callable[[zmq.Socket[bytes]], None],
+) -> zmq.Socket[bytes]:
     assert endpoint is not None
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     try:
+        secure(dealer)
         dealer.connect(connectable(endpoint))
     except zmq.ZMQError as exc:
         dealer.close(linger=0)

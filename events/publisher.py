@@ -49,8 +49,14 @@ from typing import Final
 import zmq
 
 from events.codec import encode_batch
-from events.endpoints import connectable, offset_for_rank, should_bind
+from events.endpoints import offset_for_rank, should_bind
 from events.model import KVCacheEvent
+from events.security import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    CurveServer,
+    limit_inbound,
+    secure_server,
+)
 from events.snapshot import (
     SNAPSHOT_TAG,
     PublisherInfo,
@@ -156,7 +162,8 @@ class ZmqEventPublisher:
     ``endpoint`` follows the bind/connect rule and data-parallel offset of
     :mod:`events.endpoints`; ``replay_endpoint`` gets the offset and is always bound, as
     engines bind theirs. :attr:`endpoint` and :attr:`replay_endpoint` give the addresses a
-    subscriber connects to (a ``tcp://127.0.0.1:*`` endpoint binds an ephemeral port).
+    subscriber connects to (a ``tcp://127.0.0.1:*`` endpoint binds an ephemeral port; a
+    wildcard ``tcp://*:P`` listens on every interface and reads ``tcp://0.0.0.0:P``).
     ``drop_live(seq)`` is a fault-injection hook called on the sender thread: True withholds
     that frame from the live socket while keeping it replayable, as a frame lost on the network.
     ``bind`` overrides the bind/connect rule of the live endpoint (None: follow the rule).
@@ -170,6 +177,10 @@ class ZmqEventPublisher:
     ``data_parallel_rank``. ``incarnation`` (default: random) identifies this start of the
     publisher. The context defaults to ``zmq.Context.instance()``; inproc endpoints need the
     subscriber on the same context.
+
+    Security (:mod:`events.security`): ``curve`` makes both sockets CURVE servers that admit
+    only the allowed client keys (encrypted, authenticated); ``max_message_bytes`` caps what a
+    peer may send to either socket (subscription frames, replay requests).
     """
 
     def __init__(
@@ -190,6 +201,8 @@ class ZmqEventPublisher:
         max_replay_clients: int = 64,
         replay_rate: float = 20.0,
         replay_client_timeout_s: float = 5.0,
+        curve: CurveServer | None = None,
+        max_message_bytes: int | None = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         if buffer_steps < 0 or hwm < 0 or max_queue < 1:
             raise ValueError(
@@ -241,6 +254,9 @@ class ZmqEventPublisher:
             self._xpub.setsockopt(zmq.LINGER, 0)  # close() sets a bounded linger explicitly
             # every subscribe and unsubscribe frame, per subscriber, so they can be counted
             self._xpub.setsockopt(zmq.XPUB_VERBOSER, 1)
+            # CURVE and the inbound size cap (events.security); set before attaching
+            self._guards = [] if curve is None else [secure_server(self._xpub, curve)]
+            limit_inbound(self._xpub, max_message_bytes)
             self._endpoint = self._attach(self._xpub, offset_for_rank(endpoint, dp_rank), bind)
             self._router: zmq.Socket[bytes] | None = None
             self._replay_endpoint: str | None = None
@@ -251,6 +267,9 @@ class ZmqEventPublisher:
                 # a slow client's pipe fills and it waits its turn; unroutable peers raise
                 self._router.setsockopt(zmq.SNDHWM, 1000)
                 self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                if curve is not None:
+                    self._guards.append(secure_server(self._router, curve))
+                limit_inbound(self._router, max_message_bytes)
                 # always bound, as engines do: subscribers (bind mode included) connect to it
                 self._replay_endpoint = self._attach(
                     self._router, offset_for_rank(replay_endpoint, dp_rank), True
@@ -260,6 +279,8 @@ class ZmqEventPublisher:
         except BaseException:
             for s in sockets:
                 s.close(linger=0)
+            for guard in getattr(self, "_guards", ()):
+                guard.close()
             raise
         self._thread = threading.Thread(
             target=self._run, name=f"kv-events-publisher[{self._endpoint}]", daemon=True
@@ -466,6 +487,8 @@ class ZmqEventPublisher:
             self._rbell_tx.close(linger=0)
         if self._replay_thread is None:
             self._rbell_rx.close(linger=0)
+        for guard in self._guards:  # after the threads closed their sockets
+            guard.close()
 
     def __enter__(self) -> ZmqEventPublisher:
         return self
@@ -495,7 +518,8 @@ class ZmqEventPublisher:
                 sock.bind(endpoint)
                 last = sock.getsockopt(zmq.LAST_ENDPOINT)
                 assert isinstance(last, bytes)
-                return connectable(last.decode())
+                # the truth: tcp://*:P listens on every interface and says tcp://0.0.0.0:P
+                return last.decode()
             sock.connect(endpoint)
             return endpoint
         except zmq.ZMQError as exc:

@@ -44,6 +44,7 @@ from events.codec import DecodeLimits, decode_batch
 from events.endpoints import EndpointError, connectable
 from events.model import AllBlocksCleared, DecodedBatch
 from events.publisher import END_SEQ, SEQ
+from events.security import DEFAULT_MAX_MESSAGE_BYTES, CurveClient, limit_inbound, secure_client
 from events.sequencer import (
     Abandon,
     Deliver,
@@ -137,6 +138,9 @@ class ZmqEventSubscriber:
     ``replay_max_ms``: the most one replay may take, however it trickles. ``probe_interval_ms``:
     quiet time after which the replay endpoint is asked what lies beyond the last seq (None:
     no probes, no hello and no reconnect check: the behaviour of a plain vLLM consumer).
+    ``curve``: CURVE client keys and the publisher's public key (:mod:`events.security`);
+    ``max_message_bytes``: ZeroMQ drops a peer that sends a bigger message (None: no cap), so
+    queued memory per worker is at most ``rcvhwm`` times it.
     """
 
     def __init__(
@@ -150,8 +154,12 @@ class ZmqEventSubscriber:
         replay_max_ms: int = 30000,
         snapshot_timeout_ms: int = 10000,
         probe_interval_ms: int | None = 2000,
+        curve: CurveClient | None = None,
+        max_message_bytes: int | None = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         self._ctx = context if context is not None else zmq.Context.instance()
+        self._curve = curve  # events.security: CURVE client on every SUB and DEALER
+        self._max_message_bytes = max_message_bytes
         self._topic = topic.encode() if isinstance(topic, str) else bytes(topic)
         self._replay_timeout_s = replay_timeout_ms / 1000.0
         self._replay_max_s = replay_max_ms / 1000.0
@@ -203,6 +211,7 @@ class ZmqEventSubscriber:
             # is then replayed
             w.sub.setsockopt(zmq.RCVHWM, self._rcvhwm)
             w.sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+            self._secure(w.sub)
             if endpoint.startswith("inproc://"):
                 w.connected = True  # inproc pipes exist as soon as both ends are attached
             else:
@@ -445,11 +454,18 @@ class ZmqEventSubscriber:
             dealer.setsockopt(zmq.RCVHWM, 0)  # a replay is bounded by the publisher's ring
             # an engine's replay endpoint may come up after this subscriber: retry soon
             dealer.setsockopt(zmq.RECONNECT_IVL, 50)
+            self._secure(dealer)
             _attach(dealer, connectable(w.replay_endpoint), False)
         except BaseException:
             dealer.close(linger=0)
             raise
         return dealer
+
+    def _secure(self, sock: zmq.Socket[bytes]) -> None:
+        """CURVE (when configured) and the inbound size cap, before the socket attaches."""
+        if self._curve is not None:
+            secure_client(sock, self._curve)
+        limit_inbound(sock, self._max_message_bytes)
 
     def _abandon(self, w: _Worker) -> None:
         """Replies to the request in flight must never be read as replies to a later one: a
