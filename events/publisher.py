@@ -171,7 +171,8 @@ class ZmqEventPublisher:
     Bounds: ``max_queue`` batches wait for the sender thread; the ring keeps the last
     ``buffer_steps`` encoded batches for replay (its memory is that many payloads; none without
     a ``replay_endpoint``); ``hwm`` frames per subscriber wait in ZeroMQ before it drops (0: no
-    limit). Replay: at most ``max_replay_clients`` clients at once, ``replay_rate`` requests per
+    limit). Replay: at most ``max_replay_clients`` clients at once, one replay at a time per
+    client (a request on top of an unfinished one is refused), ``replay_rate`` requests per
     second per client (after a small burst), and a client that reads nothing of its replay for
     ``replay_client_timeout_s`` is dropped. ``dp_rank`` also fills the payload's
     ``data_parallel_rank``. ``incarnation`` (default: random) identifies this start of the
@@ -199,7 +200,7 @@ class ZmqEventPublisher:
         incarnation: int | None = None,
         snapshot_provider: SnapshotProvider | None = None,
         max_replay_clients: int = 64,
-        replay_rate: float = 20.0,
+        replay_rate: float = 500.0,
         replay_client_timeout_s: float = 5.0,
         curve: CurveServer | None = None,
         max_message_bytes: int | None = DEFAULT_MAX_MESSAGE_BYTES,
@@ -693,6 +694,12 @@ class ZmqEventPublisher:
                     self._stats.replay_refused += 1  # a flood: the client times out
                     continue
                 client = clients.get(ident)
+                if client is not None and client.queue:
+                    # a client waits for its reply before asking again (one that gives up
+                    # asks under a new identity): a request on top of an unfinished replay is
+                    # a flood, refused so the replay in progress goes on
+                    self._stats.replay_refused += 1
+                    continue
                 if client is None:
                     if len(clients) >= self._max_clients:
                         self._stats.replay_refused += 1
@@ -709,7 +716,6 @@ class ZmqEventPublisher:
                 elif len(body) == 8:
                     self._stats.replay_requests += 1
                     start = SEQ.unpack(body)[0]
-                    client.queue.clear()  # a new request replaces the one it gave up on
                     with self._ring_lock:
                         i = bisect.bisect_left(self._ring_seqs, start)
                         items = list(itertools.islice(self._ring, i, None))
