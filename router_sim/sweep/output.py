@@ -87,7 +87,8 @@ def write_results(
         writer = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
-    return [js, path_csv, *plot(rows, out_dir)]
+    title = str((meta or {}).get("workload", "sweep"))
+    return [js, path_csv, *plot(rows, out_dir, title=title)]
 
 
 def _panels(rows: list[dict[str, Any]], x: str) -> list[tuple[str, list[dict[str, Any]]]]:
@@ -103,7 +104,9 @@ def _panels(rows: list[dict[str, Any]], x: str) -> list[tuple[str, list[dict[str
     ]
 
 
-def plot(rows: list[dict[str, Any]], out_dir: Path, name: str = "sweep.png") -> list[Path]:
+def plot(
+    rows: list[dict[str, Any]], out_dir: Path, name: str = "sweep.png", title: str = "sweep"
+) -> list[Path]:
     """Hit rate and TTFT p99 against load, one line per policy; [] without matplotlib."""
     try:
         import matplotlib
@@ -118,7 +121,7 @@ def plot(rows: list[dict[str, Any]], out_dir: Path, name: str = "sweep.png") -> 
         2, len(panels), figsize=(4.8 * len(panels), 7.5), squeeze=False, sharex="col"
     )
     policies = list(dict.fromkeys(r["policy"] for r in rows))
-    for col, (title, group) in enumerate(panels):
+    for col, (panel, group) in enumerate(panels):
         top, bottom = axes[0][col], axes[1][col]
         for policy, marker in zip(policies, itertools.cycle("os^vDP*X"), strict=False):
             pts = sorted((r[x], r) for r in group if r["policy"] == policy)
@@ -127,7 +130,7 @@ def plot(rows: list[dict[str, Any]], out_dir: Path, name: str = "sweep.png") -> 
             bottom.plot(xs, [p[1]["ttft_p99_ms"] for p in pts], marker=marker, label=policy)
         bounds = sorted({(r[x], r["bound"]) for r in group})
         top.plot([b[0] for b in bounds], [100 * b[1] for b in bounds], "k--", lw=1, label="bound")
-        top.set_title(title or "sweep")
+        top.set_title(f"{title}: {panel}" if panel else title, fontsize=10)
         top.set_ylabel("prefix hit rate (% of prompt tokens)")
         bottom.set_ylabel("TTFT p99 (ms)")
         bottom.set_yscale("log")
