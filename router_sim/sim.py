@@ -1,17 +1,23 @@
-"""The discrete-event simulator: workers, ZeroMQ in between, the router on the other side.
+"""The discrete-event simulator: workers, the event stream in between, the router on the other side.
 
 Time is simulated (milliseconds). Requests arrive in trace order; before routing a request at
-time ``t`` every worker runs the engine steps that start before ``t`` (publishing its KV events
-with the step's end time as timestamp), the subscriber is drained until every frame the workers
-sent has arrived (real ZeroMQ: a dropped frame is recovered through replay when the next frame
-reveals the gap; the simulator never sleeps, it polls with a deadline), and the router applies
-the batches whose publish time + ``event_delay_ms`` is at most ``t``. Then the router decides
-from its index and the workers' load, and the chosen worker queues the request.
+time ``t`` every busy worker runs the engine steps that start before ``t`` (publishing its KV
+events with the step's end time as timestamp), every frame the workers sent is delivered, and
+the router applies the batches whose publish time + ``event_delay_ms`` is at most ``t``. Then
+the router decides from its index and the workers' load, and the chosen worker queues the
+request.
+
+Delivery: with the ``memory`` transport (the default of offline runs) each worker's encoded
+frames are handed over in process and decoded with the wire codec, so the router still sees
+only what the wire carries, without a socket round trip per frame. With ``inproc`` or ``tcp``
+each worker runs a real ZeroMQ publisher and the subscriber is drained until every frame sent
+live has arrived (a dropped frame is recovered through replay when the next frame reveals the
+gap; the simulator never sleeps, it polls with a deadline). Both give the same report.
 
 Determinism: workers, policies and fault injection draw from seeded generators, the order of
 operations depends only on simulated time, and delivery is gated by simulated time, not by
-when ZeroMQ happened to hand a frame over; so equal inputs and seed give equal results. Only
-the routing decision time (wall clock) differs between runs.
+when a frame happened to arrive; so equal inputs and seed give equal results. Only the routing
+decision time (wall clock) differs between runs.
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
-"""A simulated inference worker: real KV cache manager, real event manager, real ZeroMQ.
+"""A simulated inference worker: real KV cache manager, real event manager, real wire codec.
 
 Each worker embeds a metadata-only :class:`kvcache.manager.KVCacheManager` (a device tier and an
 optional host tier), a :class:`events.manager.KVCacheEventManager` that turns the cache's
-changes into KV events (tier moves as Removed + Stored, as on the wire) and a
-:class:`events.publisher.ZmqEventPublisher`. It models continuous batching in simulated time:
+changes into KV events (tier moves as Removed + Stored, as on the wire), and encodes each
+step's events with the wire codec; the frames go out through a
+:class:`events.publisher.ZmqEventPublisher` (``inproc`` / ``tcp`` transports) or wait in
+memory for the simulator to take them (``memory``). It models continuous batching in
+simulated time:
 
 - a FIFO waiting queue; admission while the whole prompt's KV fits (the cached prefix is reused
   and pinned, the rest reserved), at most ``max_running`` requests;
