@@ -16,13 +16,6 @@ def chain_lists(
     """V1 hash of each list of token ids in turn, chained from ``parent_hash``; stops before
     the first empty list."""
 
-def first_bad_token(tokens: list[object]) -> int:
-    """Index of the first item that is not an exact int in [0, 2**31), or -1."""
-
-def msgpack_scan(data: bytes | bytearray | memoryview, max_depth: int) -> int:
-    """0: one well-formed msgpack object; 1: nested deeper than max_depth; 2: truncated;
-    3: invalid type byte; 4: trailing bytes after the object."""
-
 def stored_blocks(
     cls: type[Any],
     setters: tuple[Any, ...],
@@ -50,6 +43,3 @@ def v1_stored_block(
 
 def stored_runs(blocks: object, block_size: int) -> list[tuple[int, list[int], list[Any]]]:
     """The wire events of a Stored event's blocks: ``(end, token_ids, hashes)`` per run."""
-
-def pack_uint_array(items: object) -> bytes | None:
-    """msgpack encoding of a list of ints in [0, 2**32) as msgpack writes it, else None."""

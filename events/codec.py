@@ -33,9 +33,8 @@ unknown fields and every field they require is present (``lora_id``, ``lora_name
 ``medium``); tests check it against the structs recorded from their releases
 (``tests/data/engines/decoder_rules.json``).
 
-With the optional extension, one C pass splits a Stored event's blocks into wire events and
-another packs each long ``token_ids`` array, byte for byte what msgpack writes (the pure
-forms stay as the reference and the fallback).
+The payload is written by msgspec; with the optional extension, one C pass splits a Stored
+event's blocks into wire events (the pure form stays as the reference and the fallback).
 
 Hashes travel as uint64. A ``v2_sha256`` hash (64 hex characters) travels as a 32-byte msgpack
 ``bin`` and decodes back to its hex string: an extension, since 64-bit integers cannot hold it.
@@ -51,7 +50,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any, Final, cast
 
-import msgpack
+import msgspec
 
 from events.json_codec import (
     DecodeError,
@@ -73,12 +72,14 @@ from events.model import (
 from events.wire_decode import DEFAULT_LIMITS, DecodeLimits, decode_batch
 from kvcache.scope import U64_LIMIT
 
-try:  # C passes over a Stored event's blocks and token ids when the optional extension is built
-    from events._v1hash import pack_uint_array as _native_pack_uints
+try:  # one C pass splits a Stored event's blocks into wire events when the extension is built
     from events._v1hash import stored_runs as _native_stored_runs
 except ImportError:  # pragma: no cover - depends on the install
-    _native_pack_uints = None  # type: ignore[assignment]
     _native_stored_runs = None  # type: ignore[assignment]
+
+# msgspec writes the payload (the library vLLM and SGLang encode these events with): maps in
+# insertion order, each int in its smallest form, floats as float64, bytes as bin.
+_ENCODER: Final = msgspec.msgpack.Encoder()
 
 _DEFAULT_ALGO: Final = "v1_block_key"
 _SHA256_BYTES: Final = 32
@@ -307,44 +308,8 @@ def encode_batch(
     for event in events:
         _encode_event(event, dp_rank, wire, extensions)
     if form == "positional":
-        packed_positional: bytes = msgpack.packb(
-            [float(ts), _positional(wire), dp_rank], use_bin_type=True
-        )
-        return packed_positional
-    if _native_pack_uints is None:
-        packed: bytes = msgpack.packb([float(ts), wire, dp_rank], use_bin_type=True)
-        return packed
-    return _packb_native_tokens(float(ts), wire, dp_rank)
-
-
-# Below this many token ids a BlockStored map is left to msgpack whole: splicing its fields one
-# by one only pays off for the long arrays.
-_SPLICE_MIN_TOKENS: Final = 64
-
-
-def _packb_native_tokens(ts: float, wire: list[dict[str, Any]], dp_rank: int | None) -> bytes:
-    """``msgpack.packb([ts, wire, dp_rank], use_bin_type=True)``, byte for byte, with long
-    ``token_ids`` arrays packed by the native ``pack_uint_array`` (msgpack's packer spends
-    most of the encoding time on them, one int at a time).
-
-    msgpack writes an array as its header then its items, and a map as its header then each key
-    and value in insertion order; the payload is assembled the same way from pieces.
-    """
-    packer = msgpack.Packer(use_bin_type=True)
-    pack = packer.pack
-    parts = [packer.pack_array_header(3), pack(ts), packer.pack_array_header(len(wire))]
-    for event in wire:
-        tokens = event.get("token_ids")
-        if type(tokens) is not list or len(tokens) < _SPLICE_MIN_TOKENS:
-            parts.append(pack(event))
-            continue
-        parts.append(packer.pack_map_header(len(event)))
-        for key, value in event.items():
-            parts.append(pack(key))
-            packed = _native_pack_uints(value) if key == "token_ids" else None
-            parts.append(pack(value) if packed is None else packed)
-    parts.append(pack(dp_rank))
-    return b"".join(parts)
+        return _ENCODER.encode([float(ts), _positional(wire), dp_rank])
+    return _ENCODER.encode([float(ts), wire, dp_rank])
 
 
 __all__ = [
