@@ -94,6 +94,12 @@ class Abandon:
 
 Output: TypeAlias = "Deliver[T] | Lost | Reset | Request | RequestSnapshot | Abandon"
 Mode = Literal["live", "replay", "snapshot"]
+#: what a replay request is for: fill a known gap, learn the publisher's info (a hello, also
+#: after a reconnect), look for a lost tail after a quiet spell (probe), fetch that tail
+RequestKind = Literal["gap", "hello", "probe", "tail"]
+#: a replay from here gets the end marker alone (with this project's info): engines read any
+#: start beyond their ring the same way
+HELLO_START: Final = 2**64 - 2
 
 
 def digest(payload: bytes) -> int:
@@ -146,6 +152,8 @@ class StreamSequencer(Generic[T]):
         self._mark = 0  # 1 + the highest live seq received from this publisher
         self._mark_at_request = 0
         self._request_start = 0
+        self._request_kind: RequestKind = "gap"
+        self._verify = False  # a straggler arrived: ask whether the publisher restarted
         self._reconnect_probe = False  # a probe after a reconnect is in flight
         self._digests: dict[int, int] = {}
         self._digest_order: deque[int] = deque()
@@ -208,6 +216,7 @@ class StreamSequencer(Generic[T]):
         self.mode = "live"
         self._deadline = None
         self._reconnect_probe = False
+        kind = self._request_kind
         start = self._request_start
         # another request is worth it when this one may not have covered the gap: something
         # came back, the stream moved on while it was in flight, a live frame newer than the
@@ -228,16 +237,17 @@ class StreamSequencer(Generic[T]):
             why=f"replay from seq {start} ended without covering the gap",
         )
         if (
-            info is not None
+            kind in ("probe", "tail")
+            and info is not None
             and self.mode == "live"
             and self.next_seq is not None
             and not self._pending
             and self.next_seq < info.next_seq
         ):
-            # the publisher has handled seqs this stream never saw, and its ring had none of
-            # them: they were dropped before they were ever sent
-            if progress:
-                self._request_replay(out, now)
+            # after a quiet spell the publisher has handled seqs this stream never saw: fetch
+            # them; if the ring no longer has them, they are lost
+            if kind == "probe" or progress:
+                self._request_replay(out, now, "tail")
             else:
                 self._lost(
                     f"seqs {self.next_seq}..{info.next_seq - 1} were never sent (dropped by the "
@@ -299,7 +309,7 @@ class StreamSequencer(Generic[T]):
             out.append(Abandon())
             self.mode = "live"
             self._deadline = None
-        self._request_replay(out, now)
+        self._request_replay(out, now, "hello")
         self._reconnect_probe = True
         return out
 
@@ -336,7 +346,7 @@ class StreamSequencer(Generic[T]):
             and now >= self._next_probe
             and self.next_seq is not None
         ):
-            self._request_replay(out, now)
+            self._request_replay(out, now, "probe")
         self._after(out, now)
         return out
 
@@ -344,6 +354,9 @@ class StreamSequencer(Generic[T]):
 
     def _after(self, out: list[Output[T]], now: float) -> None:
         """Request a snapshot when one can make an incomplete history exact; plan the probe."""
+        if self._verify and self.mode == "live" and self.next_seq is not None:
+            self._verify = False
+            self._request_replay(out, now, "hello")
         if (
             self.mode == "live"
             and not self.complete
@@ -422,7 +435,7 @@ class StreamSequencer(Generic[T]):
         ):
             # a hello: the end of this (empty) replay names the incarnation, so that a later
             # restart is recognised whatever seq the new publisher shows first
-            self._request_replay(out, now)
+            self._request_replay(out, now, "hello")
 
     def _is_duplicate(self, seq: int, payload: bytes) -> bool:
         held = self._pending.get(seq)
@@ -433,7 +446,14 @@ class StreamSequencer(Generic[T]):
             return known == digest(payload)
         # never received under this seq: a stale straggler, unless it can only be a new stream
         assert self.next_seq is not None
-        return seq != 0 and seq + self._window >= self.next_seq
+        if seq == 0:
+            return False
+        if seq + self._window >= self.next_seq:
+            return True
+        if self.incarnation is not None and self.replay:
+            self._verify = True  # too old to tell: the publisher's info will say
+            return True
+        return False
 
     def _restart(self, seq: int, payload: bytes, out: list[Output[T]], now: float) -> None:
         self.restarts += 1
@@ -499,9 +519,10 @@ class StreamSequencer(Generic[T]):
                 self._lost(f"{why}: {lost}", out, (self.next_seq, seq - 1))
                 self.next_seq = seq
 
-    def _request_replay(self, out: list[Output[T]], now: float) -> None:
+    def _request_replay(self, out: list[Output[T]], now: float, kind: RequestKind = "gap") -> None:
         assert self.next_seq is not None
-        out.append(Request(self.next_seq))
+        out.append(Request(HELLO_START if kind in ("hello", "probe") else self.next_seq))
+        self._request_kind = kind
         self._request_start = self.next_seq
         self._mark_at_request = self._mark
         self.mode = "replay"
@@ -511,6 +532,12 @@ class StreamSequencer(Generic[T]):
 
     def _on_replayed(self, seq: int, payload: bytes, out: list[Output[T]], now: float) -> None:
         assert self.next_seq is not None
+        kind = self._request_kind
+        if kind in ("hello", "probe") or (kind == "gap" and seq >= self._mark):
+            # beyond every seq received live: this consumer may simply be behind, with the
+            # frame still queued on its live socket (a ring that moved on must not make a
+            # backlog look lost); the live stream brings it, or shows its loss as a gap
+            return
         self.replayed += 1
         pending = self._pending
         while self.next_seq < seq:

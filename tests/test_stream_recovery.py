@@ -37,6 +37,7 @@ from zmq_helpers import (
 )
 
 from events.publisher import PublisherError, ZmqEventPublisher
+from events.sequencer import HELLO_START
 from events.snapshot import SNAPSHOT_TAG
 from events.subscriber import ZmqEventSubscriber
 
@@ -307,8 +308,8 @@ def test_engine_replay_layouts_fill_gaps_and_engines_get_no_snapshot_requests(
 
             fake.send(0, bodies[0])
             poll_until(sub, model, lambda: sub.status(0).replaying)
-            ident, start = fake.next_request()  # the hello after seq 0
-            assert start == 1
+            ident, start = fake.next_request()  # the hello after seq 0: the end marker alone
+            assert start == HELLO_START
             answer(ident, [])
             poll_until(sub, model, lambda: not sub.status(0).replaying)
             fake.send(2, bodies[2])
@@ -350,3 +351,26 @@ def test_snapshot_request_is_harmless_to_an_engine_publisher(ctx: Ctx) -> None:
             assert frames[:2] == [b"", SNAPSHOT_TAG] and frames[2][-4:] == b"\x00" * 4
         finally:
             dealer.close(linger=0)
+
+
+def test_a_consumer_behind_by_more_than_the_ring_loses_nothing(ctx: Ctx) -> None:
+    """A router that falls behind holds the frames on its live socket: a replay (the hello, a
+    gap's) that finds the ring moved on must not call them lost, nor their late arrival a
+    restart."""
+    with (
+        ZmqEventPublisher(
+            "inproc://behind", "inproc://behind-r", context=ctx, buffer_steps=50
+        ) as pub,
+        ZmqEventSubscriber(context=ctx) as sub,
+    ):
+        sub.add_worker(0, pub.endpoint, pub.replay_endpoint)
+        assert pub.wait_for_subscribers(1, DEADLINE_S)
+        for i in range(600):  # twelve rings' worth before the subscriber reads anything
+            pub.publish([stored(i, i + 1)])
+        assert pub.flush(DEADLINE_S)
+        model = StateModel()
+        poll_until(sub, model, lambda: len(model.seqs.get(0, [])) == 600)
+        status = sub.status(0)
+        assert model.seqs[0] == list(range(600))
+        assert (status.resyncs, status.restarts, status.state) == (0, 0, "ok")
+        assert model.blocks[0] == set(range(1, 601))
