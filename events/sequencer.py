@@ -23,9 +23,14 @@ Rules:
 * **snapshot**: while the history is incomplete and the publisher answers snapshot requests,
   one is requested; its :class:`Reset` replaces the consumer's view with the publisher's state
   at a stated seq, and the stream continues after it: the view is exact again in one round trip.
-* **probe**: every ``probe_interval_s`` of quiet (and after a reconnect) a replay request from
-  the next seq asks what the publisher has beyond it: a lost tail and a restart that kept the
-  seqs going are found that way, not only when the next batch arrives.
+* **probe**: after the first frame, after a reconnect and after every ``probe_interval_s`` of
+  quiet, a hello (a replay request for the end marker alone) asks the publisher for its info: a
+  restart that kept the seqs going and a lost tail (then fetched by a replay) are found that
+  way, not only when the next batch arrives.
+* **backlog**: a consumer may be behind, its frames still queued on its live socket; a replay
+  that finds the ring moved on must not call them lost. A gap's replay takes nothing beyond the
+  highest seq received live, and a straggler too old to judge is checked against the
+  publisher's incarnation instead of being taken for a restart.
 
 "ok" (:attr:`StreamSequencer.complete`) means the delivered history is provably complete: from
 seq 0 of the current incarnation, since a delivered clear, or since an applied snapshot.
