@@ -13,9 +13,11 @@ with no heaps, no counters kept up to date and nothing read from the manager:
   while the slower tiers have room;
 - an operation that cannot get its device pages raises ``OutOfPagesError`` and changes nothing.
 
-Observed from outside only: the sink's records (rebuilt into a map prefix -> tier and the list of
-drops), the stats counters and per-tier usage, and whether ``OutOfPagesError`` was raised. One
-block per token keeps prompts short; partial reuse is off (copy-on-write is covered elsewhere).
+Observed from outside only: the sink's calls, compared call for call (stored blocks, moves told
+once per tier pair at the end of an operation or before anything else is told, drops with their
+subtrees), the map prefix -> tier rebuilt from them, the stats counters and per-tier usage, and
+whether ``OutOfPagesError`` was raised. One block per token keeps prompts short; partial reuse
+is off (copy-on-write is covered elsewhere).
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ from kvcache import (
 )
 
 Prefix = tuple[int, ...]
+# ("stored", prefixes) | ("moved", prefixes, (old tier, new tier)) | ("removed", victim, subtree)
+Told = tuple[object, ...]
 NAMES = ["device", "host", "disk"]
 
 
@@ -81,7 +85,8 @@ class Model:
         self.ages = 0
         self.clock = 0
         self.counts = {"evictions": 0, "offloads": 0, "onboards": 0, "drops": 0}
-        self.dropped: list[tuple[Prefix, frozenset[Prefix]]] = []
+        self.told: list[Told] = []  # what the sink must have heard, in order
+        self.moved: dict[Prefix, int] = {}  # blocks moved since the sink last heard: old tier
 
     # ---------------------------------------------------------------- the policy, naively
 
@@ -104,6 +109,22 @@ class Model:
             len(p) == k + 1 and p[:k] == n.prefix and c.tier == n.tier for p, c in self.tree.items()
         )
 
+    def move(self, n: Node, tier: int) -> None:
+        if n.prefix is not None:
+            self.moved.setdefault(n.prefix, n.tier)
+        n.tier = tier
+
+    def tell_moves(self) -> None:
+        """Moves are told in one call per (old, new) tier pair, before anything else is told
+        and at the end of each operation: downward pairs first, slowest source first."""
+        pairs: dict[tuple[int, int], list[Prefix]] = {}
+        for p, old in self.moved.items():
+            if p in self.tree and self.tree[p].tier != old:
+                pairs.setdefault((old, self.tree[p].tier), []).append(p)
+        self.moved = {}
+        order = sorted(pairs, key=lambda pair: (0, -pair[0]) if pair[1] > pair[0] else (1, pair[0]))
+        self.told += [("moved", tuple(pairs[pair]), pair) for pair in order]
+
     def take_page(self, tier: int) -> None:
         while self.free[tier] == 0:
             self.evict(tier)
@@ -125,16 +146,17 @@ class Model:
         if below > 0:
             self.take_page(tier + 1)
             self.free[tier] += 1
-            victim.tier = tier + 1
+            self.move(victim, tier + 1)
             self.counts["offloads"] += 1
             return
         assert victim.prefix is not None
         root = victim.prefix
         gone = [p for p in self.tree if p[: len(root)] == root]
+        self.tell_moves()
         for p in gone:
             self.free[self.tree.pop(p).tier] += 1
         self.counts["drops"] += len(gone)
-        self.dropped.append((root, frozenset(gone)))
+        self.told.append(("removed", root, frozenset(gone)))
 
     def bring_to_device(self, nodes: list[Node]) -> None:
         """Every device page is had first (evicting), then the blocks move up."""
@@ -142,7 +164,7 @@ class Model:
             self.take_page(0)
         for n in nodes:
             self.free[n.tier] += 1
-            n.tier = 0
+            self.move(n, 0)
         self.counts["onboards"] += len(nodes)
 
     # ------------------------------------------------------------------------- operations
@@ -161,6 +183,7 @@ class Model:
                 n.live -= 1
             raise OutOfPages
         self.bring_to_device(away)
+        self.tell_moves()  # the end of the operation
         seq.nodes = reused
         return seq
 
@@ -175,17 +198,22 @@ class Model:
         for _ in range(extra):
             self.ages += 1
             ages.append(self.ages)
+        stored = []
         for i, age in zip(range(start, len(prompt)), ages, strict=True):
             p = tuple(prompt[: i + 1])
             old = self.tree.get(p)
             if old is None:
                 self.tree[p] = node = Node(p, 0, seq.priority, age)
+                stored.append(p)
             else:  # the same block is cached: the sequence takes it (and its page goes)
                 node = old
                 node.live += 1
                 self.free[node.tier] += 1
-                node.tier = 0
+                self.move(node, 0)
             seq.nodes.append(node)
+        if stored:
+            self.tell_moves()
+            self.told.append(("stored", tuple(stored)))
 
     def hold(self, seq: Seq, pages: int) -> None:
         if pages > self.room(0):
@@ -244,30 +272,35 @@ class SinkView:
         self.prefix_of: dict[bytes, Prefix] = {}
         self.tier: dict[Prefix, int] = {}
 
-    def update(self) -> list[tuple[Prefix, frozenset[Prefix]]]:
-        dropped = []
+    def update(self) -> list[Told]:
+        told: list[Told] = []
         for r in self.sink.records[self.seen :]:
             if r.kind == "stored":
+                stored = []
                 for key, toks, parent, tier in zip(
                     r.keys, r.tokens, r.parents, r.tiers, strict=True
                 ):
                     p = (() if parent is None else self.prefix_of[parent]) + toks
                     self.prefix_of[key] = p
                     self.tier[p] = tier
+                    stored.append(p)
+                told.append(("stored", tuple(stored)))
             elif r.kind == "moved":
-                assert r.new_tier is not None
-                for key in r.keys:
-                    assert self.tier[self.prefix_of[key]] == r.old_tier
-                    self.tier[self.prefix_of[key]] = r.new_tier
+                assert r.old_tier is not None and r.new_tier is not None
+                moved = tuple(self.prefix_of[key] for key in r.keys)
+                for p in moved:
+                    assert self.tier[p] == r.old_tier
+                    self.tier[p] = r.new_tier
+                told.append(("moved", moved, (r.old_tier, r.new_tier)))
             elif r.kind == "removed":
                 gone = [self.prefix_of.pop(key) for key in r.keys]
                 for p in gone:
                     del self.tier[p]
-                dropped.append((gone[-1], frozenset(gone)))  # the victim is reported last
+                told.append(("removed", gone[-1], frozenset(gone)))  # the victim comes last
             else:
                 raise AssertionError(f"unexpected sink call {r.kind}")
         self.seen = len(self.sink.records)
-        return dropped
+        return told
 
 
 @dataclass(eq=False)
@@ -296,8 +329,9 @@ class EvictionOrder(RuleBasedStateMachine):
     def check(self, raised: bool, predicted: bool) -> None:
         assert raised == predicted, f"OutOfPagesError raised: {raised}, model: {predicted}"
         model, m = self.model, self.manager
-        assert self.view.update() == model.dropped
-        model.dropped = []
+        model.tell_moves()  # the end of the operation
+        assert self.view.update() == model.told
+        model.told = []
         assert self.view.tier == {p: n.tier for p, n in model.tree.items()}
         s = m.stats
         assert (s.evictions, s.offloads, s.onboards, s.drops) == tuple(model.counts.values())
@@ -395,7 +429,12 @@ def test_the_model_knows_the_documented_scenarios() -> None:
     model.close(b)
     c = model.create([4], 35)
     model.commit(c, [4, 5])  # needs 2 pages: (3,) goes (lowest priority), then (1, 2) (leaf)
-    assert model.dropped == [((3,), frozenset({(3,)})), ((1, 2), frozenset({(1, 2)}))]
+    model.tell_moves()
+    assert model.told[-3:] == [
+        ("removed", (3,), frozenset({(3,)})),
+        ("removed", (1, 2), frozenset({(1, 2)})),
+        ("stored", ((4,), (4, 5))),
+    ]
     assert set(model.tree) == {(1,), (4,), (4, 5)}
     with pytest.raises(OutOfPages):
         model.hold(Seq(35), 2)
