@@ -374,3 +374,40 @@ def test_a_consumer_behind_by_more_than_the_ring_loses_nothing(ctx: Ctx) -> None
         assert model.seqs[0] == list(range(600))
         assert (status.resyncs, status.restarts, status.state) == (0, 0, "ok")
         assert model.blocks[0] == set(range(1, 601))
+
+
+def test_listener_fills_a_gap_from_a_replay_without_topic_frames(ctx: Ctx) -> None:
+    """``kv-events listen`` against vLLM <= 0.25.1: replies ``[b"", seq, payload]``."""
+    from events.listener import listen
+
+    fake = FakePublisher(ctx, transport="tcp")
+    got: list[tuple[int, bool]] = []
+    result: list[int] = []
+    bodies = [payload([stored(i, 10 + i)], ts=i) for i in range(4)]
+    thread = threading.Thread(
+        target=lambda: result.append(
+            listen(
+                [fake.endpoint],
+                lambda w, frames, replayed: got.append((SEQ.unpack(frames[1])[0], replayed)),
+                replay_endpoints=[fake.replay_endpoint],
+                count=2,
+                timeout_s=30,
+            )
+        )
+    )
+    thread.start()
+    try:
+        fake.wait_subscribed()
+        fake.send(0, bodies[0])
+        fake.send(3, bodies[3])  # 1 and 2 lost on the way
+        ident, start = fake.next_request()
+        assert start == 1
+        for seq in (1, 2, 3):
+            fake.router.send_multipart([ident, b"", SEQ.pack(seq), bodies[seq]])
+        fake.router.send_multipart([ident, b"", END, b""])
+        thread.join(DEADLINE_S * 2)
+        assert not thread.is_alive()
+    finally:
+        fake.close()
+    assert result == [2]
+    assert got == [(0, False), (1, True), (2, True), (3, False)]
