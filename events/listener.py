@@ -60,7 +60,10 @@ def listen(
     or ``timeout_s`` passed; returns the number of live messages. With replay endpoints, a gap
     (or a stream first seen above seq 0) is filled from the publisher's replay socket.
     Raises :class:`~events.endpoints.EndpointError` for an endpoint ZeroMQ cannot attach to.
-    ``curve`` and ``max_message_bytes``: as for :class:`~events.subscriber.ZmqEventSubscriber`."""
+    ``curve`` and ``max_message_bytes``: as for :class:`~events.subscriber.ZmqEventSubscriber`,
+    except that an endpoint this function connects to and that sends a message over the cap
+    stays disconnected for the rest of the run (ZeroMQ does not redial after that protocol
+    error; the subscriber redials, this diagnostic does not)."""
 
     def secure(sock: zmq.Socket[bytes]) -> None:
         if curve is not None:

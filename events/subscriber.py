@@ -408,6 +408,12 @@ class ZmqEventSubscriber:
             while True:
                 event = recv_monitor_message(w.monitor, zmq.NOBLOCK)
                 up = event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+                if not up and w.connected and not w.bind:
+                    # ZeroMQ never reconnects after a protocol error (a message over
+                    # max_message_bytes is one): without this the worker went silent for good
+                    with contextlib.suppress(zmq.ZMQError):
+                        w.sub.disconnect(w.endpoint)
+                        w.sub.connect(w.endpoint)
                 if up and not w.connected and w.was_connected:
                     # maybe a restarted publisher that kept its address: ask it
                     self._run(w, w.seq.reconnected(time.monotonic()), out)

@@ -65,13 +65,20 @@ BLOCK_SIZE_MISMATCH: Final = "block_size_mismatch"
 UNKNOWN_PARENT: Final = "unknown_parent"
 UNKNOWN_UPDATE: Final = "unknown_update"
 UNKEYED_BLOCK: Final = "unkeyed_block"
+LEVEL_OUT_OF_RANGE: Final = "level_out_of_range"
 ANOMALY_KINDS: Final[tuple[str, ...]] = (
     UNKNOWN_REMOVAL,
     BLOCK_SIZE_MISMATCH,
     UNKNOWN_PARENT,
     UNKNOWN_UPDATE,
     UNKEYED_BLOCK,
+    LEVEL_OUT_OF_RANGE,
 )
+MAX_CACHE_LEVEL: Final = 2047
+"""Highest cache level the index keeps: every level events.model hands out fits (ours 0-2,
+engines' media 64-68, other names 96-1120). A level is a bit of a per-block mask, so a stream
+saying ``TIER9999999`` or level 2**64-1 would cost megabytes per block or raise MemoryError;
+such a block (or removal, or update) is counted as ``level_out_of_range`` and skipped."""
 _MASK64: Final = (1 << 64) - 1
 _GROUP_MUL: Final = 0x9E3779B97F4A7C15  # odd: distinct groups give distinct masks
 
@@ -473,6 +480,9 @@ class KvIndexer:
                 if m != bit:
                     device[h] = m | bit
                 continue
+            if level > MAX_CACHE_LEVEL:
+                self._anomaly(worker, LEVEL_OUT_OF_RANGE)
+                continue
             lbit = 1 << level if level > 0 else 1
             old = held.get(h, 0)
             if old & lbit:
@@ -514,6 +524,9 @@ class KvIndexer:
         # A removal without a level drops every copy; with a level, only that tier's copy
         # (a GPU -> CPU offload travels as Removed(GPU) + Stored(CPU)).
         level = data.cache_level
+        if level is not None and level > MAX_CACHE_LEVEL:
+            self._anomaly(worker, LEVEL_OUT_OF_RANGE, len(data.block_hashes))
+            return
         mask = -1 if level is None else 1 << max(0, level)
         unknown = 0
         keys = self._keys[worker]
@@ -581,6 +594,9 @@ class KvIndexer:
                 if m != bit:
                     device[h] = m | bit
                 continue
+            if block.cache_level > MAX_CACHE_LEVEL:
+                self._anomaly(worker, LEVEL_OUT_OF_RANGE)
+                continue
             old = held_get(h, 0)
             lbit = 1 << block.cache_level if block.cache_level > 0 else 1
             if old & lbit:
@@ -596,6 +612,9 @@ class KvIndexer:
     ) -> None:
         # A removal without a level drops every copy; with a level, only that tier's copy
         # (a GPU -> CPU offload travels as Removed(GPU) + Stored(CPU)).
+        if data.cache_level is not None and data.cache_level > MAX_CACHE_LEVEL:
+            self._anomaly(worker, LEVEL_OUT_OF_RANGE, len(data.block_hashes))
+            return
         mask = -1 if data.cache_level is None else 1 << max(0, data.cache_level)
         unknown = 0
         device = self._device
@@ -624,6 +643,9 @@ class KvIndexer:
         diff = data.cache_level
         if diff is None:
             return  # a priority change does not affect routing
+        if max(diff.old_value, diff.new_value) > MAX_CACHE_LEVEL:
+            self._anomaly(worker, LEVEL_OUT_OF_RANGE)
+            return
         h = self._key_of(self._keys[worker], data.block_hash, None)
         old = held.get(h, 0)
         if not old:

@@ -151,6 +151,7 @@ def test_anomalies_are_counted_and_never_abort_the_batch(caplog: pytest.LogCaptu
         "unknown_parent": 1,
         "unknown_update": 0,
         "unkeyed_block": 0,
+        "level_out_of_range": 0,
     }
     assert ix.worker_anomalies(3)["unknown_removal"] == 2
     assert ix.worker_anomalies(4)["unknown_removal"] == 0
