@@ -246,6 +246,7 @@ class ZmqEventPublisher:
         self._snap_lock = threading.Lock()  # the snapshot hand-over and the replay bell
         self._snap_ready: tuple[int, Sequence[KVCacheEvent]] | None = None
         self._replay_stop = False
+        self._sender_dead = False  # set by the sender thread when it fails
 
         sockets: list[zmq.Socket[bytes]] = []
         try:
@@ -409,7 +410,7 @@ class ZmqEventPublisher:
             raise PublisherError(
                 f"publisher {self._endpoint} is closed; create a new one to publish again"
             )
-        if not self._thread.is_alive():
+        if self._sender_dead:
             raise PublisherError(
                 f"publisher {self._endpoint}: its sender thread died (see the log), so nothing "
                 "is sent; close it and create a new publisher"
@@ -547,6 +548,7 @@ class ZmqEventPublisher:
                 ):
                     break
         except Exception:
+            self._sender_dead = True
             log.exception(
                 "publisher %s: sender thread failed; publish() now raises", self._endpoint
             )
