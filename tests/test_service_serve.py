@@ -220,6 +220,22 @@ def test_workers_are_removed_and_added_at_run_time(fleet: Fleet) -> None:
     assert "3" in fleet.route(prefix(0))["overlaps"]
 
 
+def test_a_worker_with_another_block_size_is_refused(fleet: Fleet) -> None:
+    odd = start_worker(7, tokens_per_block=32)
+    try:
+        entry = {k: odd.ready[k] for k in ("id", "http", "events", "replay")}
+        status, _, body = post_json(fleet.serve.http + "/workers", entry)
+        assert status == 201
+        assert body["state"] == "misconfigured" and body["up"] is False
+        assert "32 tokens per block, the fleet 16" in body["probe_error"]
+        for k in range(3):
+            assert fleet.route(prefix(k))["worker"] != 7
+        status, _, _ = request("DELETE", fleet.serve.http + "/workers/7")
+        assert status == 200
+    finally:
+        odd.stop()
+
+
 def test_a_killed_worker_is_seen_and_routing_recovers_after_restart(fleet: Fleet) -> None:
     old = fleet.workers[1]
     # a second router that probes rarely: it learns of the death from the refused connection

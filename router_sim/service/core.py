@@ -51,6 +51,7 @@ class WorkerState:
     incarnation: str | None = None
     published_seq: int | None = None
     probe_error: str | None = None
+    misconfigured: bool = False
 
 
 class RouterService:
@@ -188,6 +189,7 @@ class RouterService:
             incarnation = str(health["incarnation"])
             kv_usage = float(health["load"]["kv_usage"])
             published = int(health["last_seq"])
+            mismatch = self._mismatch(health)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as e:
             self.mark_down(worker, f"{type(e).__name__}: {e}")
             return
@@ -198,19 +200,37 @@ class RouterService:
             await self.pump.resubscribe(worker, state.entry.events, state.entry.replay)
         state.incarnation = incarnation
         state.published_seq = published
+        if mismatch is not None:
+            self.mark_down(worker, mismatch, misconfigured=True)
+            return
         state.up = True
+        state.misconfigured = False
         state.probe_error = None
         self.load.set_kv_usage(worker, kv_usage)
         self.load.set_eligible(worker, True)
 
-    def mark_down(self, worker: int, why: str) -> None:
-        """Stop offering ``worker`` until its health probe answers again."""
+    def _mismatch(self, health: dict[str, Any]) -> str | None:
+        """Why a worker's announced block size or hash algorithm differs from the fleet's (its
+        blocks would never match a request hashed the fleet's way), or None. Engines that do not
+        say are trusted."""
+        fleet = self.fleet
+        tpb, algo = health.get("tokens_per_block"), health.get("hash_algo")
+        if tpb is not None and int(tpb) != fleet.tokens_per_block:
+            return f"the worker has {tpb} tokens per block, the fleet {fleet.tokens_per_block}"
+        if algo is not None and str(algo) != fleet.hash_algo:
+            return f"the worker hashes with {algo}, the fleet with {fleet.hash_algo}"
+        return None
+
+    def mark_down(self, worker: int, why: str, *, misconfigured: bool = False) -> None:
+        """Stop offering ``worker`` until its health probe answers again (and, when
+        ``misconfigured``, agrees with the fleet's block size and hash algorithm)."""
         state = self.workers.get(worker)
         if state is None:
             return
-        if state.up:
-            log.warning("worker %d is down: %s", worker, why)
+        if state.up or misconfigured != state.misconfigured:
+            log.warning("worker %d is %s: %s", worker, _down(misconfigured), why)
         state.up = False
+        state.misconfigured = misconfigured
         state.probe_error = why
         self.load.set_eligible(worker, False)
 
@@ -294,7 +314,7 @@ class RouterService:
         return {
             "id": worker,
             **state.entry.model_dump(),
-            "state": _state(state.up, stream, last_seq),
+            "state": "misconfigured" if state.misconfigured else _state(state.up, stream, last_seq),
             "up": state.up,
             "stream": stream,
             "connected": None if st is None else st.connected,
@@ -311,6 +331,10 @@ class RouterService:
             "anomalies": self.router.indexer.worker_anomalies(worker),
             "probe_error": state.probe_error,
         }
+
+
+def _down(misconfigured: bool) -> str:
+    return "misconfigured" if misconfigured else "down"
 
 
 def _state(up: bool, stream: str | None, last_seq: int | None) -> str:

@@ -7,7 +7,7 @@ manager and ZeroMQ publisher; step times from the simulator's timing model) and 
   then ``data: [DONE]``) or not; ``usage.prompt_tokens_details.cached_tokens`` says how much of
   the prompt the cache served;
 - ``GET /healthz``: liveness, the engine's incarnation (new at every start, so a router can tell
-  a restart from a pause), the last published seq and the load;
+  a restart from a pause), the last published seq, the block size and hash algorithm, the load;
 - ``GET /stats``: the engine's counters and its cache's.
 
 When a subscriber joins, and after ``--heartbeat`` seconds without a batch, the worker
@@ -142,6 +142,8 @@ async def healthz(request: web.Request) -> web.Response:
             "id": info["id"],
             "incarnation": info["incarnation"],
             "last_seq": engine.publisher.next_seq - 1,
+            "tokens_per_block": engine.tokens_per_block,
+            "hash_algo": engine.events.hash_algo.value,
             "load": {
                 "active_requests": load.active_requests,
                 "pending_prefill_tokens": load.pending_prefill_tokens,
@@ -249,6 +251,8 @@ async def serve_worker(args: argparse.Namespace, ready: asyncio.Event | None = N
         site = web.TCPSite(runner, args.host, args.port)
         await site.start()
         host, port = runner.addresses[0][:2]
+        if host in ("0.0.0.0", "::"):
+            host = "127.0.0.1"  # the ready line gives an address to connect to
         tasks = [
             asyncio.create_task(engine.run()),
             asyncio.create_task(_heartbeats(engine, args.heartbeat)),
