@@ -160,7 +160,9 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=8192)
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--event-rps", type=float, default=8.0, help="fresh prompts/s to the workers")
+    ap.add_argument(
+        "--event-rps", type=float, default=8.0, help="fresh prompts/s to the workers (0: none)"
+    )
     ap.add_argument("--speedup", type=float, default=20.0, help="workers' --speedup")
     ap.add_argument("--proxy-requests", type=int, default=50)
     ap.add_argument("--quick", action="store_true", help="3 s of /route, 10 proxy requests")
@@ -209,7 +211,8 @@ def main() -> None:
             target=event_load,
             args=([e["http"] for e in entries], args.event_rps, tokens, stop),
         )
-        loader.start()
+        if args.event_rps > 0:
+            loader.start()
         print(
             f"POST /route, {tokens}-token prompts sharing a cached prefix, {args.workers} "
             f"workers fed {args.event_rps:g} fresh {tokens}-token prompts/s "
@@ -236,7 +239,8 @@ def main() -> None:
                 f"(= {1e6 / cpu_us:.0f} decisions/s per core)"
             )
         stop.set()
-        loader.join(30)
+        if args.event_rps > 0:
+            loader.join(30)
         print(
             f"  route() inside the service, all decisions: p50 <= {after['p50_le_ms']:.2f} ms, "
             f"p99 <= {after['p99_le_ms']:.2f} ms (histogram bucket bounds)"
