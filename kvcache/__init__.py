@@ -1,7 +1,13 @@
 """kvcache: a scoped block radix-tree KV cache manager with tiered pages and prioritized LRU."""
 
 from kvcache.config import KVCacheManagerConfig, KVLayout, TierConfig
-from kvcache.errors import CacheStateError, ClosedCacheError, KVCacheError, OutOfPagesError
+from kvcache.errors import (
+    CacheStateError,
+    ClosedCacheError,
+    KVCacheError,
+    OutOfPagesError,
+    WrongThreadError,
+)
 from kvcache.keys import BlockKey, block_key, blockchain_keys, root_key
 from kvcache.manager import KVCacheManager
 from kvcache.scope import DEFAULT_SCOPE, ReuseScope, cache_salt_id
@@ -28,6 +34,7 @@ __all__ = [
     "SinkRecord",
     "TierConfig",
     "TierUsage",
+    "WrongThreadError",
     "block_key",
     "blockchain_keys",
     "cache_salt_id",

@@ -1,4 +1,8 @@
-"""Configuration of the cache manager (pydantic models: validated once, at the edge)."""
+"""Configuration of the cache manager (pydantic models: validated once, at the edge).
+
+Strict: a value of the wrong type is an error, never coerced (``"16"``, ``16.0`` or ``True``
+are not a ``tokens_per_block``, ``1`` is not ``enable_partial_reuse``); nested tiers and layouts
+may still be given as dicts."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ DTYPES: Final[frozenset[str]] = frozenset({"float32", "float16", "bfloat16"})
 class TierConfig(BaseModel):
     """One memory tier: a name (``device``, ``host``, ...) and how many pages it holds."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     name: str = Field(min_length=1, description="tier name, unique within a config")
     num_blocks: int = Field(gt=0, description="pages in this tier (one page holds one block)")
@@ -21,7 +25,7 @@ class TierConfig(BaseModel):
 class KVLayout(BaseModel):
     """Shape of the KV data of one page: ``[num_layers, 2, tokens_per_block, heads, head_dim]``."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     num_layers: int = Field(gt=0)
     num_kv_heads: int = Field(gt=0)
@@ -43,7 +47,7 @@ class KVCacheManagerConfig(BaseModel):
     ``tiers`` are ordered fast to slow: tier 0 is the device tier whose pages sequences write.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     tokens_per_block: int = Field(ge=1, description="tokens held by one page")
     tiers: list[TierConfig] = Field(min_length=1, description="memory tiers, fastest first")

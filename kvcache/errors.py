@@ -21,3 +21,8 @@ class ClosedCacheError(KVCacheError):
 class CacheStateError(KVCacheError):
     """An operation that the sequence's current state does not allow (for example committing
     after ``stop_committing()``, or committing while suspended)."""
+
+
+class WrongThreadError(KVCacheError):
+    """A manager or one of its sequences was used from a thread other than its owner's
+    (see :mod:`kvcache.owner`); nothing was changed."""

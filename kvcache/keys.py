@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from hashlib import sha256
 from typing import Final, NewType
 
@@ -28,12 +29,27 @@ _NON_NEGATIVE_HIGH: Final = bytes(range(0x80))
 def token_array(tokens: Iterable[int]) -> array[int]:
     """Validate token ids and pack them as 32-bit ints (one pass, done once per request).
 
-    Raises ``TypeError`` for non-integers and ``ValueError`` for ids outside [0, 2**31).
+    Raises ``TypeError`` for non-integers (``True`` is not a token id) and for unordered or
+    text input (a set, a mapping, a str), and ``ValueError`` for ids outside [0, 2**31).
     """
-    if isinstance(tokens, (str, bytes)):
+    if isinstance(tokens, array) and tokens.typecode == "i":  # noqa: SIM108 (mypy narrows)
+        arr = tokens
+    else:
+        arr = _from_ints(tokens)
+    # Sign check on the raw bytes: deleting every byte below 0x80 from the high bytes is a C
+    # loop, an order of magnitude cheaper than min() over Python ints on long prompts.
+    if arr and arr.tobytes()[_HIGH_BYTE::4].translate(None, _NON_NEGATIVE_HIGH):
+        raise ValueError(f"token ids must be in [0, 2**31), got {min(arr)}")
+    return arr
+
+
+def _from_ints(tokens: Iterable[int]) -> array[int]:
+    if isinstance(tokens, (str, bytes, AbstractSet, Mapping)):
         raise TypeError(f"tokens must be a sequence of ints, got {type(tokens).__name__}")
+    if not isinstance(tokens, (list, tuple, array)):
+        tokens = list(tokens)  # an iterator is read once, by the checks below and the packing
     try:
-        arr = tokens if isinstance(tokens, array) and tokens.typecode == "i" else array("i", tokens)
+        arr = array("i", tokens)
     except OverflowError:
         bad = next(
             (t for t in tokens if isinstance(t, int) and not 0 <= t < TOKEN_LIMIT), "out of range"
@@ -42,10 +58,9 @@ def token_array(tokens: Iterable[int]) -> array[int]:
     except TypeError:
         bad_t = next((t for t in tokens if not isinstance(t, int)), None)
         raise TypeError(f"token ids must be ints, got {type(bad_t).__name__} {bad_t!r}") from None
-    # Sign check on the raw bytes: deleting every byte below 0x80 from the high bytes is a C
-    # loop, an order of magnitude cheaper than min() over Python ints on long prompts.
-    if arr and arr.tobytes()[_HIGH_BYTE::4].translate(None, _NON_NEGATIVE_HIGH):
-        raise ValueError(f"token ids must be in [0, 2**31), got {min(arr)}")
+    # bools pack as 0 and 1: look for them only when a 0 or 1 is there (two C-speed counts)
+    if (arr.count(0) or arr.count(1)) and bool in set(map(type, tokens)):
+        raise TypeError("token ids must be ints, got bool (True/False is not a token id)")
     return arr
 
 

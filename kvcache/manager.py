@@ -32,6 +32,7 @@ from kvcache.block_pool import BlockPool
 from kvcache.config import KVCacheManagerConfig
 from kvcache.errors import KVCacheError
 from kvcache.keys import token_array, tokens_to_bytes
+from kvcache.owner import ThreadOwner
 from kvcache.pool import PagePool
 from kvcache.scope import DEFAULT_SCOPE, ReuseScope
 from kvcache.sequence import KVCache
@@ -66,7 +67,10 @@ def _check_scope(scope: object) -> ReuseScope:
 class KVCacheManager:
     """Owns the radix tree, the page pools of every tier and the eviction policy.
 
-    Not thread-safe: drive it from one thread (an engine's scheduler loop).
+    Not thread-safe: drive it and its sequences from one thread (an engine's scheduler loop).
+    The first thread that uses it owns it; a call from any other thread raises
+    ``WrongThreadError`` and changes nothing (:mod:`kvcache.owner`); :meth:`hand_over` passes
+    it on.
     """
 
     def __init__(
@@ -92,6 +96,7 @@ class KVCacheManager:
         pools = [PagePool(t.name, t.num_blocks) for t in config.tiers]
         self._pool = BlockPool(self._tree, pools, event_sink, self._storage, self.tokens_per_block)
         self._live: set[KVCache] = set()  # open sequences, for verify()
+        self._owner = ThreadOwner()
         self._queries = 0
         self._query_tokens = 0
         self._hit_tokens = 0
@@ -124,6 +129,7 @@ class KVCacheManager:
         self, input_tokens: Iterable[int], reuse_scope: ReuseScope | None = None
     ) -> int:
         """Tokens ``create_kv_cache`` would reuse now; changes nothing (no LRU, stats, events)."""
+        self._owner.check("probe_reuse")
         scope = _check_scope(reuse_scope)
         tokens = token_array(input_tokens)
         full, _, m = self._match(tokens, scope)
@@ -141,6 +147,7 @@ class KVCacheManager:
         ``num_reused_tokens`` tells the engine where to start computing. Raises
         ``OutOfPagesError`` with nothing changed when the device tier cannot hold the reuse.
         """
+        self._owner.check("create_kv_cache")
         scope = _check_scope(reuse_scope)
         priority = _check_priority(priority)
         tokens = token_array(input_tokens)
@@ -150,14 +157,21 @@ class KVCacheManager:
         self._queries += 1
         self._query_tokens += len(tokens)
         self._hit_tokens += reused
-        seq = KVCache(self._pool, scope, priority, tokens[:reused], blocks, self._live.discard)
+        seq = KVCache(
+            self._pool, scope, priority, tokens[:reused], blocks, self._live.discard, self._owner
+        )
         self._live.add(seq)
         self._pool.finish()
         return seq
 
     def clear_reusable_blocks(self) -> None:
         """Drop every cached block no sequence holds (see the module docstring for events)."""
+        self._owner.check("clear_reusable_blocks")
         self._pool.clear()
+
+    def hand_over(self) -> None:
+        """Called from the owning thread: the next thread to use the manager owns it."""
+        self._owner.hand_over()
 
     # ------------------------------------------------------------------------- observation
 
@@ -196,6 +210,7 @@ class KVCacheManager:
 
         Raises ``kvcache.verify.InconsistentStateError`` naming the first broken one.
         """
+        self._owner.check("verify")
         verify(self._tree, self._pool, [(s.held_blocks(), s.suspended) for s in self._live])
 
     @property
@@ -207,6 +222,7 @@ class KVCacheManager:
         """Every block in the tree (every scope, every tier), each after its parent: the cache's
         contents as an event sink sees them, for a consumer's snapshot of the whole state.
         Do not change the cache while iterating."""
+        self._owner.check("iter_blocks")
         return iter(self._tree.iter_blocks())
 
     @property

@@ -19,6 +19,7 @@ from types import TracebackType
 from kvcache.block_pool import BlockPool
 from kvcache.errors import CacheStateError, ClosedCacheError
 from kvcache.keys import token_array
+from kvcache.owner import ThreadOwner
 from kvcache.scope import ReuseScope
 from kvcache.tree import Block
 
@@ -30,6 +31,7 @@ class KVCache:
         "_blocks",
         "_closed",
         "_on_close",
+        "_owner",
         "_pool",
         "_stopped",
         "_suspended",
@@ -47,7 +49,9 @@ class KVCache:
         tokens: array[int],
         blocks: list[Block],
         on_close: Callable[[KVCache], None],
+        owner: ThreadOwner | None = None,
     ) -> None:
+        self._owner = owner  # the manager's thread check (kvcache.owner)
         self._pool = pool
         self._on_close = on_close
         self.scope = scope
@@ -100,6 +104,8 @@ class KVCache:
     # ------------------------------------------------------------------------- operations
 
     def _check_open(self, what: str) -> None:
+        if self._owner is not None:
+            self._owner.check(what)
         if self._closed:
             raise ClosedCacheError(f"{what}: this KVCache was closed; create a new one")
 
@@ -202,6 +208,8 @@ class KVCache:
     def close(self) -> None:
         """Release the sequence: committed blocks stay cached (evictable), private pages are
         freed. Closing twice is a no-op."""
+        if self._owner is not None:
+            self._owner.check("close")
         if self._closed:
             return
         self._pool.release(self._blocks, self._suspended)
