@@ -336,6 +336,163 @@ done:
     return result;
 }
 
+/* Index of the first item of a list that is not an exact int in [0, 2**31), or -1: the wire
+ * decoder's check of a token_ids array, one C pass instead of several Python-level ones. */
+static PyObject *first_bad_token(PyObject *self, PyObject *arg) {
+    (void)self;
+    if (!PyList_Check(arg)) {
+        PyErr_Format(PyExc_TypeError, "first_bad_token expects a list, got %s",
+                     Py_TYPE(arg)->tp_name);
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(arg);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(arg, i);
+        int overflow = 0;
+        /* exact ints only: a msgpack bool is not a token id */
+        long v = PyLong_CheckExact(item) ? PyLong_AsLongAndOverflow(item, &overflow) : -1;
+        if (overflow != 0 || v < 0 || v > INT32_MAX) {
+            return PyLong_FromSsize_t(i);
+        }
+    }
+    return PyLong_FromLong(-1);
+}
+
+/* Size of what follows a msgpack type byte: *skip payload bytes, or *items child objects for
+ * a container (*is_container set, even when empty). Returns 0, -1 for the invalid type byte,
+ * or -2 when the bytes end before the length field does. */
+static int msgpack_header(const unsigned char *p, Py_ssize_t left, Py_ssize_t *head,
+                          uint64_t *skip, uint64_t *items, int *is_container) {
+    unsigned char b = p[0];
+    *skip = 0;
+    *items = 0;
+    *head = 1;
+    *is_container = (b & 0xe0) == 0x80 || (b >= 0xdc && b <= 0xdf);
+    if (b <= 0x7f || b >= 0xe0 || b == 0xc0 || b == 0xc2 || b == 0xc3) {
+        return 0; /* fixints, nil, bools */
+    }
+    if ((b & 0xf0) == 0x80) {
+        *items = 2 * (uint64_t)(b & 0x0f);
+        return 0;
+    }
+    if ((b & 0xf0) == 0x90) {
+        *items = b & 0x0f;
+        return 0;
+    }
+    if ((b & 0xe0) == 0xa0) {
+        *skip = b & 0x1f;
+        return 0;
+    }
+    /* length-prefixed types: width of the big-endian length field, and a fixed extra */
+    int width = 0, extra = 0, container = 0;
+    switch (b) {
+    case 0xc4: case 0xd9: width = 1; break;             /* bin8, str8 */
+    case 0xc5: case 0xda: width = 2; break;             /* bin16, str16 */
+    case 0xc6: case 0xdb: width = 4; break;             /* bin32, str32 */
+    case 0xc7: width = 1; extra = 1; break;             /* ext8 (+ type byte) */
+    case 0xc8: width = 2; extra = 1; break;             /* ext16 */
+    case 0xc9: width = 4; extra = 1; break;             /* ext32 */
+    case 0xdc: width = 2; container = 1; break;         /* array16 */
+    case 0xdd: width = 4; container = 1; break;         /* array32 */
+    case 0xde: width = 2; container = 2; break;         /* map16 */
+    case 0xdf: width = 4; container = 2; break;         /* map32 */
+    case 0xca: case 0xd2: case 0xce: *skip = 4; return 0;
+    case 0xcb: case 0xd3: case 0xcf: *skip = 8; return 0;
+    case 0xcc: case 0xd0: *skip = 1; return 0;
+    case 0xcd: case 0xd1: *skip = 2; return 0;
+    case 0xd4: *skip = 2; return 0;                      /* fixext1: type + 1 */
+    case 0xd5: *skip = 3; return 0;
+    case 0xd6: *skip = 5; return 0;
+    case 0xd7: *skip = 9; return 0;
+    case 0xd8: *skip = 17; return 0;
+    default: return -1;                                  /* 0xc1: never used */
+    }
+    if (left < 1 + width) {
+        return -2;
+    }
+    uint64_t n = 0;
+    for (int i = 1; i <= width; i++) {
+        n = (n << 8) | p[i];
+    }
+    *head = 1 + width;
+    if (container) {
+        *items = n * (uint64_t)container;
+    } else {
+        *skip = n + (uint64_t)extra;
+    }
+    return 0;
+}
+
+/* msgpack_scan results */
+#define SCAN_OK 0
+#define SCAN_TOO_DEEP 1
+#define SCAN_TRUNCATED 2
+#define SCAN_INVALID_BYTE 3
+#define SCAN_TRAILING 4
+
+/* Walks the headers of one msgpack object without building anything: reports arrays/maps
+ * nested deeper than limit (the outermost container is depth 1; an empty one counts), bytes
+ * that end before the object does, the never-used type byte 0xc1, or bytes left after the
+ * object. A hostile payload is thus refused before the unpacker allocates a single list. */
+static PyObject *msgpack_scan(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer buf;
+    Py_ssize_t limit;
+    if (!PyArg_ParseTuple(args, "y*n:msgpack_scan", &buf, &limit)) {
+        return NULL;
+    }
+    if (limit < 0) {
+        limit = 0;
+    }
+    /* Every level costs at least one byte: a limit above the payload's size cannot be reached,
+     * and the stack below is sized by it. */
+    if (limit > buf.len) {
+        limit = buf.len;
+    }
+    /* remaining[d]: children still to read in the container open at depth d (0: the root) */
+    uint64_t *remaining = PyMem_Malloc(sizeof(uint64_t) * (size_t)(limit + 2));
+    if (remaining == NULL) {
+        PyBuffer_Release(&buf);
+        return PyErr_NoMemory();
+    }
+    const unsigned char *p = (const unsigned char *)buf.buf;
+    Py_ssize_t pos = 0, depth = 0;
+    int status = SCAN_TRUNCATED; /* until the root object completes */
+    remaining[0] = 1;
+    while (pos < buf.len) {
+        Py_ssize_t head;
+        uint64_t skip, items;
+        int is_container;
+        int rc = msgpack_header(p + pos, buf.len - pos, &head, &skip, &items, &is_container);
+        if (rc < 0) {
+            status = rc == -1 ? SCAN_INVALID_BYTE : SCAN_TRUNCATED;
+            break;
+        }
+        if (skip > (uint64_t)(buf.len - pos - head)) {
+            break; /* truncated */
+        }
+        pos += head + (Py_ssize_t)skip;
+        remaining[depth]--;
+        if (is_container && depth + 1 > limit) {
+            status = SCAN_TOO_DEEP;
+            break;
+        }
+        if (items > 0) {
+            remaining[++depth] = items;
+        }
+        while (depth > 0 && remaining[depth] == 0) {
+            depth--;
+        }
+        if (depth == 0 && remaining[0] == 0) {
+            status = pos == buf.len ? SCAN_OK : SCAN_TRAILING;
+            break;
+        }
+    }
+    PyMem_Free(remaining);
+    PyBuffer_Release(&buf);
+    return PyLong_FromLong(status);
+}
+
 /* ---- record builders ------------------------------------------------------------------
  *
  * The event records are frozen slotted dataclasses; their generated __init__ stores each field
@@ -703,6 +860,12 @@ static PyMethodDef methods[] = {
     {"chain_lists", v1_chain_lists, METH_VARARGS,
      "chain_lists(token_lists, parent_hash, lora_id, salt_id) -> list[int]: V1 hash of each "
      "list of token ids chained from parent_hash; stops before the first empty list."},
+    {"msgpack_scan", msgpack_scan, METH_VARARGS,
+     "msgpack_scan(data, max_depth) -> int: 0 one well-formed object, 1 nested deeper than "
+     "max_depth, 2 truncated, 3 invalid type byte, 4 trailing bytes."},
+    {"first_bad_token", first_bad_token, METH_O,
+     "first_bad_token(list) -> int: index of the first item that is not an int in [0, 2**31), "
+     "or -1."},
     {"stored_blocks", (PyCFunction)(void (*)(void))stored_blocks, METH_FASTCALL,
      "stored_blocks(cls, setters, hashes, tokens, block_size, lora_id, cache_level, priority, "
      "salt_id) -> list: one record per hash, each with its block_size slice of tokens."},

@@ -8,9 +8,11 @@ its batch and named in ``DecodedBatch.malformed``, and :class:`DecodeLimits` bou
 memory one payload can cost (a payload beyond them is refused whole).
 
 The msgpack itself is read by the msgpack library, with every length capped by the limits
-before anything is allocated and its own stack bounding the nesting; this module checks
-shapes and values with C-speed builtins over whole lists. With the optional extension, an
-event's StoredBlock records are built in one C call (``events._records``).
+before anything is allocated; this module checks shapes and values with C-speed builtins over
+whole lists. With the optional extension, a header-only scan refuses deep nesting, truncation
+and trailing bytes before msgpack builds any object (without it, msgpack's own stack limit and
+the shape checks bound the same cases, more slowly), token ids are checked in one C pass, and
+an event's StoredBlock records are built in one C call (``events._records``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,20 @@ from events.model import (
 )
 from kvcache.keys import TOKEN_LIMIT
 from kvcache.scope import U64_LIMIT
+
+try:  # C passes over the raw bytes and token_ids when the optional extension is built
+    from events._v1hash import first_bad_token as _native_first_bad_token
+    from events._v1hash import msgpack_scan as _native_msgpack_scan
+except ImportError:  # pragma: no cover - depends on the install
+    _native_first_bad_token = None  # type: ignore[assignment]
+    _native_msgpack_scan = None  # type: ignore[assignment]
+
+_SCAN_ERRORS: Final = {
+    1: "arrays/maps nested deeper than DecodeLimits.max_depth ({max_depth})",
+    2: "not a valid msgpack payload: truncated (incomplete input)",
+    3: "not a valid msgpack payload: invalid type byte 0xc1",
+    4: "trailing bytes after the payload's msgpack array",
+}
 
 _DEFAULT_ALGO: Final = "v1_block_key"
 _DEFAULT_PRIORITY: Final = 35
@@ -136,8 +152,13 @@ def _unpack(payload: bytes | bytearray | memoryview, limits: DecodeLimits) -> ob
             f"payload of {size} bytes exceeds DecodeLimits.max_payload_bytes "
             f"({limits.max_payload_bytes})"
         )
-    # msgpack's own stack limit bounds the nesting it builds; what the events nest beyond the
-    # format is then refused by the shape checks (the event) or by _check_depth (ignored data).
+    # A header-only scan refuses deep nesting and broken framing before the unpacker builds
+    # anything (without the extension, msgpack's own stack limit, the shape checks and
+    # _check_depth bound the same cases, more slowly).
+    if _native_msgpack_scan is not None:
+        status = _native_msgpack_scan(payload, min(limits.max_depth, size))
+        if status:
+            raise DecodeError(_SCAN_ERRORS[status].format(max_depth=limits.max_depth))
     # Every element costs at least one byte, so no declared length may exceed the size: a
     # 5-byte header announcing 2**32 elements is refused before anything is allocated.
     max_array = min(size, max(limits.max_events, limits.max_tokens_per_event))
@@ -206,8 +227,9 @@ def _hashes(value: object, where: str, limit: int) -> list[BlockHash]:
 
 
 def _first_bad_token(items: list[Any]) -> int:
-    """Index of the first item that is not an int in [0, 2**31), or -1 (whole-list builtins
-    first: the common valid list costs three C passes)."""
+    """Index of the first item that is not an int in [0, 2**31), or -1."""
+    if _native_first_bad_token is not None:
+        return _native_first_bad_token(items)
     if not items or (
         set(map(type, items)) == {int} and min(items) >= 0 and max(items) < TOKEN_LIMIT
     ):

