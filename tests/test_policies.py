@@ -332,7 +332,7 @@ def test_errors_name_what_was_wrong() -> None:
 def test_bounded_load_caps_a_worker_at_one_plus_epsilon_of_the_mean() -> None:
     from router_sim.policies.base import BoundedLoad
 
-    b = BoundedLoad(0.5)
+    b = BoundedLoad(0.5, slack=0)
     for _ in range(3):
         b.record(0)
     # 3 sent to 2 workers: cap ceil(1.5 * (3 + 1) / 2) = 3, and worker 0 has 3
@@ -343,6 +343,10 @@ def test_bounded_load_caps_a_worker_at_one_plus_epsilon_of_the_mean() -> None:
     assert BoundedLoad(None).eligible([0, 1]) == [0, 1]
     b.forget(0)
     assert b.sent == {1: 1}
+    loose = BoundedLoad(0.5)  # slack 2: three decisions may follow the first one's cache
+    for _ in range(3):
+        loose.record(0)
+    assert loose.eligible([0, 1]) == [0, 1]  # cap ceil(1.5 * 4 / 2) + 2 = 5
     with pytest.raises(ValueError, match="balance"):
         BoundedLoad(0.0)
 
@@ -350,15 +354,40 @@ def test_bounded_load_caps_a_worker_at_one_plus_epsilon_of_the_mean() -> None:
 @pytest.mark.parametrize("name", ["kv_overlap", "predicted_ttft"])
 def test_balance_sends_a_popular_prefix_to_a_second_worker(name: str) -> None:
     """Without the cap every request goes to the holder; with balance=0.5 over 2 workers the
-    holder may take decision n + 1 only while it was sent fewer than ceil(1.5 (n + 1) / 2):
-    caps 1, 2, 3, 3, 4, 5 for decisions 1..6, so the 4th goes to worker 1. Ties among
-    workers holding nothing go to the one sent fewest requests."""
+    holder may take decision m + 1 only while it was sent fewer than ceil(1.5 (m + 1) / 2) + 2
+    (the whole prompt cached outweighs the soft price of at most 7 excess requests here)."""
     loads = {0: IDLE, 1: IDLE}
     sticky = make_policy(name, seed=1)
     assert {sticky.choose(req(loads, {0: on_device(8)})).worker for _ in range(6)} == {0}
     balanced = make_policy(name, seed=1, balance=0.5)
-    picks = [balanced.choose(req(loads, {0: on_device(8)})).worker for _ in range(6)]
-    assert picks == [0, 0, 0, 1, 0, 0]
+    picks = [balanced.choose(req(loads, {0: on_device(8)})).worker for _ in range(20)]
+    expected, held = [], 0
+    for m in range(20):  # the documented rule, decision by decision
+        to_holder = held < math.ceil(1.5 * (m + 1) / 2) + 2
+        expected.append(0 if to_holder else 1)
+        held += to_holder
+    assert picks == expected and 1 in picks
     fresh = make_policy(name, seed=1, balance=0.5)
     spread = [fresh.choose(req(loads)).worker for _ in range(4)]
     assert sorted(spread[:2]) == [0, 1] and sorted(spread[2:]) == [0, 1]
+
+
+def test_balance_prices_requests_beyond_the_mean_so_short_overlaps_move_first() -> None:
+    policy = make_policy("kv_overlap", balance=1.0)  # a loose cap: only the price acts
+    for _ in range(6):
+        policy.bounded.record(0)
+    loads = {0: IDLE, 1: IDLE}
+    # worker 0 was sent 3 requests beyond the mean of 3: 16 x 3 = 48 on its cost
+    short = policy.choose(req(loads, {0: on_device(1)}))
+    w = DEFAULT_OVERLAP_WEIGHT
+    assert short.costs == {0: w * (2 * 7) + 8 + 48, 1: w * (2 * 8) + 8}
+    assert short.worker == 1  # 1 cached block does not outweigh 3 excess requests
+    # now 7 sent, mean 3.5, worker 0 is 2.5 beyond it: the whole prompt cached outweighs that
+    full = policy.choose(req(loads, {0: on_device(8)}))
+    assert full.costs == {0: 0 + 8 + w * 2.5, 1: w * (2 * 8) + 8}
+    assert full.worker == 0
+    ttft = make_policy("predicted_ttft", balance=1.0)
+    for _ in range(6):
+        ttft.bounded.record(0)
+    assert ttft.choose(req(loads, {0: on_device(1)})).worker == 1
+    assert ttft.choose(req(loads, {0: on_device(8)})).worker == 0

@@ -127,21 +127,29 @@ def lowest_cost(
 
 
 class BoundedLoad:
-    """Caps each worker's share of the decisions at ``1 + epsilon`` times the fleet's mean.
+    """Keeps each worker's share of the decisions within ``1 + epsilon`` of the fleet's mean.
 
-    Consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam, SODA 2018)
-    applied to cache affinity: a worker may take the next request only while the requests it
-    was sent stay under ``ceil((1 + epsilon) * (sent to the fleet + 1) / workers)``. Below the
-    cap the policy's own choice stands; a worker at the cap is skipped, so a popular prefix
-    gets a second home (one recomputation) instead of one worker taking every conversation
-    that started there. Counts are the policy's own decisions (a live router knows what it
-    sent); ``None`` turns the cap off.
+    Two parts. A hard cap, consistent hashing with bounded loads (Mirrokni, Thorup and
+    Zadimoghaddam, SODA 2018) applied to cache affinity: a worker may take the next request
+    only while the requests it was sent stay under ``ceil((1 + epsilon) * (sent to the fleet
+    + 1) / workers) + slack`` (the slack, a few requests, keeps a small fleet's first
+    decisions with the cache: without it the second request sharing a prefix could not follow
+    the first). And a soft price, :meth:`excess`: the requests a worker was sent beyond
+    the mean, which the policy adds to its cost in its own units. The price moves the requests
+    that gain little from a busy worker's cache first (a new conversation sharing only a
+    system prompt, which then gets a second home for the price of one recomputation), while a
+    long conversation whose history the worker holds outweighs it and stays; the cap alone
+    would displace whichever request comes next, long histories included. Counts are the
+    policy's own decisions (a live router knows what it sent); ``None`` turns both off.
     """
 
-    def __init__(self, epsilon: float | None) -> None:
+    def __init__(self, epsilon: float | None, slack: int = 2) -> None:
         if epsilon is not None and not epsilon > 0:
             raise ValueError(f"balance (epsilon) must be > 0 or None, got {epsilon}")
+        if slack < 0:
+            raise ValueError(f"slack must be >= 0, got {slack}")
         self.epsilon = epsilon
+        self.slack = slack
         self.sent: dict[int, int] = {}
 
     def eligible(self, workers: Sequence[int]) -> list[int]:
@@ -150,8 +158,16 @@ class BoundedLoad:
             return list(workers)
         sent = self.sent
         total = sum(sent.get(w, 0) for w in workers)
-        cap = math.ceil((1.0 + self.epsilon) * (total + 1) / len(workers))
+        cap = math.ceil((1.0 + self.epsilon) * (total + 1) / len(workers)) + self.slack
         return [w for w in workers if sent.get(w, 0) < cap] or list(workers)
+
+    def excess(self, workers: Sequence[int]) -> dict[int, float]:
+        """Requests each worker was sent beyond the mean over ``workers`` (0 when below)."""
+        if self.epsilon is None or not workers:
+            return dict.fromkeys(workers, 0.0)
+        sent = self.sent
+        mean = sum(sent.get(w, 0) for w in workers) / len(workers)
+        return {w: max(0.0, sent.get(w, 0) - mean) for w in workers}
 
     def prefer(self) -> Callable[[int], int] | None:
         """Tie-break for :func:`lowest_cost`: the worker sent the fewest requests (a request

@@ -62,7 +62,10 @@ the compulsory-miss bound with 65536-block tiers, and 4, 16 and 64 reach 92.7, 9
 """
 
 DEFAULT_BALANCE: Final[float | None] = None
-"""Default ``balance`` (epsilon of :class:`~router_sim.policies.base.BoundedLoad`)."""
+"""Default ``balance`` (epsilon of :class:`~router_sim.policies.base.BoundedLoad`): off. The
+balance state is the router's own decision history, so two router replicas fed the same
+events and loads would no longer make the same decisions; turn it on per run
+(``--policy-options '{"kv_overlap": {"balance": 0.1}}'``) where one router decides."""
 
 DEFAULT_RECOMPUTE_WEIGHT: Final = 1.0
 """Extra weight of a request's uncached blocks over queued ones (see the module docstring)."""
@@ -131,6 +134,8 @@ class KvOverlapPolicy:
 
     def choose(self, request: RouteRequest) -> PolicyChoice:
         cached = self.cached(request)
+        # balance: one request beyond the mean costs as much as one block to prefill
+        excess = self.bounded.excess(list(cached))
         choice = choose_by_cost(
             self,
             request,
@@ -139,6 +144,7 @@ class KvOverlapPolicy:
             self.temperature,
             self.recompute_weight,
             prefer=self.bounded.prefer(),
+            extra={w: self.overlap_weight * x for w, x in excess.items() if x > 0},
         )
         self.bounded.record(choice.worker)
         return choice
@@ -162,14 +168,17 @@ def choose_by_cost(
     temperature: float,
     recompute_weight: float = DEFAULT_RECOMPUTE_WEIGHT,
     prefer: Callable[[int], int] | None = None,
+    extra: dict[int, float] | None = None,
 ) -> PolicyChoice:
-    """Score every candidate with :func:`overlap_cost` and pick (or sample) one; ties are
-    broken by load, then by ``sampler``'s seeded draws."""
+    """Score every candidate with :func:`overlap_cost` (plus ``extra``, per worker) and pick
+    (or sample) one; ties are broken by load, then ``prefer``, then ``sampler``'s draws."""
     loads = request.loads
     costs = {
         w: overlap_cost(request, loads[w], cached[w], overlap_weight, recompute_weight)
         for w in cached
     }
+    for w, x in (extra or {}).items():
+        costs[w] += x
     if temperature > 0:
         chosen, probs = softmax_sample(costs, temperature, sampler.uniform())
         reason = f"sampled with p={probs[chosen]:.3f} at temperature {temperature}"

@@ -105,6 +105,13 @@ class PredictedTtftPolicy:
     def choose(self, request: RouteRequest) -> PolicyChoice:
         workers = self.bounded.eligible(candidates(request))
         costs = {w: self.cost_ms(request, w) for w in workers}
+        excess = self.bounded.excess(workers)
+        if any(excess.values()):
+            # balance: one request beyond the mean costs the compute time of one more block
+            tpb = request.tokens_per_block
+            block_ms = self.chunked_prefill_ms(2 * tpb) - self.chunked_prefill_ms(tpb)
+            for w, x in excess.items():
+                costs[w] += block_ms * x
         chosen = lowest_cost(costs, request.loads, self._rng.random, self.bounded.prefer())
         self.bounded.record(chosen)
         overlap = {
