@@ -132,6 +132,7 @@ def test_malformed_replay_requests_are_ignored_with_a_warning(
 ) -> None:
     with ZmqEventPublisher("inproc://mal", "inproc://mal-r", context=ctx) as pub:
         pub.publish_payload(b"x")
+        assert pub.flush(5)  # in the ring before the replay thread reads the requests
         assert pub.replay_endpoint is not None
         dealer = _dealer(ctx, pub.replay_endpoint)
         with caplog.at_level(logging.WARNING, logger="events.publisher"):
