@@ -80,6 +80,8 @@ engines' media 64-68, other names 96-1120). A level is a bit of a per-block mask
 saying ``TIER9999999`` or level 2**64-1 would cost megabytes per block or raise MemoryError;
 such a block (or removal, or update) is counted as ``level_out_of_range`` and skipped."""
 _MASK64: Final = (1 << 64) - 1
+#: per worker, how many dropped blocks keep their engine hash -> key mapping (see _recent)
+RECENT_KEYS: Final = 4096
 _GROUP_MUL: Final = 0x9E3779B97F4A7C15  # odd: distinct groups give distinct masks
 
 
@@ -182,6 +184,9 @@ class KvIndexer:
         self._flagged: dict[int, int] = {}  # worker -> the block size it announced
         # worker -> {engine hash (or (hash, group)) -> key}, only where the two differ
         self._keys: dict[int, dict[IndexKey, int]] = {}
+        # worker -> the same for its most recently dropped blocks (bounded): engines announce
+        # a tier move as removed-then-stored, the store a placeholder naming the hash only
+        self._recent: dict[int, dict[IndexKey, int]] = {}
         # worker -> {(key, level) -> announcements beyond the first} (slower tiers count)
         self._refs: dict[int, dict[tuple[IndexKey, int], int]] = {}
         # worker -> [blocks keyed by tokens, by engine hash, blocks whose key equals the hash]
@@ -199,6 +204,7 @@ class KvIndexer:
             self._worker_of_bit[bit] = worker
             self._held[worker] = {}
             self._keys[worker] = {}
+            self._recent[worker] = {}
             self._refs[worker] = {}
             self._keying[worker] = [0, 0, 0]
         return bit
@@ -242,6 +248,7 @@ class KvIndexer:
                     del slower[h]
         held.clear()
         self._keys[worker].clear()
+        self._recent[worker].clear()
         self._refs[worker].clear()
 
     def remove_worker(self, worker: int) -> None:
@@ -253,6 +260,7 @@ class KvIndexer:
         del self._worker_of_bit[bit]
         del self._held[worker]
         del self._keys[worker]
+        del self._recent[worker]
         del self._refs[worker]
         del self._keying[worker]
         self._free_bits.append(bit)
@@ -349,9 +357,17 @@ class KvIndexer:
         for h in [h for h, levels in held.items() if levels & 1]:
             self._drop_levels(bit, held, h, held[h], 1)
         if keys:
-            live = {k: v for k, v in keys.items() if v in held}
-            keys.clear()
-            keys.update(live)
+            recent = self._recent[worker]
+            for ek, k in list(keys.items()):
+                if k not in held:
+                    self._retire(recent, ek, keys.pop(ek))
+
+    @staticmethod
+    def _retire(recent: dict[IndexKey, int], ek: IndexKey, key: int) -> None:
+        """Remember the key of a block a worker no longer holds, for a while."""
+        recent[ek] = key
+        if len(recent) > RECENT_KEYS:
+            del recent[next(iter(recent))]
 
     def _check_block_size(self, worker: int, data: Stored) -> None:
         size = data.block_size
@@ -402,12 +418,18 @@ class KvIndexer:
         if parent is None:
             chain: int | None = 0
         else:
+            raw: IndexKey = parent if not group else (parent, group)
             pk = self._key_of(keys, parent, group)
-            if pk in held and type(pk) is int:
-                chain = pk ^ gmask
-            else:
+            if pk == raw:
+                # a parent dropped a moment ago still has its key
+                pk = self._recent[worker].get(raw, pk)
+            if pk not in held:
                 self._anomaly(worker, UNKNOWN_PARENT)
-                chain = None
+            # A known key chains (the parent's key is its content's, held or not); an unmapped
+            # hash chains only for a worker whose hashes have been the keys so far.
+            native = counts[0] > 0 and counts[2] == counts[0]
+            chains_from = type(pk) is int and (pk != raw or pk in held or native)
+            chain = pk ^ gmask if chains_from else None  # type: ignore[operator]
         first = data.blocks[0]
         lora = first.lora_id if data.lora_name is None else lora_name_id(data.lora_name)
         salt = first.cache_salt_id
@@ -439,8 +461,13 @@ class KvIndexer:
             if i >= n:
                 # No tokens (placeholder, masked store) or a chain cut short: the block keeps
                 # the key its hash already has, else its engine hash.
+                ek = h if not group else (h, group)
                 k = self._key_of(keys, h, group)
-                if k == (h if not group else (h, group)) and k not in held:
+                if k == ek:
+                    back = self._recent[worker].pop(ek, None)
+                    if back is not None:  # a block dropped a moment ago comes back
+                        keys[ek] = k = back
+                if k == ek and k not in held:
                     if not data.masked:  # a masked store's worker does send token ids
                         counts[1] += 1
                     if not block.tokens:
@@ -546,7 +573,7 @@ class KvIndexer:
                 if m:
                     device[h] = m
                 if ek is not h:
-                    keys.pop(ek, None)
+                    self._retire(self._recent[worker], ek, keys.pop(ek))
                 continue
             gone = old & mask
             if not gone:
@@ -563,7 +590,9 @@ class KvIndexer:
                     continue
             self._drop_levels(bit, held, h, old, gone)
             if keys and h not in held:
-                keys.pop(ek, None)
+                key = keys.pop(ek, None)
+                if key is not None:
+                    self._retire(self._recent[worker], ek, key)
         if unknown:
             self._anomaly(worker, UNKNOWN_REMOVAL, unknown)
 

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import io
 import json
+import random
 from pathlib import Path
 from typing import Any
 
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from events.capture import read_capture
 from events.cli import main as cli_main
@@ -282,3 +285,94 @@ def test_doctor_still_flags_a_mis_salted_native_stream() -> None:
     out = io.StringIO()
     assert cli_main(["doctor", str(capture)], out=out) == 1
     assert "engine's own" not in out.getvalue()
+
+
+# --- property: a worker's own hashes never change what the router sees ------------------------
+
+PROMPTS = st.lists(st.lists(st.integers(0, 3), min_size=16, max_size=16), min_size=1, max_size=4)
+
+
+@st.composite
+def engine_runs(draw: st.DrawFn) -> list[tuple[str, int, int]]:
+    """Operations on a small cache: store prompt p's first n blocks (as a continuation of
+    what is stored when it is), remove block i of prompt p at a tier, clear."""
+    ops = st.one_of(
+        st.tuples(st.just("store"), st.integers(0, 3), st.integers(1, 4)),
+        st.tuples(st.just("remove"), st.integers(0, 3), st.integers(0, 3)),
+        st.tuples(st.just("offload"), st.integers(0, 3), st.integers(0, 3)),
+        st.tuples(st.just("clear"), st.just(0), st.just(0)),
+    )
+    return draw(st.lists(ops, max_size=25))
+
+
+@settings(max_examples=150, deadline=None)
+@given(prompts=st.lists(PROMPTS, min_size=4, max_size=4), run=engine_runs(), salt=st.integers())
+def test_engine_hashes_index_exactly_as_native_hashes(
+    prompts: list[list[list[int]]], run: list[tuple[str, int, int]], salt: int
+) -> None:
+    """The same cache history announced under V1 hashes (this project's worker) and under
+    opaque per-worker hashes (an engine's) leaves the default router's index identical."""
+    rng = random.Random(salt)
+    engine_of: dict[int, int] = {}
+
+    def engine(h: int) -> int:
+        return engine_of.setdefault(h, rng.getrandbits(64))
+
+    router = Router(16, "kv_overlap", StaticLoadSource({0: WorkerLoad(), 1: WorkerLoad()}))
+    chains = [chain_hashes([t for b in p for t in b], 16) for p in prompts]
+    stored: dict[int, int] = {}  # prompt -> blocks stored (a prefix)
+    for op, p, n in run:
+        events: list[KVCacheEvent] = []
+        n = min(n, len(chains[p]))
+        if op == "store" and n > stored.get(p, 0):
+            start = stored.get(p, 0)
+            blocks = [StoredBlock(chains[p][i], prompts[p][i]) for i in range(start, n)]
+            parent = chains[p][start - 1] if start else None
+            events.append(KVCacheEvent(0, Stored(parent, blocks, 16)))
+            stored[p] = n
+        elif op in ("remove", "offload") and n < stored.get(p, 0):
+            h = chains[p][n]
+            events.append(KVCacheEvent(0, Removed([h], 0)))
+            if op == "offload":
+                events.append(KVCacheEvent(0, Stored(None, [StoredBlock(h, [], cache_level=1)], 0)))
+        elif op == "clear":
+            events.append(KVCacheEvent(0, AllBlocksCleared()))
+            stored.clear()
+        if not events:
+            continue
+        router.apply(0, DecodedBatch(0.0, events))
+        renamed = []
+        for e in events:
+            d = e.data
+            if isinstance(d, Stored):
+                parent = None if d.parent_hash is None else engine(int(d.parent_hash))
+                blocks = [
+                    StoredBlock(engine(int(b.block_hash)), b.tokens, cache_level=b.cache_level)
+                    for b in d.blocks
+                ]
+                d = Stored(parent, blocks, d.block_size)
+            elif isinstance(d, Removed):
+                d = Removed([engine(int(h)) for h in d.block_hashes], d.cache_level)
+            renamed.append(KVCacheEvent(0, d))
+        router.apply(1, DecodedBatch(0.0, renamed))
+    index = router.indexer
+    if all(op != "clear" for op, _, _ in run):  # the two clears differ on purpose
+        assert [index.find_matches_detailed(c).get(0) for c in chains] == [
+            index.find_matches_detailed(c).get(1) for c in chains
+        ]
+        assert index.block_count(0) == index.block_count(1)
+        for chain in chains:  # every block under the same key and on the same tiers
+            mapped = [index.key_of(1, engine_of[h]) if h in engine_of else h for h in chain]
+            assert [index.holds(1, k) for k in mapped] == [index.holds(0, h) for h in chain]
+    for chain in chains:
+        detail = index.find_matches_detailed(chain)
+        native, engine_worker = detail.get(0), detail.get(1)
+        if native is None or engine_worker is None:
+            assert native is None
+            # the engine worker may still hold slower copies that the native one cleared with
+            # its AllBlocksCleared (an engine's clear resets the device tier only)
+            continue
+        assert engine_worker.device_run == native.device_run
+        assert engine_worker.matched_blocks >= native.matched_blocks
+    if any(op == "store" for op, _, _ in run):
+        assert index.worker_status(0).native and not index.worker_status(1).native
