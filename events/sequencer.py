@@ -52,7 +52,7 @@ T = TypeVar("T")
 DIGEST_WINDOW: Final = 4096
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built once per batch, and frozen init costs 4x
 class Deliver(Generic[T]):
     """Apply ``item`` (batch ``seq``); ``snapshot`` marks the parts of an applied snapshot."""
 
@@ -198,9 +198,12 @@ class StreamSequencer(Generic[T]):
         """A frame from the live socket."""
         out: list[Output[T]] = []
         self.received += 1
-        if self.next_seq is not None and seq > max(self._mark, self.next_seq):
-            self.gaps += 1  # seqs skipped between the highest one seen and this one
-        self._mark = max(self._mark, seq + 1)
+        mark = self._mark
+        if seq >= mark:
+            nxt = self.next_seq
+            if nxt is not None and seq > mark and seq > nxt:
+                self.gaps += 1  # seqs skipped between the highest one seen and this one
+            self._mark = seq + 1
         self._on_live(seq, payload, out, now)
         self._after(out, now)
         return out
