@@ -364,10 +364,14 @@ class KvIndexer:
 
     @staticmethod
     def _retire(recent: dict[IndexKey, int], ek: IndexKey, key: int) -> None:
-        """Remember the key of a block a worker no longer holds, for a while."""
+        """Remember the key of a block a worker no longer holds, for a while: the newest
+        RECENT_KEYS to RECENT_KEYS * 2 memories are kept (the oldest half goes at once, so each
+        removal costs one insertion plus an amortized copy)."""
         recent[ek] = key
-        if len(recent) > RECENT_KEYS:
-            del recent[next(iter(recent))]
+        if len(recent) > 2 * RECENT_KEYS:
+            newest = list(recent.items())[-RECENT_KEYS:]
+            recent.clear()
+            recent.update(newest)
 
     def _check_block_size(self, worker: int, data: Stored) -> None:
         size = data.block_size
@@ -561,10 +565,11 @@ class KvIndexer:
         group = data.group
         device = self._device
         keep = ~bit
-        kget = keys.get
+        kpop = keys.pop
+        recent = self._recent[worker]
         for eh in data.block_hashes:
             ek: IndexKey = eh if not group else (eh, group)
-            h: IndexKey = kget(ek, ek)
+            h: IndexKey = kpop(ek, ek)  # taken out of the map; put back below if still held
             old = held.get(h, 0)
             if old == 1 and mask & 1:
                 # the common eviction: the only copy was on the device tier
@@ -573,8 +578,10 @@ class KvIndexer:
                 if m:
                     device[h] = m
                 if ek is not h:
-                    self._retire(self._recent[worker], ek, keys.pop(ek))
+                    self._retire(recent, ek, h)  # type: ignore[arg-type]
                 continue
+            if ek is not h:
+                keys[ek] = h  # type: ignore[assignment]
             gone = old & mask
             if not gone:
                 unknown += 1
@@ -589,10 +596,9 @@ class KvIndexer:
                         refs[rk] = n - 1
                     continue
             self._drop_levels(bit, held, h, old, gone)
-            if keys and h not in held:
-                key = keys.pop(ek, None)
-                if key is not None:
-                    self._retire(self._recent[worker], ek, key)
+            if ek is not h and h not in held:
+                del keys[ek]
+                self._retire(recent, ek, h)  # type: ignore[arg-type]
         if unknown:
             self._anomaly(worker, UNKNOWN_REMOVAL, unknown)
 
