@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from events.endpoints import EndpointError, connectable, should_bind
 from events.publisher import END_SEQ
@@ -60,10 +61,8 @@ def listen(
     or ``timeout_s`` passed; returns the number of live messages. With replay endpoints, a gap
     (or a stream first seen above seq 0) is filled from the publisher's replay socket.
     Raises :class:`~events.endpoints.EndpointError` for an endpoint ZeroMQ cannot attach to.
-    ``curve`` and ``max_message_bytes``: as for :class:`~events.subscriber.ZmqEventSubscriber`,
-    except that an endpoint this function connects to and that sends a message over the cap
-    stays disconnected for the rest of the run (ZeroMQ does not redial after that protocol
-    error; the subscriber redials, this diagnostic does not)."""
+    ``curve`` and ``max_message_bytes``: as for :class:`~events.subscriber.ZmqEventSubscriber`
+    (an endpoint that sent a message over the cap is redialled, as the subscriber does)."""
 
     def secure(sock: zmq.Socket[bytes]) -> None:
         if curve is not None:
@@ -78,6 +77,7 @@ def listen(
     try:
         poller = zmq.Poller()
         owners: dict[zmq.Socket[bytes], tuple[_Stream, bool]] = {}
+        monitors: dict[zmq.Socket[bytes], _Dial] = {}
         for worker, endpoint in enumerate(endpoints):
             sock = ctx.socket(zmq.SUB)
             socks.append(sock)  # before anything can fail: an open socket blocks ctx.term()
@@ -88,6 +88,10 @@ def listen(
                 if bind:
                     sock.bind(endpoint)
                 else:
+                    if not endpoint.startswith("inproc://"):  # watched from the first handshake
+                        dial = _Dial(sock, connectable(endpoint))
+                        monitors[dial.monitor] = dial
+                        poller.register(dial.monitor, zmq.POLLIN)
                     sock.connect(connectable(endpoint))
             except zmq.ZMQError as exc:
                 verb = "bind" if bind else "connect to"
@@ -134,11 +138,16 @@ def listen(
             wake = [s.seq.deadline for s in busy if s.seq.deadline is not None]
             until = min([*wake, *([deadline] if deadline is not None else [])], default=None)
             wait_ms = None if until is None else max(0, int((until - now) * 1e3))
+            for dial in monitors.values():
+                dial.redial()  # before polling: see _Dial
             ready = dict(poller.poll(wait_ms))
             now = time.monotonic()
             if not ready and deadline is not None and now >= deadline:
                 break
             for sock in list(ready):
+                if sock in monitors:
+                    monitors[sock].read()
+                    continue
                 owner = owners.get(sock)
                 if owner is None:
                     continue
@@ -165,9 +174,46 @@ def listen(
                 on_message(stream.worker, [stream.topic, seq.to_bytes(8, "big"), payload], False)
         return received
     finally:
+        for dial in monitors.values():  # stop the events before closing their socket
+            with contextlib.suppress(zmq.ZMQError):
+                dial.sock.disable_monitor()
+            dial.monitor.close(linger=0)
         for sock in socks:
             sock.close(linger=0)
         ctx.term()
+
+
+class _Dial:
+    """Redials a connecting SUB that ZeroMQ dropped for a protocol error (a message over
+    ``max_message_bytes`` is one): ZeroMQ redials after a lost connection, never after that.
+    The redial waits for the point just before the next poll: a poll may have taken the first
+    frame of a message off the SUB, and cutting its pipe before the rest is read aborts libzmq
+    (``!_more`` in fq.cpp)."""
+
+    def __init__(self, sock: zmq.Socket[bytes], endpoint: str) -> None:
+        self.sock = sock
+        self.endpoint = endpoint
+        self.up = False
+        self.dropped = False
+        events = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+        self.monitor: zmq.Socket[bytes] = sock.get_monitor_socket(events)
+
+    def read(self) -> None:
+        with contextlib.suppress(zmq.Again):
+            while True:
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)["event"]
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self.up = True
+                elif self.up:  # dropped after a handshake (a failed handshake is not retried)
+                    self.up = False
+                    self.dropped = True
+
+    def redial(self) -> None:
+        if self.dropped:
+            self.dropped = False
+            with contextlib.suppress(zmq.ZMQError):
+                self.sock.disconnect(self.endpoint)
+                self.sock.connect(self.endpoint)
 
 
 def _dealer(

@@ -160,6 +160,7 @@ class ZmqEventSubscriber:
         self._ctx = context if context is not None else zmq.Context.instance()
         self._curve = curve  # events.security: CURVE client on every SUB and DEALER
         self._max_message_bytes = max_message_bytes
+        self._redials: set[int] = set()  # workers whose dropped SUB must be redialled
         self._topic = topic.encode() if isinstance(topic, str) else bytes(topic)
         self._replay_timeout_s = replay_timeout_ms / 1000.0
         self._replay_max_s = replay_max_ms / 1000.0
@@ -300,6 +301,7 @@ class ZmqEventSubscriber:
         out: list[SubscriberMessage] = []
         deadline = time.monotonic() + max(timeout_ms, 0) / 1000.0
         while True:
+            self._redial()
             for sock, _ in self._poller.poll(self._wait_ms(deadline, out)):
                 owner = self._owners.get(sock)
                 if owner is None:
@@ -410,10 +412,8 @@ class ZmqEventSubscriber:
                 up = event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
                 if not up and w.connected and not w.bind:
                     # ZeroMQ never reconnects after a protocol error (a message over
-                    # max_message_bytes is one): without this the worker went silent for good
-                    with contextlib.suppress(zmq.ZMQError):
-                        w.sub.disconnect(w.endpoint)
-                        w.sub.connect(w.endpoint)
+                    # max_message_bytes is one): without a redial the worker went silent
+                    self._redials.add(w.worker)
                 if up and not w.connected and w.was_connected:
                     # maybe a restarted publisher that kept its address: ask it
                     self._run(w, w.seq.reconnected(time.monotonic()), out)
@@ -466,6 +466,18 @@ class ZmqEventSubscriber:
             dealer.close(linger=0)
             raise
         return dealer
+
+    def _redial(self) -> None:
+        """Reconnect the SUBs ZeroMQ dropped. Only here, before polling: a poll may have taken
+        the first frame of a message off a SUB, and cutting that pipe before the rest is read
+        aborts libzmq (``!_more`` in fq.cpp)."""
+        for worker in self._redials:
+            w = self._workers.get(worker)
+            if w is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    w.sub.disconnect(w.endpoint)
+                    w.sub.connect(w.endpoint)
+        self._redials.clear()
 
     def _secure(self, sock: zmq.Socket[bytes]) -> None:
         """CURVE (when configured) and the inbound size cap, before the socket attaches."""

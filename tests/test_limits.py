@@ -84,14 +84,17 @@ def test_subscriber_drops_an_oversized_frame_and_counts_the_gap(ctx: Ctx) -> Non
             s.close(linger=0)
 
 
-def test_listener_drops_an_oversized_frame(ctx: Ctx) -> None:
+def test_listener_drops_an_oversized_frame_and_redials(ctx: Ctx) -> None:
     fake = FakePublisher(ctx, transport="tcp")
     seqs: list[int] = []
+    done = threading.Event()
 
     def feed() -> None:
         fake.wait_subscribed()
         fake.send(0, payload([stored(0, 1)]))
         fake.send(1, b"\0" * (2 * CAP))
+        while not done.wait(0.02):  # the stream goes on; seq 2 gets through once redialled
+            fake.send(2, payload([stored(2, 3)]))
 
     feeder = threading.Thread(target=feed, daemon=True)
     feeder.start()
@@ -99,12 +102,14 @@ def test_listener_drops_an_oversized_frame(ctx: Ctx) -> None:
         n = listen(
             [fake.endpoint],
             lambda w, frames, replay: seqs.append(SEQ.unpack(frames[1])[0]),
-            timeout_s=1.0,
+            count=2,
+            timeout_s=DEADLINE_S,
             max_message_bytes=CAP,
         )
-        feeder.join(DEADLINE_S)
-        assert (n, seqs) == (1, [0])  # the listener, a diagnostic, stays off that endpoint
+        assert (n, seqs) == (2, [0, 2])
     finally:
+        done.set()
+        feeder.join(DEADLINE_S)
         for s in (fake.pub, fake.router):
             s.close(linger=0)
 
