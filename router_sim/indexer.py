@@ -331,7 +331,9 @@ class KvIndexer:
                 else:
                     self._stored_by_hash(worker, bit, held, data)
             elif isinstance(data, Removed):
-                if self.key_by_tokens:
+                # a worker with no mapped hashes, no counted copies and no groups (this
+                # project's, a V1 engine's) removes as by hash
+                if self.key_by_tokens and (data.group or self._keys[worker] or self._refs[worker]):
                     self._removed_by_key(worker, bit, held, data)
                 else:
                     self._removed_by_hash(worker, bit, held, data)
@@ -440,15 +442,35 @@ class KvIndexer:
         if salt is None and data.salt is not None:
             salt = cache_salt_id(data.salt)
         computed: list[int] = []
+        blocks = data.blocks
+        if (
+            chain is not None
+            and not group
+            and counts[0] > 0
+            and counts[2] == counts[0]
+            and first.tokens
+            and all(b.tokens for b in blocks)
+        ):
+            # A worker whose hashes have been the router's keys so far (this project's, a V1
+            # engine's): when the first block's key is its hash, the chain's are too (one
+            # function chains them), so its hashes are taken as they come.
+            try:
+                head = _chain_lists([first.tokens], chain, lora, salt)
+            except (TypeError, ValueError, OverflowError):
+                head = []
+            if head and head[0] == first.block_hash:
+                hashes: list[BlockHash] = [b.block_hash for b in blocks]
+                counts[0] += len(blocks)
+                counts[2] += len(blocks)
+                return hashes  # type: ignore[return-value]
         if chain is not None:
             try:
-                computed = _chain_lists([b.tokens for b in data.blocks], chain, lora, salt)
+                computed = _chain_lists([b.tokens for b in blocks], chain, lora, salt)
             except (TypeError, ValueError, OverflowError):
                 computed = []
         n = len(computed)
-        blocks = data.blocks
         if n == len(blocks):  # the common case: every block keyed from its tokens at once
-            hashes: list[BlockHash] = [b.block_hash for b in blocks]
+            hashes = [b.block_hash for b in blocks]
             counts[0] += n
             if gmask:
                 computed = [k ^ gmask for k in computed]
