@@ -16,6 +16,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Final
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -136,6 +137,7 @@ def listen(
                 break
             now = time.monotonic()
             wake = [s.seq.deadline for s in busy if s.seq.deadline is not None]
+            wake += [d.dropped_at + _REDIAL_AFTER_S for d in monitors.values() if d.dropped_at]
             until = min([*wake, *([deadline] if deadline is not None else [])], default=None)
             wait_ms = None if until is None else max(0, int((until - now) * 1e3))
             for dial in monitors.values():
@@ -183,9 +185,14 @@ def listen(
         ctx.term()
 
 
+#: a dropped SUB that ZeroMQ has not started redialling by then is redialled here
+_REDIAL_AFTER_S: Final = 0.2
+
+
 class _Dial:
     """Redials a connecting SUB that ZeroMQ dropped for a protocol error (a message over
-    ``max_message_bytes`` is one): ZeroMQ redials after a lost connection, never after that.
+    ``max_message_bytes`` is one): ZeroMQ redials after a lost connection (CONNECT_RETRIED
+    follows the drop at once), never after that.
     The redial waits for the point just before the next poll: a poll may have taken the first
     frame of a message off the SUB, and cutting its pipe before the rest is read aborts libzmq
     (``!_more`` in fq.cpp)."""
@@ -194,8 +201,8 @@ class _Dial:
         self.sock = sock
         self.endpoint = endpoint
         self.up = False
-        self.dropped = False
-        events = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+        self.dropped_at: float | None = None
+        events = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
         self.monitor: zmq.Socket[bytes] = sock.get_monitor_socket(events)
 
     def read(self) -> None:
@@ -204,13 +211,15 @@ class _Dial:
                 event = recv_monitor_message(self.monitor, zmq.NOBLOCK)["event"]
                 if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     self.up = True
+                elif event == zmq.EVENT_CONNECT_RETRIED:
+                    self.dropped_at = None  # ZeroMQ redials this one itself
                 elif self.up:  # dropped after a handshake (a failed handshake is not retried)
                     self.up = False
-                    self.dropped = True
+                    self.dropped_at = time.monotonic()
 
     def redial(self) -> None:
-        if self.dropped:
-            self.dropped = False
+        if self.dropped_at is not None and time.monotonic() - self.dropped_at >= _REDIAL_AFTER_S:
+            self.dropped_at = None
             with contextlib.suppress(zmq.ZMQError):
                 self.sock.disconnect(self.endpoint)
                 self.sock.connect(self.endpoint)

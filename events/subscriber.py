@@ -61,7 +61,11 @@ log = logging.getLogger(__name__)
 
 #: messages read from one socket before other sockets and the caller get a turn
 _READ_BURST: Final = 64
-_MONITOR_EVENTS: Final = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+_MONITOR_EVENTS: Final = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+)
+#: a dropped SUB that ZeroMQ has not started redialling by then is redialled here
+_REDIAL_AFTER_S: Final = 0.2
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +164,7 @@ class ZmqEventSubscriber:
         self._ctx = context if context is not None else zmq.Context.instance()
         self._curve = curve  # events.security: CURVE client on every SUB and DEALER
         self._max_message_bytes = max_message_bytes
-        self._redials: set[int] = set()  # workers whose dropped SUB must be redialled
+        self._dropped: dict[int, float] = {}  # worker -> when its SUB lost its connection
         self._topic = topic.encode() if isinstance(topic, str) else bytes(topic)
         self._replay_timeout_s = replay_timeout_ms / 1000.0
         self._replay_max_s = replay_max_ms / 1000.0
@@ -329,6 +333,8 @@ class ZmqEventSubscriber:
             wake = w.seq.deadline
             if wake is not None:
                 until = min(until, wake)
+        for dropped in self._dropped.values():  # a redial is due then (see _redial)
+            until = min(until, dropped + _REDIAL_AFTER_S)
         return max(0, math.ceil((until - time.monotonic()) * 1000))
 
     def close(self) -> None:
@@ -409,11 +415,15 @@ class ZmqEventSubscriber:
         with contextlib.suppress(zmq.Again):
             while True:
                 event = recv_monitor_message(w.monitor, zmq.NOBLOCK)
-                up = event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
-                if not up and w.connected and not w.bind:
-                    # ZeroMQ never reconnects after a protocol error (a message over
-                    # max_message_bytes is one): without a redial the worker went silent
-                    self._redials.add(w.worker)
+                kind = event["event"]
+                up = kind == zmq.EVENT_HANDSHAKE_SUCCEEDED
+                # ZeroMQ redials a lost connection (CONNECT_RETRIED follows the drop at once),
+                # never one it dropped for a protocol error (a message over
+                # max_message_bytes is one): that worker would go silent for good
+                if kind == zmq.EVENT_DISCONNECTED and w.connected and not w.bind:
+                    self._dropped[w.worker] = time.monotonic()
+                elif kind == zmq.EVENT_CONNECT_RETRIED:
+                    self._dropped.pop(w.worker, None)
                 if up and not w.connected and w.was_connected:
                     # maybe a restarted publisher that kept its address: ask it
                     self._run(w, w.seq.reconnected(time.monotonic()), out)
@@ -468,16 +478,21 @@ class ZmqEventSubscriber:
         return dealer
 
     def _redial(self) -> None:
-        """Reconnect the SUBs ZeroMQ dropped. Only here, before polling: a poll may have taken
-        the first frame of a message off a SUB, and cutting that pipe before the rest is read
-        aborts libzmq (``!_more`` in fq.cpp)."""
-        for worker in self._redials:
+        """Reconnect the SUBs ZeroMQ dropped for good. Only here, before polling: a poll may
+        have taken the first frame of a message off a SUB, and cutting that pipe before the
+        rest is read aborts libzmq (``!_more`` in fq.cpp)."""
+        if not self._dropped:
+            return
+        now = time.monotonic()
+        for worker, when in list(self._dropped.items()):
             w = self._workers.get(worker)
-            if w is not None:
+            if w is None:
+                del self._dropped[worker]
+            elif now - when >= _REDIAL_AFTER_S:
+                del self._dropped[worker]
                 with contextlib.suppress(zmq.ZMQError):
                     w.sub.disconnect(w.endpoint)
                     w.sub.connect(w.endpoint)
-        self._redials.clear()
 
     def _secure(self, sock: zmq.Socket[bytes]) -> None:
         """CURVE (when configured) and the inbound size cap, before the socket attaches."""
