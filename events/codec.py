@@ -22,10 +22,11 @@ Payload: a msgpack array ``[ts: float64, events: array, data_parallel_rank: int 
   "priority": [old, new] | nil}`` and ``{"type": "CacheCreated", "num_blocks_per_cache_level"}``.
 - Every event map also carries ``event_id``; ``window_size`` and ``attention_dp_rank`` only when
   they are not the defaults (0, the batch's rank).
-- ``form="positional"`` writes each event as an array instead, for consumers of vLLM <= 0.25
-  whose events are positional: ``["BlockStored", block_hashes, parent_block_hash, token_ids,
-  block_size, lora_id, medium]`` (vLLM 0.11's fields, in its order), ``["BlockRemoved",
-  block_hashes, medium]``, ``["AllBlocksCleared"]``; extension fields are not sent (a
+- ``form="positional"`` writes each event as an array instead, for consumers built on vLLM
+  0.11, whose events are positional (0.25.1 already reads maps): ``["BlockStored",
+  block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]`` (vLLM 0.11's
+  fields, in its order), ``["BlockRemoved", block_hashes, medium]``, ``["AllBlocksCleared"]``;
+  extension fields are not sent (a
   positional decoder reads them by position), and extension events are map-only.
 
 What the default writes decodes in vLLM >= 0.26 and SGLang: their map-form structs ignore
@@ -294,7 +295,7 @@ def encode_batch(
     """One wire payload ``[ts, events, dp_rank]`` for ``events`` in order.
 
     ``form``: ``"map"`` (tagged maps, what vLLM >= 0.25 and SGLang read) or ``"positional"``
-    (arrays, what vLLM <= 0.25's consumers read). ``extensions``: send ``Updated`` and
+    (arrays, what vLLM 0.11's consumers read). ``extensions``: send ``Updated`` and
     ``Created`` as this project's extension events instead of what engines send (see the
     module docstring).
 

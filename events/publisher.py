@@ -182,6 +182,11 @@ class ZmqEventPublisher:
     Security (:mod:`events.security`): ``curve`` makes both sockets CURVE servers that admit
     only the allowed client keys (encrypted, authenticated); ``max_message_bytes`` caps what a
     peer may send to either socket (subscription frames, replay requests).
+
+    Wire: ``wire_form`` ``"map"`` (default: what vLLM >= 0.25 and SGLang decode) or
+    ``"positional"`` (array events, for consumers built on vLLM 0.11); ``extensions`` sends
+    tier moves and creation as this project's ``BlockUpdated`` / ``CacheCreated`` events,
+    which engines' decoders reject (see :func:`events.codec.encode_batch`).
     """
 
     def __init__(
@@ -204,7 +209,13 @@ class ZmqEventPublisher:
         replay_client_timeout_s: float = 5.0,
         curve: CurveServer | None = None,
         max_message_bytes: int | None = DEFAULT_MAX_MESSAGE_BYTES,
+        wire_form: str = "map",
+        extensions: bool = False,
     ) -> None:
+        if wire_form not in ("map", "positional"):
+            raise ValueError(f"wire_form must be 'map' or 'positional', got {wire_form!r}")
+        if wire_form == "positional" and extensions:
+            raise ValueError("extension events have no positional form: use wire_form='map'")
         if buffer_steps < 0 or hwm < 0 or max_queue < 1:
             raise ValueError(
                 f"need buffer_steps >= 0, hwm >= 0, max_queue >= 1; got {buffer_steps}, "
@@ -217,6 +228,8 @@ class ZmqEventPublisher:
         self._ctx = context if context is not None else zmq.Context.instance()
         self._topic = topic.encode() if isinstance(topic, str) else bytes(topic)
         self._dp_rank = dp_rank
+        self._wire_form = wire_form
+        self._extensions = extensions
         self._max_queue = max_queue
         self._drop_live = drop_live
         self.incarnation: Final[int] = (
@@ -577,7 +590,13 @@ class ZmqEventPublisher:
                     payload = data
                 else:
                     try:
-                        payload = encode_batch(data, ts, self._dp_rank)
+                        payload = encode_batch(
+                            data,
+                            ts,
+                            self._dp_rank,
+                            form=self._wire_form,
+                            extensions=self._extensions,
+                        )
                     except Exception:
                         self._stats.encode_errors += 1
                         log.exception(

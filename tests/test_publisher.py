@@ -255,3 +255,27 @@ def test_concurrent_publishers_get_unique_seqs_and_nothing_is_left_unsent(ctx: C
         received = [SEQ.unpack(_recv(sub)[1])[0] for _ in range(2000)]
         assert received == list(range(2000))  # in seq order on the wire
         sub.close()
+
+
+def test_positional_wire_form_for_vllm_0_11_consumers(ctx: Ctx) -> None:
+    # vLLM 0.11's BlockStored fields in order: block_hashes, parent_block_hash, token_ids,
+    # block_size, lora_id, medium (its array_like struct; see tests/data/engines/vllm-0.11.0)
+    with ZmqEventPublisher("inproc://positional", context=ctx, wire_form="positional") as pub:
+        sub = _sub(ctx, pub.endpoint)
+        assert pub.wait_for_subscribers(1, timeout_s=5)
+        pub.publish([stored(1, 11, 12), removed(2, 11)], ts=2.0)
+        frames = _recv(sub)
+        sub.close()
+    ts, events, rank = msgpack.unpackb(frames[2])
+    assert (ts, rank) == (2.0, 0)
+    assert events == [
+        ["BlockStored", [11, 12], None, [11, 1, 2, 3, 12, 1, 2, 3], 4, None, "GPU"],
+        ["BlockRemoved", [11], None],  # a removal with no cache level names no medium
+    ]
+
+
+def test_wire_form_is_checked_up_front(ctx: Ctx) -> None:
+    with pytest.raises(ValueError, match="wire_form"):
+        ZmqEventPublisher("inproc://form1", context=ctx, wire_form="array")
+    with pytest.raises(ValueError, match="positional"):
+        ZmqEventPublisher("inproc://form2", context=ctx, wire_form="positional", extensions=True)
