@@ -26,8 +26,8 @@ Payload: a msgpack array ``[ts: float64, events: array, data_parallel_rank: int 
   0.11, whose events are positional (0.25.1 already reads maps): ``["BlockStored",
   block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]`` (vLLM 0.11's
   fields, in its order), ``["BlockRemoved", block_hashes, medium]``, ``["AllBlocksCleared"]``;
-  extension fields are not sent (a
-  positional decoder reads them by position), and extension events are map-only.
+  extension fields are not sent (a positional decoder reads them by position), and extension
+  events are map-only.
 
 What the default writes decodes in vLLM >= 0.26 and SGLang: their map-form structs ignore
 unknown fields and every field they require is present (``lora_id``, ``lora_name``,
