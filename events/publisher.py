@@ -44,7 +44,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Final
+from typing import Final, Protocol
 
 import zmq
 
@@ -81,6 +81,17 @@ _bell_ids = itertools.count()
 SnapshotProvider = Callable[[], "Sequence[KVCacheEvent] | None"]
 """Returns the worker's complete state as Stored events, consistent with every batch published
 so far; None when it cannot now (it is asked again at the next publish)."""
+
+
+class DrainedEvents(Protocol):
+    """What :meth:`ZmqEventPublisher.publish_drained` reads: the event manager's drain side
+    (:class:`events.manager.KVCacheEventManager`)."""
+
+    def flush(self) -> int: ...
+
+    def take_dropped(self) -> int: ...
+
+    def get_latest_events(self, timeout_ms: float = 0) -> list[KVCacheEvent]: ...
 
 
 class PublisherError(RuntimeError):
@@ -374,6 +385,26 @@ class ZmqEventPublisher:
         if self._snapshot_wanted:
             self._offer_snapshot(seq + 1)
         return seq
+
+    def publish_drained(
+        self, source: DrainedEvents, ts: float | None = None, *, empty: bool = False
+    ) -> list[KVCacheEvent] | None:
+        """End an engine iteration: flush ``source``, turn what its full buffer dropped into a
+        gap (:meth:`skip`) and publish what it drained, in that order, so no loss is silent.
+
+        Returns the published batch, or None when nothing was drained and ``empty`` is False
+        (a heartbeat passes ``empty=True``). With a snapshot provider, a pending snapshot
+        request is answered here too, published or not.
+        """
+        source.flush()
+        if source.take_dropped():
+            self.skip()
+        events = source.get_latest_events()
+        if events or empty:
+            self.publish(events, ts)
+            return events
+        self.serve_snapshots()
+        return None
 
     def publish_payload(self, payload: bytes) -> int:
         """Queue an already encoded payload (WIRE.md 4 envelope) and return its seq."""

@@ -116,3 +116,32 @@ def test_chunked_prefill_then_one_token_per_step(publisher: ZmqEventPublisher) -
 
     asyncio.run(scenario())
     assert steps == [(8, 0), (2, 0), (0, 1), (0, 1)]
+
+
+def test_snapshot_is_what_the_published_batches_add_up_to(publisher: ZmqEventPublisher) -> None:
+    """The worker's snapshot provider: after a request the cache holds the prompt's full
+    blocks (10 tokens + 2 generated, 4 per block: blocks [0:4], [4:8], [8:12]), and the
+    snapshot names exactly the hashes its published Stored events announced."""
+    announced: list[int | str] = []
+    real_publish = publisher.publish
+
+    def recording(events, ts=None):  # type: ignore[no-untyped-def]
+        for ev in events:
+            announced.extend(b.block_hash for b in getattr(ev.data, "blocks", []))
+        return real_publish(events, ts)
+
+    publisher.publish = recording  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        e = engine(publisher, ConstantStepTiming())
+        task = asyncio.create_task(e.run())
+        r = LiveRequest(list(range(10)), 3, ReuseScope())
+        e.submit(r)
+        await asyncio.wait_for(answer(r), 5)
+        task.cancel()
+        snap = e.snapshot()
+        assert snap is not None
+        hashes = [b.block_hash for ev in snap for b in getattr(ev.data, "blocks", [])]
+        assert len(hashes) == 3 and sorted(map(str, hashes)) == sorted(map(str, announced))
+
+    asyncio.run(scenario())

@@ -63,9 +63,7 @@ class Engine:
 
     def step(self) -> None:
         """End of an iteration: make any loss visible, publish what was drained."""
-        if self.events.take_dropped():
-            self.pub.skip()
-        self.pub.publish(self.events.get_latest_events())
+        self.pub.publish_drained(self.events, empty=True)
 
     def truth(self) -> set[int | str]:
         return {h for b in self.cache.iter_blocks() if (h := self.events.hash_of(b)) is not None}
@@ -125,6 +123,27 @@ def test_manager_snapshot_is_the_tree_with_announced_hashes_and_tiers() -> None:
         assert isinstance(e.data, Stored)
         assert e.data.parent_hash is None or e.data.parent_hash in stored
         stored.update(b.block_hash for b in e.data.blocks)
+
+
+def test_publish_drained_burns_a_seq_for_what_the_buffer_dropped(ctx: Ctx) -> None:
+    events = KVCacheEventManager(max_entries=2)
+    cache = KVCacheManager(
+        KVCacheManagerConfig(tokens_per_block=TPB, tiers=[TierConfig(name="d", num_blocks=9)]),
+        event_sink=events,
+    )
+    with ZmqEventPublisher("inproc://drained", context=ctx) as pub:
+        assert pub.publish_drained(events) is None  # nothing drained: no seq consumed
+        assert pub.next_seq == 0
+        for first in (0, 100, 200):  # three unrelated chains: three events, the buffer holds 2
+            tokens = [first, 1, 2, 3, 4]
+            with cache.create_kv_cache(tokens) as seq:
+                seq.commit(tokens[seq.num_tokens :])
+            events.flush()
+        batch = pub.publish_drained(events)
+        assert batch is not None and len(batch) == 2
+        assert (pub.stats.skipped, pub.next_seq) == (1, 2)  # seq 0 burned for the loss
+        assert pub.publish_drained(events, empty=True) == []  # a heartbeat
+        assert pub.next_seq == 3
 
 
 def test_split_parts_cuts_long_chains_and_keeps_parents() -> None:

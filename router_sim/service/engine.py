@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from events.manager import KVCacheEventManager
+from events.model import KVCacheEvent
 from events.publisher import ZmqEventPublisher
 from kvcache.config import KVCacheManagerConfig, TierConfig
 from kvcache.errors import OutOfPagesError
@@ -142,9 +143,7 @@ class LiveEngine:
     def heartbeat(self) -> None:
         """Publish an empty batch. A subscriber that joins late learns the current seq from
         it and replays the history it missed, instead of waiting for the next real batch."""
-        self.publisher.publish([], ts=time.time())
-        self.stats.batches_published += 1
-        self.last_publish = time.monotonic()
+        self._publish(empty=True)
 
     # ----------------------------------------------------------------- requests
 
@@ -291,11 +290,15 @@ class LiveEngine:
             self.running.remove(r)
         r.tokens.put_nowait(None)
 
-    def _publish(self) -> None:
-        self.events.flush()
-        batch = self.events.get_latest_events()
-        if batch:
-            self.publisher.publish(batch, ts=time.time())
+    def snapshot(self) -> list[KVCacheEvent] | None:
+        """The cache's announced state as Stored events (the publisher's snapshot provider):
+        a router that lost this worker's stream rebuilds its view from it in one round trip."""
+        return self.events.snapshot(self.manager.iter_blocks())
+
+    def _publish(self, *, empty: bool = False) -> None:
+        # events the buffer dropped become a gap (then a snapshot), never a silent loss
+        batch = self.publisher.publish_drained(self.events, ts=time.time(), empty=empty)
+        if batch is not None:
             self.stats.batches_published += 1
             self.stats.events_published += len(batch)
             self.last_publish = time.monotonic()

@@ -190,6 +190,8 @@ async def _heartbeats(engine: LiveEngine, idle_s: float, period_s: float = 0.05)
         idle = idle_s > 0 and time.monotonic() - engine.last_publish >= idle_s
         if now > seen or idle:
             engine.heartbeat()
+        else:  # an idle engine still answers snapshot requests (None while events are pending)
+            engine.publisher.serve_snapshots()
         seen = now
         await asyncio.sleep(period_s)  # the check period
 
@@ -229,11 +231,13 @@ async def serve_worker(args: argparse.Namespace, ready: asyncio.Event | None = N
     """Run one worker until cancelled or signalled."""
     if not args.speedup > 0:
         raise ValueError(f"--speedup must be > 0, got {args.speedup}")
+    engine: LiveEngine | None = None  # the snapshot provider reads the engine once it exists
     publisher = ZmqEventPublisher(
         _endpoint(args.host, args.events_port),
         replay_endpoint=_endpoint(args.host, args.replay_port),
         buffer_steps=args.replay_steps,
         bind=True,
+        snapshot_provider=lambda: None if engine is None else engine.snapshot(),
     )
     try:
         engine = LiveEngine(
