@@ -8,6 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from kv_helpers import manager, run
 from pydantic import ValidationError
 
@@ -134,3 +136,17 @@ def test_configs_take_no_coerced_values(field: str, value: Any) -> None:
     with pytest.raises(ValidationError):
         KVCacheManagerConfig(**{**base, field: value})
     KVCacheManagerConfig(**base)  # the same config with proper types is fine
+
+
+# token ids whose low byte is 0 or 1 (where a bool hides after packing) and others around them
+_ids = st.sampled_from([0, 1, 2, 255, 256, 257, 65536, 65537, 2**24, 2**24 + 1, 2**31 - 1])
+
+
+@given(st.lists(_ids, min_size=1, max_size=40), st.data())
+def test_a_bool_anywhere_in_a_prompt_is_refused(tokens: list[int], data: Any) -> None:
+    assert list(token_array(tokens)) == tokens
+    at = data.draw(st.integers(0, len(tokens) - 1))
+    flag = data.draw(st.booleans())
+    bad: list[Any] = [*tokens[:at], flag, *tokens[at + 1 :]]
+    with pytest.raises(TypeError, match="bool"):
+        token_array(bad)
