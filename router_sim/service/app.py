@@ -35,6 +35,7 @@ import prometheus_client
 from aiohttp import web
 
 from events.endpoints import EndpointError
+from events.security import curve_client_from
 from router_sim.policies import POLICIES, NoWorkersError
 from router_sim.router import RoutingDecision
 from router_sim.service.core import FleetConflict, RouterService
@@ -252,6 +253,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--tokens-per-block", type=int, help="without --fleet (default 16)")
     p.add_argument("--health-interval", type=float, default=0.5, help="seconds between probes")
     p.add_argument("--replay-timeout-ms", type=int, default=1000)
+    p.add_argument(
+        "--curve-key",
+        help="this router's CURVE key pair (.key_secret, from kv-events keygen); with "
+        "--curve-server-key, every worker's event stream is read encrypted and authenticated",
+    )
+    p.add_argument("--curve-server-key", help="the workers' CURVE public key (.key)")
 
 
 def _config(args: argparse.Namespace) -> tuple[FleetFile, dict[str, Any]]:
@@ -279,6 +286,7 @@ async def serve(args: argparse.Namespace) -> None:
         options,
         health_interval_s=args.health_interval,
         replay_timeout_ms=args.replay_timeout_ms,
+        curve=curve_client_from(args.curve_key, args.curve_server_key),
     )
     runner = web.AppRunner(build_app(service), access_log=None)
     await runner.setup()

@@ -26,6 +26,7 @@ from typing import Any
 
 import aiohttp
 
+from events.security import CurveClient
 from events.subscriber import BatchDelivery, ResyncRequired
 from router_sim.policies import NoWorkersError, make_policy
 from router_sim.router import Router, RoutingDecision
@@ -66,8 +67,10 @@ class RouterService:
         health_interval_s: float = 0.5,
         probe_timeout_s: float = 1.0,
         replay_timeout_ms: int = 1000,
+        curve: CurveClient | None = None,
     ) -> None:
         self.fleet = fleet
+        self._curve = curve  # CURVE client keys for every worker's event stream
         self.loras = dict(fleet.loras)
         self.load = InFlightLoad(fleet.tokens_per_block)
         self.router = Router(
@@ -112,7 +115,10 @@ class RouterService:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.probe_timeout_s),
         )
         self._pump = EventPump(
-            asyncio.get_running_loop(), self._apply, replay_timeout_ms=self._replay_timeout_ms
+            asyncio.get_running_loop(),
+            self._apply,
+            replay_timeout_ms=self._replay_timeout_ms,
+            curve=self._curve,
         )
         self._pump.start()
         for entry in self.fleet.workers:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeAlias
 
+from events.security import CurveClient
 from events.subscriber import (
     ResyncRequired,
     SubscriberMessage,
@@ -56,11 +57,12 @@ class EventPump:
         *,
         replay_timeout_ms: int = 1000,
         poll_ms: int = 20,
+        curve: CurveClient | None = None,
     ) -> None:
         self._loop = loop
         self._apply = apply
         self._poll_ms = poll_ms
-        self._sub = ZmqEventSubscriber(replay_timeout_ms=replay_timeout_ms)
+        self._sub = ZmqEventSubscriber(replay_timeout_ms=replay_timeout_ms, curve=curve)
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._statuses: dict[int, WorkerStatus] = {}

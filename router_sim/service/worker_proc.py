@@ -37,6 +37,7 @@ from typing import Any
 from aiohttp import web
 
 from events.publisher import ZmqEventPublisher
+from events.security import CurveServer, SecurityError, load_allowed_keys, load_keypair
 from kvcache.scope import ReuseScope
 from router_sim.service.engine import LiveEngine, LiveRequest, RequestTooLarge
 from router_sim.service.protocol import (
@@ -219,8 +220,30 @@ def add_parser(sub: Any) -> None:
         default=1.0,
         help="publish an empty batch after this many idle seconds (0: never)",
     )
+    p.add_argument(
+        "--curve-key",
+        help="this worker's CURVE key pair (.key_secret, from kv-events keygen): the event and "
+        "replay sockets then admit only the --curve-allow clients, encrypted",
+    )
+    p.add_argument(
+        "--curve-allow",
+        action="append",
+        default=[],
+        metavar="CLIENT.key",
+        help="a router's CURVE public key to admit (repeat for several)",
+    )
     p.add_argument("--count", type=int, default=1, help="start this many worker processes")
     p.add_argument("--fleet-out", help="with --count: write the fleet file here")
+
+
+def _curve_server(key_file: str | None, allowed: list[str]) -> CurveServer | None:
+    """CURVE settings from ``--curve-key`` and ``--curve-allow`` (both or neither: one alone
+    is refused, never a silently plain socket)."""
+    if key_file is None and not allowed:
+        return None
+    if key_file is None or not allowed:
+        raise SecurityError("CURVE needs --curve-key and at least one --curve-allow")
+    return CurveServer(load_keypair(key_file), load_allowed_keys(allowed))
 
 
 def _endpoint(host: str, port: int) -> str:
@@ -238,6 +261,7 @@ async def serve_worker(args: argparse.Namespace, ready: asyncio.Event | None = N
         buffer_steps=args.replay_steps,
         bind=True,
         snapshot_provider=lambda: None if engine is None else engine.snapshot(),
+        curve=_curve_server(args.curve_key, args.curve_allow),
     )
     try:
         engine = LiveEngine(
