@@ -292,9 +292,14 @@ def test_two_replicas_agree_after_quiescence(fleet: Fleet) -> None:
 
         def same_view() -> bool:
             a, b = workers_by_id(fleet.serve), workers_by_id(replica)
-            keys = ("blocks_indexed", "last_seq", "state")
+            keys = ("blocks_indexed", "last_seq", "state", "in_flight")
             return (
-                all(a[w]["state"] == "ok" and all(a[w][k] == b[w][k] for k in keys) for w in a)
+                all(
+                    a[w]["state"] == "ok"
+                    and a[w]["in_flight"] == 0  # quiescent: no answer of an earlier test pending
+                    and all(a[w][k] == b[w][k] for k in keys)
+                    for w in a
+                )
                 and a.keys() == b.keys()
             )
 
