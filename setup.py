@@ -22,7 +22,9 @@ class OptionalBuildExt(build_ext):
 
 setup(
     ext_modules=[
-        Extension("events._v1hash", sources=["events/_v1hash.c"], extra_compile_args=["-O3"], optional=True)
+        Extension("events._v1hash", sources=["events/_v1hash.c"], extra_compile_args=["-O3"], optional=True),
+        # router_sim.indexer's match loop over a mirror of its masks (pure-Python fallback)
+        Extension("router_sim._match", sources=["router_sim/_match.c"], extra_compile_args=["-O3"], optional=True),
     ],
     cmdclass={"build_ext": OptionalBuildExt},
 )

@@ -312,3 +312,88 @@ def test_indexer_agrees_with_naive_model(
         }
     assert ix.anomalies["unknown_removal"] == naive.unknown_removals
     assert ix.total_entries() == sum(len(h) for h in naive.held.values())
+
+
+# ------------------------------------------------- native match loop against the reference
+
+native = pytest.importorskip("router_sim._match", reason="native match loop not built")
+
+# keys the native table mirrors (ints in [0, 2**64)), and ones it must leave to the reference
+WIDE_HASHES = st.sampled_from([0, 1, 5, 2**63, 2**64 - 1, -3, 2**64, "ab12"])
+wide_op = st.one_of(
+    st.tuples(
+        st.just("stored"),
+        st.integers(0, 5),
+        st.lists(WIDE_HASHES, min_size=1, max_size=5),
+        st.none(),
+        LEVELS,
+    ),
+    st.tuples(
+        st.just("removed"),
+        st.integers(0, 5),
+        st.lists(WIDE_HASHES, min_size=1, max_size=5),
+        st.one_of(st.none(), LEVELS),
+    ),
+    st.tuples(
+        st.just("updated"), st.integers(0, 5), st.sampled_from([1, 2**63, -3]), LEVELS, LEVELS
+    ),
+    st.tuples(st.just("cleared"), st.integers(0, 5)),
+    st.tuples(st.just("reset"), st.integers(0, 5)),
+    st.tuples(st.just("remove_worker"), st.integers(0, 5)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ops=st.lists(st.one_of(op, wide_op), max_size=40),
+    queries=st.lists(st.lists(st.one_of(HASHES, WIDE_HASHES), max_size=8), max_size=6),
+    key_by_tokens=st.booleans(),
+)
+def test_native_match_loop_equals_the_reference(
+    ops: list[tuple[object, ...]], queries: list[list[BlockHash]], key_by_tokens: bool
+) -> None:
+    ix = KvIndexer(TPB, key_by_tokens=key_by_tokens)
+    assert ix._table is not None  # the extension is built: find_matches takes the native path
+    for o in ops:
+        apply_op(ix, o)
+    for q in [*queries, list(range(12)), [0, 1, 5, 2**63, 2**64 - 1]]:
+        assert ix.find_matches(q) == ix.find_matches_py(q)
+        # what the table holds for ints in range is exactly who holds them (any tier)
+        ints = [h for h in q if isinstance(h, int) and 0 <= h < 2**64]
+        assert ix._table.runs(ints, ix._worker_of_bit) == ix.find_matches_py(ints)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.integers(0, 63), st.lists(st.integers(0, 3000), max_size=400), st.booleans()),
+        max_size=12,
+    )
+)
+def test_native_table_grows_shrinks_and_deletes_like_a_dict(
+    ops: list[tuple[int, list[int], bool]],
+) -> None:
+    """Thousands of keys: resizes both ways and backward-shift deletions in long probe runs."""
+    table = native.MaskTable()
+    model: dict[int, int] = {}
+    workers = {b: b + 100 for b in range(64)}
+    for bit, keys, hold in ops:
+        table.sync(keys, bit, dict.fromkeys(keys) if hold else {})
+        for k in keys:
+            m = model.get(k, 0) | 1 << bit if hold else model.get(k, 0) & ~(1 << bit)
+            if m:
+                model[k] = m
+            else:
+                model.pop(k, None)
+    assert len(table) == len(model)
+    for k in range(3001):
+        expected = {workers[b]: 1 for b in range(64) if model.get(k, 0) >> b & 1}
+        assert table.runs([k], workers) == expected
+
+
+def test_more_than_64_workers_fall_back_to_the_reference() -> None:
+    ix = KvIndexer(TPB)
+    for w in range(70):
+        ix.apply_batch(w, batch(stored([1, 2, 3][: 1 + w % 3])))
+    assert ix._table is None
+    assert ix.find_matches([1, 2, 3]) == {w: 1 + w % 3 for w in range(70)}
