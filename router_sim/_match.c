@@ -12,6 +12,7 @@
  *   MaskTable()
  *   .sync(keys, bit, held)  for each int key: set bit `bit` (0..63) if key in dict `held`,
  *                           else clear it (keys of other types are ignored)
+ *   .set_bit(keys, bit) / .clear_bit(keys, bit)   the same where every key is / none is held
  *   .runs(keys, worker_of_bit) -> {worker: run length} as KvIndexer.find_matches, or None
  *                           when a key before the cut is not an int in [0, 2**64)
  *   len(table)             keys held
@@ -133,23 +134,21 @@ static inline int as_key(PyObject *o, uint64_t *out) {
     return 1;
 }
 
-static PyObject *MaskTable_sync(MaskTable *t, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "sync(keys, bit, held) takes 3 arguments");
-        return NULL;
-    }
-    long bit = PyLong_AsLong(args[1]);
+/* held: a dict (membership decides), or Py_True / Py_False (set / clear every key) */
+static PyObject *update(MaskTable *t, PyObject *keys_arg, PyObject *bit_arg, PyObject *held) {
+    long bit = PyLong_AsLong(bit_arg);
     if (bit == -1 && PyErr_Occurred())
         return NULL;
     if (bit < 0 || bit > 63) {
         PyErr_SetString(PyExc_ValueError, "bit must lie in [0, 63]");
         return NULL;
     }
-    if (!PyDict_Check(args[2])) {
+    const int by_dict = held != Py_True && held != Py_False;
+    if (by_dict && !PyDict_Check(held)) {
         PyErr_SetString(PyExc_TypeError, "held must be a dict");
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(args[0], "keys must be a sequence");
+    PyObject *seq = PySequence_Fast(keys_arg, "keys must be a sequence");
     if (seq == NULL)
         return NULL;
     const uint64_t b = UINT64_C(1) << bit;
@@ -179,7 +178,7 @@ static PyObject *MaskTable_sync(MaskTable *t, PyObject *const *args, Py_ssize_t 
         if (!is_key[i])
             continue;
         uint64_t key = keys[i];
-        int present = PyDict_Contains(args[2], items[i]);
+        int present = by_dict ? PyDict_Contains(held, items[i]) : held == Py_True;
         if (present < 0)
             goto fail_keys;
         size_t j = table_find(t, key);
@@ -215,6 +214,30 @@ fail_keys:
         PyMem_Free(is_key);
     Py_DECREF(seq);
     return NULL;
+}
+
+static PyObject *MaskTable_sync(MaskTable *t, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "sync(keys, bit, held) takes 3 arguments");
+        return NULL;
+    }
+    return update(t, args[0], args[1], args[2]);
+}
+
+static PyObject *MaskTable_set_bit(MaskTable *t, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "set_bit(keys, bit) takes 2 arguments");
+        return NULL;
+    }
+    return update(t, args[0], args[1], Py_True);
+}
+
+static PyObject *MaskTable_clear_bit(MaskTable *t, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "clear_bit(keys, bit) takes 2 arguments");
+        return NULL;
+    }
+    return update(t, args[0], args[1], Py_False);
 }
 
 /* result[worker_of_bit[b]] = n for every bit b in lost, low bits first (as the Python loop) */
@@ -308,6 +331,10 @@ static Py_ssize_t MaskTable_len(MaskTable *t) { return (Py_ssize_t)t->count; }
 static PyMethodDef MaskTable_methods[] = {
     {"sync", (PyCFunction)(void (*)(void))MaskTable_sync, METH_FASTCALL,
      "sync(keys, bit, held): mirror membership of each int key in held as bit `bit`."},
+    {"set_bit", (PyCFunction)(void (*)(void))MaskTable_set_bit, METH_FASTCALL,
+     "set_bit(keys, bit): set bit `bit` of each int key (all are held)."},
+    {"clear_bit", (PyCFunction)(void (*)(void))MaskTable_clear_bit, METH_FASTCALL,
+     "clear_bit(keys, bit): clear bit `bit` of each int key (none is held)."},
     {"runs", (PyCFunction)(void (*)(void))MaskTable_runs, METH_FASTCALL,
      "runs(keys, worker_of_bit) -> {worker: run length}, or None (reference path needed)."},
     {NULL, NULL, 0, NULL},

@@ -11,6 +11,12 @@ class MaskTable:
         """For each int key in [0, 2**64): set bit ``bit`` if the key is in ``held``, else
         clear it; keys of other types are ignored."""
 
+    def set_bit(self, keys: Sequence[object], bit: int) -> None:
+        """``sync`` where every key is held."""
+
+    def clear_bit(self, keys: Sequence[object], bit: int) -> None:
+        """``sync`` where no key is held."""
+
     def runs(self, keys: Sequence[object], worker_of_bit: dict[int, int]) -> dict[int, int] | None:
         """{worker: run length} as ``KvIndexer.find_matches``, or None when a key is not an
         int in [0, 2**64) (the caller takes the reference path)."""

@@ -269,7 +269,7 @@ class KvIndexer:
                 else:
                     del slower[h]
         if self._table is not None:
-            self._table.sync(list(held), self._bit_of[worker], {})
+            self._table.clear_bit(list(held), self._bit_of[worker])
         held.clear()
         self._keys[worker].clear()
         self._recent[worker].clear()
@@ -545,6 +545,7 @@ class KvIndexer:
         refs = self._refs[worker]
         held_add, device_add = held.setdefault, device.setdefault
         stored = self._stored_keys(worker, held, data)
+        skipped = False
         for block, h in zip(data.blocks, stored, strict=True):
             level = block.cache_level
             if not level:
@@ -562,6 +563,7 @@ class KvIndexer:
                 continue
             if level > MAX_CACHE_LEVEL:
                 self._anomaly(worker, LEVEL_OUT_OF_RANGE)
+                skipped = True
                 continue
             lbit = 1 << level if level > 0 else 1
             old = held.get(h, 0)
@@ -575,12 +577,20 @@ class KvIndexer:
                 device[h] = device.get(h, 0) | bit
             elif not old >> 1:
                 slower[h] = slower.get(h, 0) | bit
-        self._mirror(stored, bit, held)
+        self._mirror(stored, bit, held if skipped else True)
 
-    def _mirror(self, keys: Sequence[IndexKey], bit: int, held: dict[IndexKey, int]) -> None:
-        """Bring the native table in line with ``held`` for ``keys`` (one call per event)."""
-        if self._table is not None:
-            self._table.sync(keys, bit.bit_length() - 1, held)
+    def _mirror(self, keys: Sequence[IndexKey], bit: int, held: dict[IndexKey, int] | bool) -> None:
+        """Bring the native table in line with ``held`` for ``keys`` (one call per event);
+        True / False where every key is / none is held (no lookups)."""
+        t = self._table
+        if t is None:
+            return
+        if held is True:
+            t.set_bit(keys, bit.bit_length() - 1)
+        elif held is False:
+            t.clear_bit(keys, bit.bit_length() - 1)
+        else:
+            t.sync(keys, bit.bit_length() - 1, held)
 
     def _drop_levels(
         self, bit: int, held: dict[IndexKey, int], h: IndexKey, old: int, gone: int
@@ -622,6 +632,7 @@ class KvIndexer:
         keep = ~bit
         kpop = keys.pop
         recent = self._recent[worker]
+        size = len(held)
         touched: list[IndexKey] = []
         for eh in data.block_hashes:
             ek: IndexKey = eh if not group else (eh, group)
@@ -656,7 +667,7 @@ class KvIndexer:
             if ek is not h and h not in held:
                 del keys[ek]
                 self._retire(recent, ek, h)  # type: ignore[arg-type]
-        self._mirror(touched, bit, held)
+        self._mirror(touched, bit, False if size - len(held) == len(touched) else held)
         if unknown:
             self._anomaly(worker, UNKNOWN_REMOVAL, unknown)
 
@@ -672,6 +683,7 @@ class KvIndexer:
         device, slower = self._device, self._slower
         held_get, device_get = held.get, device.get
         held_add, device_add = held.setdefault, device.setdefault
+        skipped = False
         for block in data.blocks:
             h = block.block_hash
             if not block.cache_level:
@@ -689,6 +701,7 @@ class KvIndexer:
                 continue
             if block.cache_level > MAX_CACHE_LEVEL:
                 self._anomaly(worker, LEVEL_OUT_OF_RANGE)
+                skipped = True
                 continue
             old = held_get(h, 0)
             lbit = 1 << block.cache_level if block.cache_level > 0 else 1
@@ -700,7 +713,7 @@ class KvIndexer:
             elif not old >> 1:
                 slower[h] = slower.get(h, 0) | bit
         if self._table is not None:
-            self._mirror([b.block_hash for b in data.blocks], bit, held)
+            self._mirror([b.block_hash for b in data.blocks], bit, held if skipped else True)
 
     def _removed_by_hash(
         self, worker: int, bit: int, held: dict[IndexKey, int], data: Removed
@@ -715,6 +728,7 @@ class KvIndexer:
         device = self._device
         keep = ~bit
         held_pop, device_pop = held.pop, device.pop
+        size = len(held)
         for h in data.block_hashes:
             old = held_pop(h, 0)
             if old == 1 and mask & 1:
@@ -731,7 +745,9 @@ class KvIndexer:
                 unknown += 1
                 continue
             self._drop_levels(bit, held, h, old, gone)
-        self._mirror(data.block_hashes, bit, held)
+        # as many entries gone as keys named: each key was dropped (a removal adds none)
+        gone_all = size - len(held) == len(data.block_hashes)
+        self._mirror(data.block_hashes, bit, False if gone_all else held)
         if unknown:
             self._anomaly(worker, UNKNOWN_REMOVAL, unknown)
 
