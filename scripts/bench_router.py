@@ -159,6 +159,16 @@ def bench_lookups(rng: random.Random, n: int, rows: list[tuple[str, str, str]]) 
             "p50 <= 20 us",
         )
     )
+    # the same requests through the pure-Python loop (the reference and fallback)
+    it = iter(requests)
+    p50, p99 = percentile_us(lambda: ix.find_matches_py(next(it)), len(requests))
+    rows.append(
+        (
+            "  the same through find_matches_py (pure reference)",
+            f"p50 {p50:.1f} us (p99 {p99:.1f})",
+            "-",
+        )
+    )
 
     # a full decision on an 8,192-token prompt whose first 4,096 tokens worker 2 holds
     tokens = [rng.randrange(32000) for _ in range(8192)]
