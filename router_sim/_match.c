@@ -25,6 +25,9 @@
 
 #include <stdint.h>
 #include <string.h>
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
 
 typedef struct {
     uint64_t key;
@@ -50,12 +53,29 @@ static inline uint64_t scramble(uint64_t x) {
     return x ^ (x >> 31);
 }
 
+/* A large table is read at random: ask for huge pages (where the kernel leaves it to
+   madvise), so that a lookup costs a cache miss without a page walk besides. A hint only. */
+static void advise_huge(void *p, size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    const uintptr_t page = 4096, huge = (uintptr_t)1 << 21;
+    if (bytes < 2 * huge)
+        return;
+    uintptr_t start = ((uintptr_t)p + page - 1) & ~(page - 1);
+    uintptr_t end = ((uintptr_t)p + bytes) & ~(page - 1);
+    (void)madvise((void *)start, end - start, MADV_HUGEPAGE);
+#else
+    (void)p;
+    (void)bytes;
+#endif
+}
+
 static int table_resize(MaskTable *t, size_t cap) {
     Slot *fresh = PyMem_RawCalloc(cap, sizeof(Slot));
     if (fresh == NULL) {
         PyErr_NoMemory();
         return -1;
     }
+    advise_huge(fresh, cap * sizeof(Slot));
     for (size_t i = 0; i < t->cap; i++) {
         Slot s = t->slots[i];
         if (!s.mask)

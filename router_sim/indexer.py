@@ -52,7 +52,7 @@ from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, repeat, takewhile
-from operator import and_, neg, or_
+from operator import and_, attrgetter, neg, or_
 from typing import Final, TypeAlias
 
 from events import hashing
@@ -156,6 +156,7 @@ class WorkerStatus:
 
 
 _ZEROS: Final = repeat(0)
+_BLOCK_HASH: Final = attrgetter("block_hash")
 
 #: what the index is keyed by: the router's key of a block (an int), or a worker's own hash
 #: (an int or hex string; with its group when not 0) where no key could be computed
@@ -713,7 +714,7 @@ class KvIndexer:
             elif not old >> 1:
                 slower[h] = slower.get(h, 0) | bit
         if self._table is not None:
-            self._mirror([b.block_hash for b in data.blocks], bit, held if skipped else True)
+            self._mirror(list(map(_BLOCK_HASH, data.blocks)), bit, held if skipped else True)
 
     def _removed_by_hash(
         self, worker: int, bit: int, held: dict[IndexKey, int], data: Removed
