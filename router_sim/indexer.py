@@ -182,11 +182,15 @@ class MatchDetail:
 class KvIndexer:
     """Block hash -> workers (with tier), fed by decoded event batches per worker."""
 
-    def __init__(self, tokens_per_block: int, *, key_by_tokens: bool = False) -> None:
+    def __init__(
+        self, tokens_per_block: int, *, key_by_tokens: bool = False, native: bool = True
+    ) -> None:
         """``key_by_tokens``: key blocks by the router's own hash of the token ids each store
         carries (engine-agnostic; what :class:`~router_sim.router.Router` uses by default);
         False keys them by the hashes the workers announce, which requests must then be
-        hashed as (this project's workers, V1-hashing engines)."""
+        hashed as (this project's workers, V1-hashing engines). ``native``: match natively
+        when the extension is built (False: the pure loop only, no mirror to keep; the same
+        answers, for measuring what the mirror costs and saves)."""
         if tokens_per_block <= 0:
             raise ValueError(f"tokens_per_block must be > 0, got {tokens_per_block}")
         self.tokens_per_block: Final = tokens_per_block
@@ -211,7 +215,7 @@ class KvIndexer:
         self._keying: dict[int, list[int]] = {}
         # the native mirror of which workers hold each int key (None: the pure-Python match
         # loop, without the extension or once a worker's bit is past 63)
-        self._table: MaskTable | None = MaskTable() if MaskTable is not None else None
+        self._table: MaskTable | None = MaskTable() if native and MaskTable is not None else None
         self.batches_applied = 0
         self.events_applied = 0
 

@@ -391,6 +391,14 @@ def test_native_table_grows_shrinks_and_deletes_like_a_dict(
         assert table.runs([k], workers) == expected
 
 
+def test_without_native_the_pure_loop_answers() -> None:
+    ix = KvIndexer(TPB, native=False)
+    ix.apply_batch(0, batch(stored([1, 2, 3])))
+    ix.apply_batch(1, batch(stored([1])))
+    assert ix._table is None
+    assert ix.find_matches([1, 2, 3]) == {0: 3, 1: 1}
+
+
 def test_more_than_64_workers_fall_back_to_the_reference() -> None:
     ix = KvIndexer(TPB)
     for w in range(70):
