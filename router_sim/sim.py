@@ -98,10 +98,15 @@ class SimConfig:
     the fast path is tested against)."""
     drain_timeout_s: float = 30.0
     """Longest wall-clock wait for frames already sent (a stall means a transport bug)."""
+    event_buffer: int = 1_000_000
+    """Events each worker's event manager buffers between publishes; past it the oldest are
+    lost, which subscribers see as a gap and repair with a snapshot of the worker's cache."""
 
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if self.event_buffer < 1:
+            raise ValueError(f"event_buffer must be >= 1, got {self.event_buffer}")
         if self.event_delay_ms < 0:
             raise ValueError(f"event_delay_ms must be >= 0, got {self.event_delay_ms}")
         if not 0.0 <= self.drop_rate < 1.0:
@@ -137,6 +142,7 @@ class SimConfig:
             hash_algo=self.hash_algo,
             transport=self.resolved_transport,
             fast_forward=self.fast_forward,
+            event_buffer=self.event_buffer,
         )
 
 
@@ -243,18 +249,26 @@ class Simulation:
             for w in self.workers:
                 if w.has_frames:
                     wid = w.worker_id
-                    for seq, payload in w.take_frames():
-                        self._enqueue(BatchDelivery(wid, seq, decode_batch(payload)))
+                    for seq, payload, kind in w.take_frames():
+                        if kind == "resync":
+                            self._enqueue(ResyncRequired(wid, "event buffer overflow"))
+                            continue
+                        snap = kind == "snapshot"
+                        self._enqueue(BatchDelivery(wid, seq, decode_batch(payload), snap))
             return
         deadline = time.monotonic() + self.config.drain_timeout_s
         while True:
             behind = [
                 w
                 for w in self.workers
-                if w.sent_seqs and self._delivered[w.worker_id] < w.sent_seqs[-1]
+                if (w.sent_seqs and self._delivered[w.worker_id] < w.sent_seqs[-1])
+                or self.subscriber.status(w.worker_id).state == "degraded"
             ]
             if not behind:
                 return
+            for w in behind:  # an idle worker answers a snapshot request between steps
+                if w.publisher is not None:
+                    w.publisher.serve_snapshots()
             left = deadline - time.monotonic()
             if left <= 0:
                 detail = "; ".join(
@@ -272,12 +286,12 @@ class Simulation:
 
     def _enqueue(self, msg: SubscriberMessage) -> None:
         wid = msg.worker
-        if isinstance(msg, BatchDelivery):
+        if isinstance(msg, BatchDelivery) and not msg.snapshot:
             self._delivered[wid] = msg.seq
             due = msg.batch.ts * 1000.0 + self.config.event_delay_ms
             self._last_due[wid] = max(self._last_due[wid], due)
-        else:
-            due = self._last_due[wid]  # in order: right before the next delivery
+        else:  # a resync or a snapshot part (stamped with the publisher's wall clock)
+            due = self._last_due[wid]  # in order: right after what came before it
         self._queues[wid].append((due, msg))
         self._queued.add(wid)
 
@@ -356,10 +370,11 @@ class Simulation:
                 w.run_until(math.inf)
             self._drain()
             self._apply_due(math.inf)
-            # After everything arrived, the index must equal the workers' true contents:
-            # this is how a run shows that replay and resync recovered from injected faults.
+            # After everything arrived, the index must equal the workers' caches (the event
+            # manager's announced blocks, whatever reached the wire): this is how a run shows
+            # that replay, resync and snapshots recovered from injected faults.
             self.index_mismatch = sum(
-                abs(self.router.indexer.block_count(w.worker_id) - len(w.held))
+                abs(self.router.indexer.block_count(w.worker_id) - w.events.num_announced)
                 for w in self.workers
             )
         finally:

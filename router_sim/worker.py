@@ -41,6 +41,7 @@ from events.codec import encode_batch
 from events.manager import KVCacheEventManager
 from events.model import AllBlocksCleared, BlockHash, KVCacheEvent, Removed, Stored
 from events.publisher import ZmqEventPublisher
+from events.snapshot import split_parts
 from kvcache.config import KVCacheManagerConfig, TierConfig
 from kvcache.errors import OutOfPagesError
 from kvcache.manager import KVCacheManager
@@ -163,7 +164,8 @@ class SimWorker:
         """Seqs of the current publisher sent live (not dropped), in order."""
         self.publisher: ZmqEventPublisher | None = None
         self._load: WorkerLoad | None = None
-        self._outbox: list[tuple[int, bytes]] = []
+        # memory transport: (seq, payload, kind) with kind "batch", "resync" or "snapshot"
+        self._outbox: list[tuple[int, bytes, str]] = []
         self._next_seq = 0
         self.published = 0
         self.restarts = 0
@@ -212,6 +214,7 @@ class SimWorker:
             max_queue=1_000_000,
             context=self._context,
             drop_live=(lambda seq: _frame_dropped(seed, wid, seq, rate)) if rate > 0 else None,
+            snapshot_provider=self._snapshot,
         )
 
     def announce(self) -> None:
@@ -240,9 +243,11 @@ class SimWorker:
         """Memory transport: frames are waiting for :meth:`take_frames`."""
         return bool(self._outbox)
 
-    def take_frames(self) -> list[tuple[int, bytes]]:
-        """Memory transport: the (seq, payload) frames published since the last call, in
-        order. They are the bytes a ZeroMQ subscriber would receive (less topic and seq)."""
+    def take_frames(self) -> list[tuple[int, bytes, str]]:
+        """Memory transport: the (seq, payload, kind) frames published since the last call, in
+        order. Payloads are the bytes a ZeroMQ subscriber would receive (less topic and seq);
+        kind is ``"batch"``, or, after the event buffer lost events, ``"resync"`` (empty
+        payload) followed by the ``"snapshot"`` parts that a subscriber would receive."""
         frames, self._outbox = self._outbox, []
         return frames
 
@@ -275,11 +280,39 @@ class SimWorker:
 
     # ----------------------------------------------------------------------- events
 
+    def _snapshot(self) -> list[KVCacheEvent] | None:
+        """The cache's announced state (the publisher's snapshot provider)."""
+        return self.events.snapshot(self.manager.iter_blocks())
+
     def _publish(self) -> None:
         self.events.flush()
+        lost = self.events.take_dropped()
+        if lost and self.publisher is not None:
+            self.publisher.skip()  # a seq no batch carries: subscribers see the loss
         batch = self.events.get_latest_events()
-        if not batch:
+        if batch:
+            self._send(batch)
+        if lost:
+            self._resync()
+
+    def _resync(self) -> None:
+        """The event buffer lost events: the published history no longer adds up to the
+        cache. A ZeroMQ subscriber sees the burnt seq, and its snapshot request is answered by
+        the publisher from :meth:`_snapshot`; the memory transport hands over the same: a
+        resync, then the snapshot's parts, through the codec."""
+        snapshot = self._snapshot()
+        assert snapshot is not None  # just drained: nothing is pending
+        self.held = {b.block_hash for ev in snapshot for b in getattr(ev.data, "blocks", ())}
+        if self.publisher is not None:
             return
+        seq = self._next_seq - 1
+        self._outbox.append((seq, b"", "resync"))
+        for part in split_parts(snapshot):
+            payload = encode_batch(part, self.clock_ms / 1000.0)
+            self.bytes_published += len(payload) + 8
+            self._outbox.append((seq, payload, "snapshot"))
+
+    def _send(self, batch: list[KVCacheEvent]) -> None:
         self._track(batch)
         payload = encode_batch(batch, self.clock_ms / 1000.0)
         self.published += 1
@@ -287,7 +320,7 @@ class SimWorker:
         if self.publisher is None:
             # what the wire would carry: empty topic, 8-byte seq, payload
             self.bytes_published += len(payload) + 8
-            self._outbox.append((self._next_seq, payload))
+            self._outbox.append((self._next_seq, payload, "batch"))
             self._next_seq += 1
             return
         seq = self.publisher.publish_payload(payload)
