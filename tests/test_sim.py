@@ -76,7 +76,10 @@ def test_dropped_frames_are_replayed_and_the_index_recovers() -> None:
     sim = Simulation("kv_overlap", _config(drop_rate=0.25, seed=9))
     fields = sim.run(reqs).as_dict()
     assert fields["dropped_frames"] > 10
-    assert fields["gaps"] > 0 and fields["replayed"] >= fields["dropped_frames"] - 3
+    # every lost frame came back by replay (a replay also re-sends frames after the gap that
+    # had arrived live, so replayed counts more), and no gap had to be repaired by a resync
+    assert fields["gaps"] > 0 and fields["replayed"] >= fields["dropped_frames"]
+    assert fields["resyncs"] == 0
     assert fields["index_mismatch_blocks"] == 0
     assert fields["completed"] == 120
 
