@@ -111,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="how event frames travel: memory (in process, same codec), or ZeroMQ inproc/tcp "
         "sockets (default auto: memory, inproc with --drop-rate)",
     )
+    run.add_argument(
+        "--engine",
+        default="native",
+        help="whose KV events the workers publish: native, vllm, sglang or trtllm (their "
+        "hashes, fields and media; the router keys all by token ids)",
+    )
     run.add_argument("--event-delay-ms", type=float, default=0.0)
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--max-requests", type=int, help="stop after this many requests")
@@ -196,6 +202,7 @@ def run(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
         drop_rate=args.drop_rate,
         restarts=list(args.restart),
         policy_options=dict(args.policy_options),
+        engine=args.engine,
     )
     if args.out is not None:
         try:  # before the runs, not after them

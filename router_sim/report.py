@@ -93,6 +93,9 @@ def format_table(report: Report) -> str:
         f"{wl.get('prompt_tokens', 0)} prompt tokens; compulsory-miss bound "
         f"{wl['bound']:.1%} of tokens ({wl.get('bound_blocks', 0.0):.1%} of blocks)"
     )
+    engine = report.get("config", {}).get("engine")
+    if engine is not None:
+        head += f"; workers speak {engine}"
     headers = ["policy"] + [h for _, h, _ in _TABLE_COLUMNS]
     rows: list[list[str]] = []
     for name, fields in report["policies"].items():

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from events.cli_args import MAX_BLOCK_TOKENS, ArgError, check_float, check_int
+from router_sim.dialects import ENGINES
 from router_sim.policies import POLICIES, make_policy
 
 MAX_WORKERS: Final = 4096
@@ -60,6 +61,9 @@ def check_run_args(args: argparse.Namespace) -> None:
     check_float("--speedup", args.speedup, 1.0 / MAX_SPEEDUP, MAX_SPEEDUP)
     check_float("--spread-ms", args.spread_ms, 0.0, MAX_MS)
     check_float("--drop-rate", args.drop_rate, 0.0, 0.99)
+    engine = getattr(args, "engine", "native")
+    if engine not in ENGINES:
+        raise ArgError(f"--engine must be one of {', '.join(ENGINES)}; got {engine!r}")
     for restart in args.restart:
         check_int("--restart worker", restart.worker, 0, MAX_WORKERS - 1)
         check_float("--restart time", restart.at_ms, 0.0, MAX_MS)

@@ -35,6 +35,7 @@ import zmq
 from events.codec import decode_batch
 from events.model import BlockHash
 from events.subscriber import BatchDelivery, ResyncRequired, SubscriberMessage, ZmqEventSubscriber
+from router_sim.dialects import check_engine, request_scope
 from router_sim.load import WorkerLoad
 from router_sim.metrics import PolicySummary, RequestRecord, WireStats
 from router_sim.policies import make_policy
@@ -101,10 +102,16 @@ class SimConfig:
     event_buffer: int = 1_000_000
     """Events each worker's event manager buffers between publishes; past it the oldest are
     lost, which subscribers see as a gap and repair with a snapshot of the worker's cache."""
+    engine: str = "native"
+    """Whose KV events the workers publish (router_sim.dialects.ENGINES): the router keys
+    every engine's blocks by their token ids, so routing is the same for all."""
 
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
+        check_engine(self.engine)
+        if self.engine != "native" and self.hash_algo != "v1_block_key":
+            raise ValueError(f"engine {self.engine!r} needs hash_algo 'v1_block_key'")
         if self.event_buffer < 1:
             raise ValueError(f"event_buffer must be >= 1, got {self.event_buffer}")
         if self.event_delay_ms < 0:
@@ -143,6 +150,7 @@ class SimConfig:
             transport=self.resolved_transport,
             fast_forward=self.fast_forward,
             event_buffer=self.event_buffer,
+            engine=self.engine,
         )
 
 
@@ -329,6 +337,10 @@ class Simulation:
                 self._carried.decode_errors += st.decode_errors
                 self.subscriber.remove_worker(w.worker_id)
             w.restart()
+            if self.config.engine != "native":
+                # An engine's AllBlocksCleared resets its device tier only; its restart loses
+                # every tier, which a deployment learns from the worker re-registering.
+                self._enqueue(ResyncRequired(w.worker_id, "engine restarted"))
             self._attach(w)
 
     # ------------------------------------------------------------------------- run
@@ -341,13 +353,15 @@ class Simulation:
         records: list[RequestRecord] = []
         tpb = self.config.tokens_per_block
         ordered = sorted(requests, key=lambda r: r.arrival_ms)
+        native = self.config.engine == "native"
         try:
             for i, req in enumerate(ordered):
                 t = req.arrival_ms
                 self._restart_due(t)
                 self._advance(t)
                 prompt = req.tokens()
-                decision = self.router.route(prompt, req.scope, now_ms=t)
+                scope = req.scope if native else request_scope(self.config.engine, req)
+                decision = self.router.route(prompt, scope, now_ms=t)
                 hashes = decision.block_hashes
                 true = [w.true_overlap(hashes) for w in self.workers]
                 record = RequestRecord(

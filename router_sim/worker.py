@@ -37,7 +37,6 @@ from typing import Final
 
 import zmq
 
-from events.codec import encode_batch
 from events.manager import KVCacheEventManager
 from events.model import AllBlocksCleared, BlockHash, KVCacheEvent, Removed, Stored
 from events.publisher import ZmqEventPublisher
@@ -46,6 +45,7 @@ from kvcache.config import KVCacheManagerConfig, TierConfig
 from kvcache.errors import OutOfPagesError
 from kvcache.manager import KVCacheManager
 from kvcache.sequence import KVCache
+from router_sim.dialects import check_engine, make_dialect
 from router_sim.load import WorkerLoad
 from router_sim.metrics import RequestRecord
 from router_sim.timing import StepTiming, default_step_timing
@@ -80,6 +80,9 @@ class WorkerConfig:
     """Capacity of the event manager's buffer (drained every step, so rarely used)."""
     fast_forward: bool = True
     """Take stretches of pure decoding in one go (False: one step at a time, the reference)."""
+    engine: str = "native"
+    """Whose events the worker publishes: ``native``, ``vllm``, ``sglang`` or ``trtllm``
+    (hashes, fields and media as that engine sends them; router_sim.dialects)."""
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -91,6 +94,7 @@ class WorkerConfig:
             )
         if self.max_batch_tokens < 1 or self.max_running < 1:
             raise ValueError("max_batch_tokens and max_running must be >= 1")
+        check_engine(self.engine)
 
 
 @dataclass(slots=True)
@@ -159,7 +163,8 @@ class SimWorker:
         self._admission_blocked = False
         self._order = 0
         self.held: set[BlockHash] = set()
-        """Block hashes this worker announced and has not removed: its true cache contents."""
+        """Block hashes this worker announced and has not removed: its true cache contents
+        (this project's hashes, the router's keys, whatever engine's hashes the wire carries)."""
         self.sent_seqs: list[int] = []
         """Seqs of the current publisher sent live (not dropped), in order."""
         self.publisher: ZmqEventPublisher | None = None
@@ -172,6 +177,8 @@ class SimWorker:
         self.events_published = 0
         self.bytes_published = 0
         self.dropped_frames = 0
+        # the engine whose events this worker publishes (its hashes are a function of ours)
+        self.dialect = make_dialect(config.engine, worker_id, config.tokens_per_block)
         self._start_engine()
 
     # ------------------------------------------------------------------ engine lifecycle
@@ -308,13 +315,13 @@ class SimWorker:
         seq = self._next_seq - 1
         self._outbox.append((seq, b"", "resync"))
         for part in split_parts(snapshot):
-            payload = encode_batch(part, self.clock_ms / 1000.0)
+            payload = self.dialect.encode(part, self.clock_ms / 1000.0)
             self.bytes_published += len(payload) + 8
             self._outbox.append((seq, payload, "snapshot"))
 
     def _send(self, batch: list[KVCacheEvent]) -> None:
         self._track(batch)
-        payload = encode_batch(batch, self.clock_ms / 1000.0)
+        payload = self.dialect.encode(batch, self.clock_ms / 1000.0)
         self.published += 1
         self.events_published += len(batch)
         if self.publisher is None:
@@ -398,6 +405,7 @@ class SimWorker:
         seq = _Seq(req, record, self._order)
         if prompt is not None:
             seq.full = prompt + req.output_tokens()
+        self.dialect.learn(req)
         self.waiting.append(seq)
         self._order += 1
 
@@ -408,7 +416,7 @@ class SimWorker:
         target = req.input_length + s.generated
         ctx = s.full[:target]
         try:
-            cache = self.manager.create_kv_cache(ctx, reuse_scope=req.scope)
+            cache = self.manager.create_kv_cache(ctx, reuse_scope=self.dialect.scope(req))
         except OutOfPagesError:
             return False
         try:
