@@ -111,7 +111,10 @@ class Dialect:
         """The hash the engine announces for the block this project hashes to ``h``."""
         return h
 
-    def encode(self, batch: Sequence[KVCacheEvent], ts: float) -> bytes:
+    def encode(self, batch: Sequence[KVCacheEvent], ts: float, snapshot: bool = False) -> bytes:
+        """The payload the engine publishes for ``batch``. ``snapshot``: the batch is a part of
+        this project's snapshot (an extension engines lack): every block travels with its
+        token ids, so a router rebuilding the worker's view can key each one."""
         return encode_batch(batch, ts)
 
 
@@ -120,7 +123,7 @@ class TrtllmDialect(Dialect):
 
     engine = "trtllm"
 
-    def encode(self, batch: Sequence[KVCacheEvent], ts: float) -> bytes:
+    def encode(self, batch: Sequence[KVCacheEvent], ts: float, snapshot: bool = False) -> bytes:
         return encode_batch(batch, ts, _DP_RANK)
 
 
@@ -148,12 +151,12 @@ class _EngineDialect(Dialect):
     def _medium(self, level: int | None) -> str:
         return "GPU" if not level else self.host_medium
 
-    def encode(self, batch: Sequence[KVCacheEvent], ts: float) -> bytes:
+    def encode(self, batch: Sequence[KVCacheEvent], ts: float, snapshot: bool = False) -> bytes:
         out: list[dict[str, Any]] = []
         for event in batch:
             data = event.data
             if isinstance(data, Stored):
-                self._stored(data, out)
+                self._stored(data, out, snapshot)
             elif isinstance(data, Removed):
                 if data.block_hashes:
                     out.append(self._removed(data))
@@ -188,13 +191,15 @@ class _EngineDialect(Dialect):
             runs.append(run)
         return runs
 
-    def _stored(self, data: Stored, out: list[dict[str, Any]]) -> None:
+    def _stored(self, data: Stored, out: list[dict[str, Any]], snapshot: bool) -> None:
         parent = data.parent_hash
         for run in self._runs(data.blocks):
-            out.append(self._store(run, parent))
+            out.append(self._store(run, parent, snapshot))
             parent = run[-1].block_hash
 
-    def _store(self, run: list[StoredBlock], parent: BlockHash | None) -> dict[str, Any]:
+    def _store(
+        self, run: list[StoredBlock], parent: BlockHash | None, snapshot: bool
+    ) -> dict[str, Any]:
         raise NotImplementedError
 
     def _tokens(self, run: list[StoredBlock]) -> list[int]:
@@ -218,10 +223,12 @@ class VllmDialect(_EngineDialect):
             wire["group_idx"] = 0  # the GPU KV-cache group; offload tiers send none
         return wire
 
-    def _store(self, run: list[StoredBlock], parent: BlockHash | None) -> dict[str, Any]:
+    def _store(
+        self, run: list[StoredBlock], parent: BlockHash | None, snapshot: bool
+    ) -> dict[str, Any]:
         first = run[0]
         hashes = [self.engine_hash(b.block_hash) for b in run]
-        if first.cache_level:
+        if first.cache_level and not snapshot:
             # what vLLM's CPU offload announces: hashes only
             return {
                 "type": "BlockStored",
@@ -242,7 +249,7 @@ class VllmDialect(_EngineDialect):
             "token_ids": self._tokens(run),
             "block_size": len(first.tokens),
             "lora_id": lora_id,
-            "medium": "GPU",
+            "medium": self._medium(first.cache_level),
             "lora_name": name,
         }
         if name is not None or salt is not None:
@@ -266,7 +273,9 @@ class SglangDialect(_EngineDialect):
         digest = hashlib.sha256(b"sglang-page:" + _hash_bytes(h)).digest()
         return int.from_bytes(digest[:8], "big", signed=True)
 
-    def _store(self, run: list[StoredBlock], parent: BlockHash | None) -> dict[str, Any]:
+    def _store(
+        self, run: list[StoredBlock], parent: BlockHash | None, snapshot: bool
+    ) -> dict[str, Any]:
         first = run[0]
         _, name = self._lora(first.lora_id)
         salt = self._salt(first.cache_salt_id)

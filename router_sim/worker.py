@@ -315,7 +315,7 @@ class SimWorker:
         seq = self._next_seq - 1
         self._outbox.append((seq, b"", "resync"))
         for part in split_parts(snapshot):
-            payload = self.dialect.encode(part, self.clock_ms / 1000.0)
+            payload = self.dialect.encode(part, self.clock_ms / 1000.0, snapshot=True)
             self.bytes_published += len(payload) + 8
             self._outbox.append((seq, payload, "snapshot"))
 

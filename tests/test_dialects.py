@@ -195,6 +195,35 @@ def test_engine_streams_survive_loss_over_zeromq() -> None:
     assert mismatch == 0
 
 
+def test_snapshots_key_every_block_of_an_engine() -> None:
+    # an overflowing event buffer is repaired by a snapshot (memory transport): vLLM's
+    # host-tier copies travel with their token ids there, not as keyless placeholders
+    def run(engine: str) -> tuple[list[tuple[int, int]], int, dict[str, int]]:
+        spec = SyntheticSpec()
+        spec.num_requests = 60
+        reqs = synthetic_workload("mixed", seed=3, spec=spec)
+        cfg = SimConfig(
+            workers=3,
+            tokens_per_block=TPB,
+            device_blocks=160,
+            host_blocks=64,
+            engine=engine,
+            event_buffer=20,
+        )
+        sim = Simulation("kv_overlap", cfg)
+        indexer = sim.router.indexer
+        summary = sim.run(reqs)
+        records = [(r.worker, r.predicted_overlap_blocks) for r in summary.records]
+        return records, summary.index_mismatch, indexer.anomalies
+
+    native = run("native")
+    assert native[1] == 0
+    for engine in ("vllm", "sglang"):
+        records, mismatch, anomalies = run(engine)
+        assert (records, mismatch) == native[:2], engine
+        assert anomalies == native[2], engine
+
+
 def test_cli_engine_flag(capsys: pytest.CaptureFixture[str]) -> None:
     rows: dict[str, str] = {}
     for engine in ENGINES:
