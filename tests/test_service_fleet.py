@@ -74,13 +74,30 @@ def test_unreadable_files_and_bad_entries_are_fleet_errors(tmp_path: Path) -> No
         (["serve", "--port", "0", "--health-interval", "0"], "--health-interval"),
         (["worker", "--speedup", "0"], "--speedup"),
         (["worker", "--count", "0"], "--count"),
+        (["worker", "--count", "100000"], "--count must be in [1, 256]"),  # no fork bomb
+        (["worker", "--port", "99999"], "--port"),
+        (["worker", "--count", "4", "--events-port", "65530"], "--events-port"),
+        (["worker", "--replay-port", "-1"], "--replay-port"),
+        (["worker", "--speedup", "nan"], "--speedup"),
+        (["worker", "--heartbeat", "inf"], "--heartbeat"),
+        (["worker", "--device-blocks", "1e10"], "--device-blocks"),  # argparse: not an int
+        (["worker", "--device-blocks", str(2**40)], "--device-blocks"),
+        (["worker", "--hash-algo", "md5"], "hash_algo"),
+        (["serve", "--port", "99999"], "--port"),
+        (["serve", "--port", "0", "--replay-timeout-ms", "-1"], "--replay-timeout-ms"),
+        (["serve", "--port", "0", "--health-interval", "nan"], "--health-interval"),
     ],
 )
 def test_service_usage_errors_exit_2(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(argv) == 2
-    assert message in capsys.readouterr().err
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own errors (a value that is not an int)
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
 
 
 def test_worker_count_starts_a_fleet_and_writes_its_file(tmp_path: Path) -> None:

@@ -34,6 +34,7 @@ import aiohttp
 import prometheus_client
 from aiohttp import web
 
+from events.cli_args import TCP_PORT_MAX, check_float, check_int, check_utf8
 from events.endpoints import EndpointError
 from events.security import curve_client_from
 from router_sim.policies import POLICIES, NoWorkersError
@@ -275,6 +276,10 @@ def _config(args: argparse.Namespace) -> tuple[FleetFile, dict[str, Any]]:
         raise FleetError("--policy-options must be a JSON object")
     if not args.health_interval > 0:
         raise FleetError(f"--health-interval must be > 0, got {args.health_interval}")
+    check_float("--health-interval", args.health_interval, 0.0, 3600.0, low_open=True)
+    check_int("--port", args.port, 0, TCP_PORT_MAX)
+    check_int("--replay-timeout-ms", args.replay_timeout_ms, 1, 3_600_000)
+    check_utf8("--host", args.host)
     return fleet, options
 
 

@@ -32,10 +32,18 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Final
 
 from aiohttp import web
 
+from events.cli_args import (
+    MAX_BLOCK_TOKENS,
+    TCP_PORT_MAX,
+    check_float,
+    check_int,
+    check_utf8,
+)
+from events.hashing import HashAlgo
 from events.publisher import ZmqEventPublisher
 from events.security import CurveServer, SecurityError, load_allowed_keys, load_keypair
 from kvcache.scope import ReuseScope
@@ -312,10 +320,38 @@ async def serve_worker(args: argparse.Namespace, ready: asyncio.Event | None = N
         publisher.close(timeout_s=1.0)
 
 
+MAX_LOCAL_WORKERS: Final = 256
+"""Most processes ``--count`` starts on one machine (each is a Python process of ~40 MB)."""
+
+
+def check_worker_args(args: argparse.Namespace) -> None:
+    """Every flag in range before any process starts (:class:`ArgError` names the flag)."""
+    check_int("--count", args.count, 1, MAX_LOCAL_WORKERS)
+    check_int("--id", args.id, 0, 2**31 - 1)
+    for flag, port in (
+        ("--port", args.port),
+        ("--events-port", args.events_port),
+        ("--replay-port", args.replay_port),
+    ):
+        # --count N takes N ports (events and replay: 2N) from each base
+        span = 2 * args.count if flag != "--port" else args.count
+        check_int(flag, port, 0, TCP_PORT_MAX - span if port else 0)
+    check_int("--tokens-per-block", args.tokens_per_block, 1, MAX_BLOCK_TOKENS)
+    check_int("--device-blocks", args.device_blocks, 1, 2**31)
+    check_int("--max-batch-tokens", args.max_batch_tokens, 1, 2**31)
+    check_int("--replay-steps", args.replay_steps, 0, 10**7)
+    check_float("--speedup", args.speedup, 0.0, 1e6, low_open=True)
+    check_float("--heartbeat", args.heartbeat, 0.0, 86_400.0)
+    HashAlgo.parse(args.hash_algo)
+    check_utf8("--model", args.model)
+
+
 def main(args: argparse.Namespace) -> int:
     """Entry point of ``router-sim worker``."""
-    if args.count < 1:
-        sys.stderr.write(f"router-sim worker: --count must be >= 1, got {args.count}\n")
+    try:
+        check_worker_args(args)
+    except ValueError as exc:
+        sys.stderr.write(f"router-sim worker: {exc}\n")
         return 2
     if args.count > 1 or args.fleet_out:
         from router_sim.service.fleet import run_fleet
