@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, Final
 
 import msgspec
@@ -49,6 +50,8 @@ from events.model import (
     Removed,
     Stored,
     StoredBlock,
+    cache_level_of,
+    medium_of,
 )
 from kvcache.scope import ReuseScope, cache_salt_id
 from router_sim.workloads import Request
@@ -110,6 +113,40 @@ class Dialect:
     def engine_hash(self, h: BlockHash) -> BlockHash:
         """The hash the engine announces for the block this project hashes to ``h``."""
         return h
+
+    def _medium(self, level: int | None) -> str:
+        return medium_of(level or 0)
+
+    def renamed(self, events: Sequence[KVCacheEvent]) -> list[KVCacheEvent]:
+        """``events`` with the engine's hashes (as uint64) in place of this project's, for
+        a publisher that encodes them itself (its snapshot replies): the blocks keep their
+        token ids and the scope as ids, from which a router derives the same keys as from
+        the engine's own fields."""
+        if type(self).engine_hash is Dialect.engine_hash:
+            return list(events)
+
+        def name(h: BlockHash) -> BlockHash:
+            e = self.engine_hash(h)
+            return e % 2**64 if type(e) is int else e
+
+        def level(cache_level: int | None) -> int | None:
+            return None if cache_level is None else cache_level_of(self._medium(cache_level))
+
+        out: list[KVCacheEvent] = []
+        for ev in events:
+            data = ev.data
+            if isinstance(data, Stored):
+                blocks = [
+                    replace(b, block_hash=name(b.block_hash), cache_level=level(b.cache_level) or 0)
+                    for b in data.blocks
+                ]
+                parent = None if data.parent_hash is None else name(data.parent_hash)
+                data = replace(data, parent_hash=parent, blocks=blocks)
+            elif isinstance(data, Removed):
+                hashes = [name(h) for h in data.block_hashes]
+                data = replace(data, block_hashes=hashes, cache_level=level(data.cache_level))
+            out.append(replace(ev, data=data))
+        return out
 
     def encode(self, batch: Sequence[KVCacheEvent], ts: float, snapshot: bool = False) -> bytes:
         """The payload the engine publishes for ``batch``. ``snapshot``: the batch is a part of

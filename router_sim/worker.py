@@ -221,7 +221,7 @@ class SimWorker:
             max_queue=1_000_000,
             context=self._context,
             drop_live=(lambda seq: _frame_dropped(seed, wid, seq, rate)) if rate > 0 else None,
-            snapshot_provider=self._snapshot,
+            snapshot_provider=self._engine_snapshot,
         )
 
     def announce(self) -> None:
@@ -286,6 +286,11 @@ class SimWorker:
             self.publisher.close(timeout_s=5.0)
 
     # ----------------------------------------------------------------------- events
+
+    def _engine_snapshot(self) -> list[KVCacheEvent] | None:
+        """The snapshot the publisher encodes itself: named with the engine's hashes."""
+        snapshot = self._snapshot()
+        return None if snapshot is None else self.dialect.renamed(snapshot)
 
     def _snapshot(self) -> list[KVCacheEvent] | None:
         """The cache's announced state (the publisher's snapshot provider)."""

@@ -195,9 +195,12 @@ def test_engine_streams_survive_loss_over_zeromq() -> None:
     assert mismatch == 0
 
 
-def test_snapshots_key_every_block_of_an_engine() -> None:
-    # an overflowing event buffer is repaired by a snapshot (memory transport): vLLM's
-    # host-tier copies travel with their token ids there, not as keyless placeholders
+@pytest.mark.parametrize("transport", ["memory", "inproc"])
+def test_snapshots_key_every_block_of_an_engine(transport: str) -> None:
+    # An overflowing event buffer is repaired by a snapshot. Memory transport: vLLM's
+    # host-tier copies travel with their token ids there, not as keyless placeholders;
+    # ZeroMQ: the publisher's snapshot names the engine's hashes and media, so the removals
+    # that follow find their blocks (as many unknown removals as a native worker's).
     def run(engine: str) -> tuple[list[tuple[int, int]], int, dict[str, int]]:
         spec = SyntheticSpec()
         spec.num_requests = 60
@@ -209,6 +212,7 @@ def test_snapshots_key_every_block_of_an_engine() -> None:
             host_blocks=64,
             engine=engine,
             event_buffer=20,
+            transport=transport,
         )
         sim = Simulation("kv_overlap", cfg)
         indexer = sim.router.indexer
@@ -221,7 +225,9 @@ def test_snapshots_key_every_block_of_an_engine() -> None:
     for engine in ("vllm", "sglang"):
         records, mismatch, anomalies = run(engine)
         assert (records, mismatch) == native[:2], engine
-        assert anomalies == native[2], engine
+        assert anomalies.get("unknown_removal") == native[2].get("unknown_removal"), engine
+        if transport == "memory":
+            assert anomalies == native[2], engine
 
 
 def test_cli_engine_flag(capsys: pytest.CaptureFixture[str]) -> None:
