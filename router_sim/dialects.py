@@ -31,6 +31,9 @@ are renamed without any state. vLLM and SGLang name adapters: a router keys thei
 the name (``router_sim.indexer.lora_name_id``), so under those dialects a request's scope uses
 the name's id (:func:`request_scope`), in the worker's cache and in the router's route alike,
 and the engine's own LoRA int id still travels in ``lora_id`` (vLLM).
+
+Snapshots (this project's extension, which engines lack) are sent in the dialect too, with every
+block's token ids (vLLM's host copies included), so a router that resyncs keys each block.
 """
 
 from __future__ import annotations
