@@ -17,11 +17,14 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from events.cli_args import MAX_BLOCK_TOKENS, ArgError, check_float, check_int
 from router_sim.dialects import ENGINES
 from router_sim.policies import POLICIES, make_policy
+
+if TYPE_CHECKING:
+    from router_sim.sweep.runner import SweepSpec
 
 MAX_WORKERS: Final = 4096
 MAX_BLOCKS_PER_WORKER: Final = 2**31
@@ -130,3 +133,43 @@ def check_out_dir(out: Path) -> None:
         path = out / name
         if path.exists() and (not path.is_file() or not os.access(path, os.W_OK)):
             raise ArgError(f"--out {out}: {name} exists and is not a writable file")
+
+
+MAX_SWEEP_POINTS: Final = 100_000
+MAX_JOBS: Final = 256
+
+
+def check_sweep(spec: SweepSpec, jobs: int | None, ttft_p99_ms: float | None = None) -> None:
+    """Raise :class:`ArgError` for the first value of a ``router-sim sweep`` / ``plan`` grid
+    out of range: the same bounds as ``router-sim run``, for every value of every list."""
+    for w in spec.workers:
+        check_int("--workers", w, 1, MAX_WORKERS)
+    for b in spec.device_blocks:
+        check_int("--device-blocks", b, 1, MAX_BLOCKS_PER_WORKER)
+        if max(spec.workers) * (b + spec.host_blocks) > MAX_FLEET_BLOCKS:
+            raise ArgError(
+                f"{max(spec.workers)} workers x {b + spec.host_blocks} blocks exceeds the "
+                f"simulator's limit of {MAX_FLEET_BLOCKS} KV blocks per run (about 3 GB)"
+            )
+    check_int("--host-blocks", spec.host_blocks, 0, MAX_BLOCKS_PER_WORKER)
+    check_int("--tokens-per-block", spec.tokens_per_block, 1, MAX_BLOCK_TOKENS)
+    check_int("--max-batch-tokens", spec.max_batch_tokens, 1, MAX_BATCH_TOKENS)
+    for s in spec.speedups:
+        check_float("--speedups", s, 1.0 / MAX_SPEEDUP, MAX_SPEEDUP)
+    for r in spec.rates_per_s or []:
+        check_float("--rates", r, 0.0, 1e6, low_open=True)
+    for d in spec.event_delays_ms:
+        check_float("--event-delay-ms", d, 0.0, MAX_MS)
+    for seed in spec.seeds:
+        check_int("--seeds", seed, 0, MAX_SEED)
+    workload = spec.workload
+    most = MAX_TRACE_REQUESTS if workload.trace is not None else MAX_SYNTHETIC_REQUESTS
+    check_int("--max-requests", workload.max_requests, 1, most)
+    check_float("--spread-ms", workload.spread_ms, 0.0, MAX_MS)
+    for name, options in spec.policy_options.items():
+        check_policy_options(name, options)
+    check_int("--jobs", jobs, 1, MAX_JOBS)
+    check_float("--ttft-p99-ms", ttft_p99_ms, 0.0, MAX_MS, low_open=True)
+    points = len(spec.points())
+    if points > MAX_SWEEP_POINTS:
+        raise ArgError(f"the grid has {points} points; at most {MAX_SWEEP_POINTS} per sweep")

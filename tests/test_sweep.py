@@ -152,13 +152,33 @@ def test_sweep_cli_refuses_ray_when_it_is_not_installed(
     [
         (["--trace", "mooncake", "--rates", "1"], "request rates apply to synthetic"),
         (["--workload", "mixed", "--speedups", "0"], "must be > 0"),
+        (["--workload", "mixed", "--speedups", "nan"], "--speedups must be a finite number"),
+        (["--workload", "mixed", "--workers", "100000"], "--workers must be in [1, 4096]"),
+        (["--workload", "mixed", "--workers", "4096", "--device-blocks", "2147483648"], "limit"),
+        (["--workload", "mixed", "--max-requests", "0"], "--max-requests"),
+        (["--workload", "mixed", "--seeds", "-1"], "--seeds"),
+        (["--workload", "mixed", "--event-delay-ms", "inf"], "--event-delay-ms"),
+        (["--workload", "mixed", "--jobs", "0"], "--jobs"),
+        (["--workload", "mixed", "--rates", "nan"], "--rates"),
     ],
 )
 def test_sweep_cli_usage_errors(
     tmp_path: Path, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["sweep", *argv, "--out", str(tmp_path), "--no-progress"]) == 2
-    assert message in capsys.readouterr().err
+    out = tmp_path / "out"
+    assert main(["sweep", *argv, "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert not out.exists()  # checked before anything is written
+
+
+@pytest.mark.parametrize("target", ["nan", "-5", "0", "inf"])
+def test_plan_refuses_a_target_that_is_not_a_positive_number(
+    tmp_path: Path, target: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["plan", "--workload", "mixed", "--ttft-p99-ms", target, "--out", str(tmp_path / "o")]
+    assert main(argv) == 2
+    assert "--ttft-p99-ms" in capsys.readouterr().err
 
 
 def _row(policy: str, workers: int, p99: float, completed: int = 10) -> dict[str, Any]:

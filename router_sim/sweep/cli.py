@@ -23,6 +23,7 @@ from router_sim.cli import (
     _parse_policies,
     _parse_policy_options,
 )
+from router_sim.run_args import check_sweep
 from router_sim.sweep.output import format_table, write_results
 from router_sim.sweep.plan import answer, format_plan, plot_plan
 from router_sim.sweep.runner import SweepError, SweepResult, SweepSpec, WorkloadSpec, run_sweep
@@ -216,6 +217,7 @@ def main(
                 raise SweepError("a plan varies the fleet size only: give one load and one size")
         else:
             spec = build_spec(args)
+        check_sweep(spec, args.jobs, getattr(args, "ttft_p99_ms", None))
         args.out.mkdir(parents=True, exist_ok=True)
         result = _run(spec, args, stderr)
     except (SweepError, ValueError, FileNotFoundError, OSError) as exc:
