@@ -70,7 +70,7 @@ from events.model import (
     Updated,
     medium_of,
 )
-from events.wire_decode import DEFAULT_LIMITS, DecodeLimits, decode_batch
+from events.wire_decode import DEFAULT_LIMITS, POSITIONAL_FIELDS, DecodeLimits, decode_batch
 from kvcache.scope import U64_LIMIT
 
 try:  # one C pass splits a Stored event's blocks into wire events when the extension is built
@@ -259,17 +259,10 @@ def _encode_event(
 
 
 _POSITIONAL_FIELDS: Final[dict[str, tuple[str, ...]]] = {
-    # vLLM 0.11's array_like structs, in field order
-    "BlockStored": (
-        "block_hashes",
-        "parent_block_hash",
-        "token_ids",
-        "block_size",
-        "lora_id",
-        "medium",
-    ),
-    "BlockRemoved": ("block_hashes", "medium"),
-    "AllBlocksCleared": (),
+    # vLLM 0.11's array_like structs, in field order: the decoder's order up to ``medium``
+    "BlockStored": POSITIONAL_FIELDS["BlockStored"][:6],
+    "BlockRemoved": POSITIONAL_FIELDS["BlockRemoved"],
+    "AllBlocksCleared": POSITIONAL_FIELDS["AllBlocksCleared"],
 }
 
 

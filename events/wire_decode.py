@@ -105,8 +105,9 @@ class _LimitError(DecodeError):
     exceeds the bounds is not trusted with the rest of its batch either)."""
 
 
-# Field order of the legacy positional form (element 0 is the type name).
-_POSITIONAL: Final[dict[str, tuple[str, ...]]] = {
+# Field order of the legacy positional form (element 0 is the type name); the encoder's
+# positional form writes vLLM 0.11's prefix of it.
+POSITIONAL_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "BlockStored": (
         "block_hashes",
         "parent_block_hash",
@@ -126,7 +127,7 @@ _KNOWN_FIELDS: Final[dict[str, frozenset[str]]] = {
     "BlockStored": frozenset(
         (
             *_COMMON_FIELDS,
-            *_POSITIONAL["BlockStored"],
+            *POSITIONAL_FIELDS["BlockStored"],
             "cache_salt_id",
             "priority",
             "cache_salt",
@@ -134,10 +135,10 @@ _KNOWN_FIELDS: Final[dict[str, frozenset[str]]] = {
             "group_idx",
         )
     ),
-    "BlockRemoved": frozenset((*_COMMON_FIELDS, *_POSITIONAL["BlockRemoved"], "group_idx")),
+    "BlockRemoved": frozenset((*_COMMON_FIELDS, *POSITIONAL_FIELDS["BlockRemoved"], "group_idx")),
     "AllBlocksCleared": frozenset(_COMMON_FIELDS),
-    "BlockUpdated": frozenset((*_COMMON_FIELDS, *_POSITIONAL["BlockUpdated"])),
-    "CacheCreated": frozenset((*_COMMON_FIELDS, *_POSITIONAL["CacheCreated"])),
+    "BlockUpdated": frozenset((*_COMMON_FIELDS, *POSITIONAL_FIELDS["BlockUpdated"])),
+    "CacheCreated": frozenset((*_COMMON_FIELDS, *POSITIONAL_FIELDS["CacheCreated"])),
 }
 
 
@@ -384,15 +385,15 @@ def _event(
         if not raw:
             raise DecodeError(f"{where}: an event array needs its type name as element 0")
         kind = expect_str(raw[0], f"{where}[0] (type)")
-        names = _POSITIONAL.get(kind, ())
+        names = POSITIONAL_FIELDS.get(kind, ())
         fields = dict(zip(names, raw[1:], strict=False))
-        extra = raw[1 + len(names) :] if kind in _POSITIONAL else raw[1:]
+        extra = raw[1 + len(names) :] if kind in POSITIONAL_FIELDS else raw[1:]
     else:
         raise DecodeError(f"{where}: an event must be a map or an array, got {type(raw).__name__}")
     for value in extra:  # ignored, but bounded like everything else
         if type(value) is list or type(value) is dict:
             _check_depth(value, limits.max_depth - 3, where)
-    if kind not in _POSITIONAL:
+    if kind not in POSITIONAL_FIELDS:
         return None  # an event type this decoder does not know: skipped
     data = _data(kind, fields, where, limits)
     if data is None:
