@@ -202,6 +202,7 @@ def test_a_replay_endpoint_trickling_garbage_cannot_extend_the_replay(ctx: Ctx) 
     fake = FakePublisher(ctx, transport="tcp")
     model = StateModel()
     stop = threading.Event()
+    thread: threading.Thread | None = None
     try:
         with ZmqEventSubscriber(context=ctx, replay_timeout_ms=300, probe_interval_ms=None) as sub:
             sub.add_worker(0, fake.endpoint, fake.replay_endpoint)
@@ -227,6 +228,8 @@ def test_a_replay_endpoint_trickling_garbage_cannot_extend_the_replay(ctx: Ctx) 
             assert model.seqs[0] == [0, 2]  # the stream went on
     finally:
         stop.set()
+        if thread is not None:
+            thread.join(timeout=DEADLINE_S)  # its socket is closed next: never mid-send
         fake.close()
 
 
