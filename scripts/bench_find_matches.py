@@ -2,9 +2,10 @@
 
 Run: ``python scripts/bench_find_matches.py`` (about a minute). With ``--against-dynamo`` the
 same state and requests also go through NVIDIA Dynamo's radix tree (``dynamo._core.RadixTree``,
-``pip install ai-dynamo-runtime==1.6.1`` in an environment of its own, by default
-``/work/dynamo-venv``); never in CI. That side runs as a subprocess of this script under the
-other interpreter and rebuilds the state from the same seed with the standard library alone.
+``pip install ai-dynamo-runtime==1.6.1`` in an environment of its own, whose interpreter
+``--dynamo-python`` or ``$DYNAMO_PYTHON`` names); never in CI. That side runs as a subprocess
+of this script under the other interpreter and rebuilds the state from the same seed with the
+standard library alone.
 
 State: ``--workers`` workers, each holding its own sequences of 256 random 64-bit block hashes,
 announced as Stored events of 64 blocks chained by ``parent_hash`` (a radix tree needs the
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -120,9 +122,15 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--against-dynamo", action="store_true")
-    parser.add_argument("--dynamo-python", default="/work/dynamo-venv/bin/python")
+    parser.add_argument(
+        "--dynamo-python",
+        default=os.environ.get("DYNAMO_PYTHON"),
+        help="interpreter of the environment with ai-dynamo-runtime (default: $DYNAMO_PYTHON)",
+    )
     parser.add_argument("--as-dynamo", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.against_dynamo and not args.dynamo_python:
+        parser.error("--against-dynamo needs --dynamo-python (or $DYNAMO_PYTHON)")
     if args.as_dynamo:
         print(json.dumps(run_dynamo(args)))
         return
