@@ -294,8 +294,10 @@ class Simulation:
 
     def _enqueue(self, msg: SubscriberMessage) -> None:
         wid = msg.worker
+        if isinstance(msg, BatchDelivery):
+            # a snapshot part stands for every seq up to its own (those frames never come)
+            self._delivered[wid] = max(self._delivered[wid], msg.seq)
         if isinstance(msg, BatchDelivery) and not msg.snapshot:
-            self._delivered[wid] = msg.seq
             due = msg.batch.ts * 1000.0 + self.config.event_delay_ms
             self._last_due[wid] = max(self._last_due[wid], due)
         else:  # a resync or a snapshot part (stamped with the publisher's wall clock)
