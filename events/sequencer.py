@@ -400,10 +400,7 @@ class StreamSequencer(Generic[T]):
             )
             self._lost(f"publisher restarted: {why}", out, restart=True)
             # the frames held may be the old publisher's: the new stream is replayed from 0
-            self._pending.clear()
-            self._heap.clear()
-            self._digests.clear()
-            self._digest_order.clear()
+            self._drop_held()
             self._mark = 0
             self.next_seq = 0
             self.last_seq = None
@@ -472,21 +469,23 @@ class StreamSequencer(Generic[T]):
             out.append(Abandon())  # replies of the old stream must not be read as the new
         self.mode = "live"
         self._deadline = None
-        self._pending.clear()
-        self._heap.clear()
-        self._digests.clear()
-        self._digest_order.clear()
+        self._drop_held()
         self.incarnation = None
         self.next_seq = None
         self._mark = seq + 1
         self._first(seq, payload, out, now)
 
-    def _forget_stream(self) -> None:
-        """Start over as a new consumer would: the next frame opens the stream."""
+    def _drop_held(self) -> None:
+        """Forget the frames held back and the digests of the applied ones: they belong to a
+        stream that is over."""
         self._pending.clear()
         self._heap.clear()
         self._digests.clear()
         self._digest_order.clear()
+
+    def _forget_stream(self) -> None:
+        """Start over as a new consumer would: the next frame opens the stream."""
+        self._drop_held()
         self.incarnation = None
         self.next_seq = None
         self.last_seq = None
