@@ -60,10 +60,7 @@ def main(live_port: int, replay_port: int, control_port: int, seed: int) -> None
                 command = control.recv_string()
                 if command == "pause":
                     paused = True
-                    events.flush()
-                    if events.take_dropped():
-                        pub.skip()
-                    pub.publish(events.get_latest_events())
+                    pub.publish_drained(events, empty=True)
                     control.send_string("ok")
                 elif command == "resume":
                     paused = False
@@ -95,9 +92,7 @@ def main(live_port: int, replay_port: int, control_port: int, seed: int) -> None
             if hold:
                 hold -= 1
                 continue
-            if events.take_dropped():
-                pub.skip()
-            pub.publish(events.get_latest_events())
+            pub.publish_drained(events, empty=True)
             if rng.random() < 0.01:  # a burst past the queue: dropped batches, seqs consumed
                 for _ in range(100):
                     pub.publish([])
