@@ -415,8 +415,9 @@ class KVCacheEventManager:
     def take_dropped(self) -> int:
         """Events dropped by the full buffer since the last call (0: the drained history is
         whole). A publisher must make such a loss visible before it publishes what is drained
-        next, e.g. ``if mgr.take_dropped(): publisher.skip()``: subscribers then see a gap that
-        no replay fills, and recover by snapshot instead of keeping a silently wrong view."""
+        next (``ZmqEventPublisher.publish_drained`` does: ``if mgr.take_dropped():
+        publisher.skip()``): subscribers then see a gap that no replay fills, and recover by
+        snapshot instead of keeping a silently wrong view."""
         with self._lock:
             dropped, self._dropped_untaken = self._dropped_untaken, 0
             return dropped
