@@ -23,7 +23,7 @@ from router_sim.policies import (
     RoutingError,
     make_policy,
 )
-from router_sim.policies.base import lowest_cost
+from router_sim.policies.base import lowest_cost, mix64, tie_rank
 from router_sim.timing_model import PolynomialTiming
 
 TPB = 4
@@ -275,16 +275,47 @@ def test_predicted_ttft_counts_the_recomputation_a_choice_adds() -> None:
         PredictedTtftPolicy(chunk_tokens=0)
 
 
-def test_lowest_cost_breaks_ties_by_load_then_by_the_draw() -> None:
+def test_lowest_cost_breaks_ties_by_load_then_by_the_rank() -> None:
     costs = {0: 5.0, 1: 5.0, 2: 5.0, 3: 4.0 + 1.0}
     loads = {0: WorkerLoad(active_requests=1), 1: IDLE, 2: IDLE, 3: IDLE}
-    assert lowest_cost(costs, loads) == 1  # no draw: lowest id among the least loaded
-    assert lowest_cost(costs, loads, lambda: 0.0) == 1
-    assert lowest_cost(costs, loads, lambda: 0.5) == 2
-    assert lowest_cost(costs, loads, lambda: 0.99) == 3
-    drawn: list[float] = []
-    assert lowest_cost({0: 1.0, 1: 2.0}, loads, lambda: drawn.append(0.5) or 0.5) == 0
-    assert drawn == []  # no tie, no draw: the RNG stream only moves on ties
+    assert lowest_cost(costs, loads) == 1  # no rank: lowest id among the least loaded
+    assert lowest_cost(costs, loads, lambda w: {1: 9, 2: 3, 3: 5}[w]) == 2
+    assert lowest_cost(costs, loads, lambda w: {1: 9, 2: 7, 3: 5}[w]) == 3
+    # worker 0 ranks first but is busier: load decides before the rank
+    assert lowest_cost(costs, loads, lambda w: 0 if w == 0 else 1) == 1
+    ranked: list[int] = []
+
+    def rank(w: int) -> int:
+        ranked.append(w)
+        return 0
+
+    assert lowest_cost({0: 1.0, 1: 2.0}, loads, rank) == 0
+    assert ranked == []  # no tie, no ranking
+
+
+def test_mix64_is_splitmix64s_finalizer() -> None:
+    # SplitMix64's first outputs for seed 0 (state += 0x9E3779B97F4A7C15, then the
+    # finalizer), as published with the reference C code and reproduced by many ports
+    golden = 0x9E3779B97F4A7C15
+    assert mix64(golden) == 0xE220A8397B1DCDAF
+    assert mix64(2 * golden) == 0x6E789E6AA1B965F4
+    assert mix64(0) == 0
+
+
+def test_tie_rank_depends_on_the_request_content_only() -> None:
+    a = req({0: IDLE}, hashes=[1, 2, 3])
+    assert a.tie_key() == req({5: IDLE}, hashes=[9, 8, 3]).tie_key()  # the last chain hash
+    assert a.tie_key() != req({0: IDLE}, hashes=[1, 2, 4]).tie_key()
+    assert a.tie_key() != a.tie_key(seed=1)
+    short = RouteRequest([], 3, TPB, {}, {0: IDLE})  # no full block: the length decides
+    assert short.tie_key() != RouteRequest([], 2, TPB, {}, {0: IDLE}).tie_key()
+    text = RouteRequest(["0xab", "0xcd"], 8, TPB, {}, {0: IDLE})  # engine hashes as text
+    assert text.tie_key() == RouteRequest(["0x12", "0xcd"], 8, TPB, {}, {1: IDLE}).tie_key()
+    assert text.tie_key() != RouteRequest(["0xab", "0xce"], 8, TPB, {}, {0: IDLE}).tie_key()
+    rank = tie_rank(a.tie_key())
+    firsts = Counter(min(range(8), key=tie_rank(k)) for k in range(4000))
+    assert set(firsts) == set(range(8)) and max(firsts.values()) < 600  # ~500 each
+    assert len({rank(w) for w in range(64)}) == 64
 
 
 @pytest.mark.parametrize("name", ["kv_overlap", "predicted_ttft", "approximate", "oracle"])
@@ -306,6 +337,39 @@ def test_ties_spread_over_idle_workers_and_are_seeded(name: str) -> None:
     assert max(Counter(first).values()) <= 20
     assert first == picks(seed=3)
     assert first != picks(seed=4)
+
+
+@pytest.mark.parametrize("name", ["kv_overlap", "predicted_ttft", "approximate", "oracle"])
+def test_replicas_break_ties_alike_whatever_they_routed_before(name: str) -> None:
+    loads = {w: IDLE for w in range(8)}
+    extra = {"oracle": TableOracle({})} if name == "oracle" else {}
+    requests = [req(loads, hashes=[7000 + 10 * i + k for k in range(5)]) for i in range(60)]
+    one, two = make_policy(name, **extra), make_policy(name, **extra)
+    # the second replica routed other requests first (a load balancer splits traffic), and
+    # sees the tied requests in another order: with a per-router random draw these differ
+    for i in range(37):
+        two.choose(req(loads, hashes=[900_000 + 10 * i + k for k in range(5)]))
+    a = {id(r): one.choose(r).worker for r in requests}
+    b = {id(r): two.choose(r).worker for r in reversed(requests)}
+    assert a == b
+    assert len(set(a.values())) == 8
+
+
+def test_tie_breaks_survive_a_worker_leaving() -> None:
+    # rendezvous ranks: a request whose tie went to a remaining worker still goes there
+    policy = KvOverlapPolicy()
+    requests = [req({}, hashes=[5000 + i]) for i in range(200)]
+    full = {w: IDLE for w in range(6)}
+    without_3 = {w: IDLE for w in range(6) if w != 3}
+    before = [
+        policy.choose(RouteRequest(r.block_hashes, 4, TPB, {}, full)).worker for r in requests
+    ]
+    after = [
+        policy.choose(RouteRequest(r.block_hashes, 4, TPB, {}, without_3)).worker for r in requests
+    ]
+    moved = [b for a, b in zip(after, before, strict=True) if a != b]
+    assert moved and set(moved) == {3}
+    assert len(moved) == before.count(3)
 
 
 def test_polynomial_timing_defaults() -> None:

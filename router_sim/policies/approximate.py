@@ -9,7 +9,6 @@ go stale when workers evict sooner than the TTL or other routers send them traff
 
 from __future__ import annotations
 
-import random
 from collections import OrderedDict
 
 from events.model import BlockHash
@@ -43,7 +42,7 @@ class ApproximatePolicy:
         self.max_blocks_per_worker = max_blocks_per_worker
         self.overlap_weight = overlap_weight
         self.recompute_weight = recompute_weight
-        self._rng = random.Random(seed)
+        self.seed = seed  # for ties only (temperature is 0)
         # worker -> block hash -> expiry time; ordered by last refresh, hence by expiry
         # (the TTL is fixed and injected time does not go backwards).
         self._seen: dict[int, OrderedDict[BlockHash, float]] = {}
@@ -88,10 +87,7 @@ class ApproximatePolicy:
     def choose(self, request: RouteRequest) -> PolicyChoice:
         cached = {w: float(self.predicted_overlap(w, request)) for w in candidates(request)}
         choice = choose_by_cost(
-            self, request, cached, self.overlap_weight, 0.0, self.recompute_weight
+            self.seed, request, cached, self.overlap_weight, 0.0, self.recompute_weight
         )
         self.record(choice.worker, list(request.block_hashes), request.now_ms)
         return PolicyChoice(choice.worker, "lowest cost on predicted overlap", choice.costs, cached)
-
-    def uniform(self) -> float:
-        return self._rng.random()  # only for ties: temperature is 0

@@ -5,6 +5,11 @@ builds the :class:`RouteRequest` (the request's block hashes, what the index say
 holds, each candidate's load, and the current time, injected) and the policy picks one of the
 candidate workers. Policies read no clock and no global random state: time comes in the
 request and randomness from a ``random.Random(seed)`` of their own.
+
+Exact ties are not broken with that randomness but with :func:`tie_rank`, a function of the
+request's content, the policy's seed and the worker ids (rendezvous hashing): two router
+replicas that see the same index and loads break every tie alike, whatever other requests
+each of them routed before, while different prompts still spread over the tied workers.
 """
 
 from __future__ import annotations
@@ -12,7 +17,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Final, Protocol, runtime_checkable
+
+import xxhash
 
 from events.model import BlockHash
 from router_sim.indexer import MatchDetail
@@ -48,6 +55,15 @@ class RouteRequest:
     def num_blocks(self) -> int:
         """Blocks the prompt occupies, a trailing partial block included."""
         return -(-self.num_tokens // self.tokens_per_block)
+
+    def tie_key(self, seed: int = 0) -> int:
+        """A 64-bit key of this request's content for :func:`tie_rank`: the last full block's
+        hash (a chain hash, so it covers every full block and the reuse scope), the prompt's
+        length and ``seed``. The same on every replica; no clock, no per-router state."""
+        last = self.block_hashes[-1] if self.block_hashes else 0
+        if isinstance(last, str):  # engine-keyed hashes: Python's str hash differs per process
+            last = xxhash.xxh64_intdigest(last.encode())
+        return mix64(mix64(last ^ _GOLDEN * (self.num_tokens + 1)) ^ mix64(seed + _GOLDEN))
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +110,27 @@ def credited_blocks(
     return detail.device_blocks * device_credit + detail.slower_blocks * slower_credit
 
 
+_MASK64: Final = (1 << 64) - 1
+_GOLDEN: Final = 0x9E3779B97F4A7C15
+
+
+def mix64(x: int) -> int:
+    """SplitMix64's finalizer (Steele, Lea and Flood, OOPSLA 2014; its published constants):
+    a bijection on 64-bit ints whose output bits each depend on every input bit."""
+    x &= _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def tie_rank(key: int) -> Callable[[int], int]:
+    """Rendezvous (highest-random-weight) order of the workers for a request of ``key``
+    (Thaler and Ravishankar, 1998): the tied worker of lowest ``rank(worker)`` wins. Each
+    worker's rank depends on the key and its own id only, so removing a worker moves only the
+    ties it won, and the pick is uniform over the tied workers across requests."""
+    return lambda worker: mix64(key ^ mix64(worker + _GOLDEN))
+
+
 def load_rank(load: WorkerLoad) -> tuple[int, int, int]:
     """Sort key of 'least loaded first' without a worker id: equal keys are true ties."""
     return (load.active_requests, load.pending_prefill_tokens, load.decode_blocks)
@@ -102,15 +139,15 @@ def load_rank(load: WorkerLoad) -> tuple[int, int, int]:
 def lowest_cost(
     costs: Mapping[int, float],
     loads: Mapping[int, WorkerLoad],
-    draw: Callable[[], float] | None = None,
+    rank: Callable[[int], int] | None = None,
     prefer: Callable[[int], int] | None = None,
 ) -> int:
     """The worker of lowest cost; equal costs go to the least loaded, and workers still tied
-    are picked with ``draw()`` (a uniform draw in [0, 1) from the caller's seeded RNG, made
-    only when there is a tie). With ``prefer``, the tied workers of lowest ``prefer(worker)``
-    are kept before the draw.
+    to the lowest ``rank(worker)`` (:func:`tie_rank` of the request: the same pick on every
+    replica). With ``prefer``, the tied workers of lowest ``prefer(worker)`` are kept before
+    the rank decides.
 
-    Without ``draw`` a tie goes to the lowest worker id, which piles every tied decision
+    Without ``rank`` a tie goes to the lowest worker id, which piles every tied decision
     on one worker: with spread-out arrivals most workers are idle and equally cheap when a
     request without cached blocks arrives, so a fixed order sends them all to worker 0.
     """
@@ -121,9 +158,9 @@ def lowest_cost(
     if prefer is not None and len(tied) > 1:
         first = min(prefer(w) for w in tied)
         tied = [w for w in tied if prefer(w) == first]
-    if draw is None or len(tied) == 1:
+    if rank is None or len(tied) == 1:
         return tied[0]
-    return tied[min(len(tied) - 1, int(draw() * len(tied)))]
+    return min(tied, key=lambda w: (rank(w), w))
 
 
 class BoundedLoad:

@@ -20,9 +20,12 @@ given up without it:
 - decode load = blocks held by decoding requests plus the request's own blocks once it
   decodes. ``overlap_weight`` converts between the two units; see
   :data:`DEFAULT_OVERLAP_WEIGHT` for why its default is not Dynamo's 1.
-- lowest cost wins; ties go to the least loaded, then to a seeded random pick (not the lowest
-  worker id, which would pile every tie on one worker). With ``temperature > 0`` the worker
-  is sampled with softmax over costs normalized by the largest cost.
+- lowest cost wins; ties go to the least loaded, then to the tied worker that the request's
+  content ranks first (:func:`~router_sim.policies.base.tie_rank`: not the lowest worker id,
+  which would pile every tie on one worker, and not a draw from the router's own RNG, which
+  would make two replicas break the same tie differently). With ``temperature > 0`` the
+  worker is sampled with softmax over costs normalized by the largest cost, from the
+  policy's seeded RNG (so replicas then agree only on the costs).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from router_sim.policies.base import (
     credited_blocks,
     lowest_cost,
     softmax_sample,
+    tie_rank,
 )
 
 DEFAULT_OVERLAP_WEIGHT: Final = 16.0
@@ -123,6 +127,7 @@ class KvOverlapPolicy:
         self.slower_credit = slower_credit
         self.recompute_weight = recompute_weight
         self.bounded = BoundedLoad(balance)
+        self.seed = seed
         self._rng = random.Random(seed)
 
     def cached(self, request: RouteRequest) -> dict[int, float]:
@@ -137,7 +142,7 @@ class KvOverlapPolicy:
         # balance: one request beyond the mean costs as much as one block to prefill
         excess = self.bounded.excess(list(cached))
         choice = choose_by_cost(
-            self,
+            self.seed,
             request,
             cached,
             self.overlap_weight,
@@ -145,6 +150,7 @@ class KvOverlapPolicy:
             self.recompute_weight,
             prefer=self.bounded.prefer(),
             extra={w: self.overlap_weight * x for w, x in excess.items() if x > 0},
+            uniform=self._rng.random,
         )
         self.bounded.record(choice.worker)
         return choice
@@ -152,16 +158,9 @@ class KvOverlapPolicy:
     def forget_worker(self, worker: int) -> None:
         self.bounded.forget(worker)
 
-    def uniform(self) -> float:
-        return self._rng.random()
-
-
-class _Sampler(Protocol):
-    def uniform(self) -> float: ...
-
 
 def choose_by_cost(
-    sampler: _Sampler,
+    seed: int,
     request: RouteRequest,
     cached: dict[int, float],
     overlap_weight: float,
@@ -169,9 +168,11 @@ def choose_by_cost(
     recompute_weight: float = DEFAULT_RECOMPUTE_WEIGHT,
     prefer: Callable[[int], int] | None = None,
     extra: dict[int, float] | None = None,
+    uniform: Callable[[], float] | None = None,
 ) -> PolicyChoice:
     """Score every candidate with :func:`overlap_cost` (plus ``extra``, per worker) and pick
-    (or sample) one; ties are broken by load, then ``prefer``, then ``sampler``'s draws."""
+    the cheapest (ties broken by load, then ``prefer``, then :func:`tie_rank` of the request
+    and ``seed``), or, at ``temperature > 0``, sample one with ``uniform()``'s draws."""
     loads = request.loads
     costs = {
         w: overlap_cost(request, loads[w], cached[w], overlap_weight, recompute_weight)
@@ -180,10 +181,12 @@ def choose_by_cost(
     for w, x in (extra or {}).items():
         costs[w] += x
     if temperature > 0:
-        chosen, probs = softmax_sample(costs, temperature, sampler.uniform())
+        if uniform is None:
+            raise ValueError("sampling at temperature > 0 needs a uniform() draw")
+        chosen, probs = softmax_sample(costs, temperature, uniform())
         reason = f"sampled with p={probs[chosen]:.3f} at temperature {temperature}"
     else:
-        chosen = lowest_cost(costs, loads, sampler.uniform, prefer)
+        chosen = lowest_cost(costs, loads, tie_rank(request.tie_key(seed)), prefer)
         reason = "lowest cost"
     return PolicyChoice(chosen, reason, costs=costs, predicted_overlap=cached)
 
@@ -213,7 +216,7 @@ class OraclePolicy:
         self.oracle = oracle
         self.overlap_weight = overlap_weight
         self.recompute_weight = recompute_weight
-        self._rng = random.Random(seed)
+        self.seed = seed  # for ties only (temperature is 0)
 
     def choose(self, request: RouteRequest) -> PolicyChoice:
         if self.oracle is None:
@@ -224,12 +227,9 @@ class OraclePolicy:
         hashes = request.block_hashes
         cached = {w: float(self.oracle.true_overlap(w, hashes)) for w in candidates(request)}
         choice = choose_by_cost(
-            self, request, cached, self.overlap_weight, 0.0, self.recompute_weight
+            self.seed, request, cached, self.overlap_weight, 0.0, self.recompute_weight
         )
         return PolicyChoice(choice.worker, "lowest cost on true overlap", choice.costs, cached)
-
-    def uniform(self) -> float:
-        return self._rng.random()  # only for ties: temperature is 0
 
 
 __all__ = [

@@ -17,12 +17,12 @@ waits for. Minimizing the request's own TTFT alone recomputes a cached prompt on
 worker as soon as the cached worker's queue is as long as the prompt, which in bursts is often
 and costs the fleet the whole prompt's compute; with ``recompute_weight=1`` a saved
 recomputation is worth as much as the request's own wait. 0 gives the pure TTFT estimate.
-Ties go to the least loaded worker, then to a seeded random pick.
+Ties go to the least loaded worker, then to the tied worker the request's content ranks
+first (:func:`~router_sim.policies.base.tie_rank`: replicas break them alike).
 """
 
 from __future__ import annotations
 
-import random
 from typing import Final
 
 from router_sim.load import TimingModel
@@ -33,6 +33,7 @@ from router_sim.policies.base import (
     candidates,
     credited_blocks,
     lowest_cost,
+    tie_rank,
 )
 from router_sim.policies.overlap import DEFAULT_BALANCE, DEFAULT_RECOMPUTE_WEIGHT, check_credits
 from router_sim.timing_model import PolynomialTiming
@@ -69,7 +70,7 @@ class PredictedTtftPolicy:
         self.chunk_tokens = chunk_tokens
         self.recompute_weight = recompute_weight
         self.bounded = BoundedLoad(balance)
-        self._rng = random.Random(seed)
+        self.seed = seed  # for ties only
 
     def chunked_prefill_ms(self, tokens: int) -> float:
         """Compute time of ``tokens`` prompt tokens run in steps of ``chunk_tokens``."""
@@ -112,7 +113,8 @@ class PredictedTtftPolicy:
             block_ms = self.chunked_prefill_ms(2 * tpb) - self.chunked_prefill_ms(tpb)
             for w, x in excess.items():
                 costs[w] += block_ms * x
-        chosen = lowest_cost(costs, request.loads, self._rng.random, self.bounded.prefer())
+        rank = tie_rank(request.tie_key(self.seed))
+        chosen = lowest_cost(costs, request.loads, rank, self.bounded.prefer())
         self.bounded.record(chosen)
         overlap = {
             w: credited_blocks(request.matches.get(w), self.device_credit, self.slower_credit)
