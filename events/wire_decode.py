@@ -24,7 +24,6 @@ from typing import Any, Final
 
 import msgpack
 
-from events._records import stored_blocks
 from events.json_codec import (
     DecodeError,
     expect_int,
@@ -34,7 +33,6 @@ from events.json_codec import (
 )
 from events.model import (
     AllBlocksCleared,
-    BlockHash,
     Created,
     DecodedBatch,
     EventData,
@@ -45,8 +43,23 @@ from events.model import (
     Updated,
     cache_level_of,
 )
+from events.wire_fast import (
+    FAST_DEPTH,
+    MAX_BIN,
+    MAX_BLOCKS,
+    MAX_EVENTS,
+    MAX_STR,
+    MAX_TOKENS,
+    decode_typed,
+)
+from events.wire_values import (
+    LimitError,
+    build_stored,
+    salt_from_extra_keys,
+)
+from events.wire_values import wire_hash as _hash
+from events.wire_values import wire_hashes as _hashes
 from kvcache.keys import TOKEN_LIMIT
-from kvcache.scope import U64_LIMIT
 
 try:  # C passes over the raw bytes and token_ids when the optional extension is built
     from events._v1hash import first_bad_token as _native_first_bad_token
@@ -64,7 +77,6 @@ _SCAN_ERRORS: Final = {
 
 _DEFAULT_ALGO: Final = "v1_block_key"
 _DEFAULT_PRIORITY: Final = 35
-_MAX_BIN_HASH: Final = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,10 +111,22 @@ class DecodeLimits:
 
 DEFAULT_LIMITS: Final = DecodeLimits()
 
+# the typed path's types are capped at the defaults, and nest no deeper than they allow
+assert (DEFAULT_LIMITS.max_events, DEFAULT_LIMITS.max_tokens_per_event) == (MAX_EVENTS, MAX_TOKENS)
+assert (DEFAULT_LIMITS.max_blocks_per_event, DEFAULT_LIMITS.max_str_len) == (MAX_BLOCKS, MAX_STR)
+assert DEFAULT_LIMITS.max_bin_len == MAX_BIN and DEFAULT_LIMITS.max_depth >= FAST_DEPTH
+_typed_limits: dict[DecodeLimits, bool] = {DEFAULT_LIMITS: True}
 
-class _LimitError(DecodeError):
-    """A payload beyond :class:`DecodeLimits`: the whole payload is refused (a sender that
-    exceeds the bounds is not trusted with the rest of its batch either)."""
+
+def _typed_ok(limits: DecodeLimits) -> bool:
+    """Whether the typed path may decode under ``limits``: only when they are at least as
+    loose as the defaults, so that whatever its types accept is within them."""
+    ok = _typed_limits.get(limits)
+    if ok is None:
+        ok = all(getattr(limits, n) >= getattr(DEFAULT_LIMITS, n) for n in DecodeLimits.__slots__)
+        if len(_typed_limits) < 256:
+            _typed_limits[limits] = ok
+    return ok
 
 
 # Field order of the legacy positional form (element 0 is the type name); the encoder's
@@ -191,7 +215,7 @@ def _check_depth(value: object, budget: int, where: str) -> None:
     while level:
         depth += 1
         if depth > budget:
-            raise _LimitError(f"{where}: nested deeper than DecodeLimits.max_depth allows")
+            raise LimitError(f"{where}: nested deeper than DecodeLimits.max_depth allows")
         nxt: list[object] = []
         for item in level:
             if type(item) is list:
@@ -199,32 +223,6 @@ def _check_depth(value: object, budget: int, where: str) -> None:
             elif type(item) is dict:
                 nxt.extend(x for x in item.values() if type(x) is list or type(x) is dict)
         level = nxt
-
-
-def _hash(value: object, where: str) -> BlockHash:
-    if type(value) is int:
-        # msgpack ints lie in [-2**63, 2**64): a negative one is a signed sender's uint64.
-        return value + U64_LIMIT if value < 0 else value
-    if type(value) is bytes and 0 < len(value) <= _MAX_BIN_HASH:
-        # 32-byte sha256 (ours, vLLM's), 16-byte xxhash128 (vLLM): a bin hash of any such
-        # length reads as its lowercase hex string
-        return value.hex()
-    raise DecodeError(
-        f"{where}: a block hash must be an int or a bin of 1..{_MAX_BIN_HASH} bytes, "
-        f"got {type(value).__name__}"
-        + (f" of {len(value)} bytes" if isinstance(value, bytes) else "")
-    )
-
-
-def _hashes(value: object, where: str, limit: int) -> list[BlockHash]:
-    items = expect_list(value, where)
-    if len(items) > limit:
-        raise _LimitError(f"{where}: {len(items)} hashes exceed the limit of {limit}")
-    if items and set(map(type, items)) == {int}:
-        if min(items) >= 0:
-            return items
-        return [h + U64_LIMIT if h < 0 else h for h in items]
-    return [_hash(h, f"{where}[{i}]") for i, h in enumerate(items)]
 
 
 def _first_bad_token(items: list[Any]) -> int:
@@ -254,7 +252,7 @@ def _tokens(value: object, where: str, limit: int) -> list[int]:
     if items and type(items[0]) is list:
         items = _bigram_tokens(items, where)
     if len(items) > limit:
-        raise _LimitError(
+        raise LimitError(
             f"{where}: {len(items)} tokens exceed DecodeLimits.max_tokens_per_event ({limit})"
         )
     bad = _first_bad_token(items)
@@ -283,22 +281,6 @@ def _optional_str(value: object, where: str) -> str | None:
     return None if value is None else expect_str(value, where)
 
 
-def _salt_from_extra_keys(value: object, lora_name: str | None, where: str) -> str | None:
-    """vLLM's cache salt: a bare string in the first block's ``extra_keys`` entry (the LoRA
-    name, also a bare string there, comes first; multimodal keys are tuples, prompt-embeds
-    digests bytes). None when the store does not start a salted sequence."""
-    if value is None:
-        return None
-    keys = expect_list(value, where)
-    first = keys[0] if keys else None
-    if first is None:
-        return None
-    strings = [k for k in expect_list(first, f"{where}[0]") if type(k) is str]
-    if lora_name is not None and strings and strings[0] == lora_name:
-        strings = strings[1:]
-    return strings[-1] if strings else None
-
-
 def _stored(f: Mapping[str, Any], where: str, limits: DecodeLimits) -> Stored | None:
     hashes = _hashes(f.get("block_hashes"), f"{where}.block_hashes", limits.max_blocks_per_event)
     tokens = _tokens(f.get("token_ids"), f"{where}.token_ids", limits.max_tokens_per_event)
@@ -313,39 +295,9 @@ def _stored(f: Mapping[str, Any], where: str, limits: DecodeLimits) -> Stored | 
     group = expect_optional_int(f.get("group_idx"), f"{where}.group_idx", 0, TOKEN_LIMIT)
     salt_name = _optional_str(f.get("cache_salt"), f"{where}.cache_salt")
     if salt_name is None:
-        salt_name = _salt_from_extra_keys(f.get("extra_keys"), lora_name, f"{where}.extra_keys")
-    n, count = len(hashes), len(tokens)
-    if n == 0 and count == 0:
-        return None  # an empty store changes nothing
-    masked = False
-    if count == 0 and n:
-        # A placeholder (vLLM's CPU offload: no token ids, block_size 0, or 16 on 0.11): the
-        # blocks are named by hash only.
-        tokens_per_block = max(block_size, 1)
-    elif block_size == 0:
-        raise DecodeError(f"{where}.block_size: 0 is outside [1, 2**31) for a store with tokens")
-    elif (n - 1) * block_size < count <= n * block_size:
-        tokens_per_block = block_size
-    elif n and count > n * block_size and count % block_size == 0:
-        # Sliding-window / Mamba stores: token_ids cover masked-out blocks that the hash
-        # list leaves out, and the wire does not say which: the blocks' tokens are unknown.
-        masked, tokens, tokens_per_block = True, [], block_size
-    else:
-        raise DecodeError(
-            f"{where}: {count} token_ids do not fit {n} blocks of block_size {block_size} "
-            f"(expected {max(n - 1, 0) * block_size + 1}..{n * block_size}); the sender's "
-            "block_size or token list is inconsistent"
-        )
-    blocks = stored_blocks(hashes, tokens, tokens_per_block, lora_id, level or 0, priority, salt)
-    return Stored(
-        parent_hash=parent_hash,
-        blocks=blocks,
-        block_size=block_size,
-        group=group,
-        lora_name=lora_name,
-        salt=salt_name,
-        masked=masked,
-    )
+        salt_name = salt_from_extra_keys(f.get("extra_keys"), lora_name, f"{where}.extra_keys")
+    fields = (lora_id, level or 0, salt, priority, lora_name, group, salt_name)
+    return build_stored(hashes, tokens, block_size, parent_hash, fields, where)
 
 
 def _data(kind: str, f: Mapping[str, Any], where: str, limits: DecodeLimits) -> EventData | None:
@@ -419,6 +371,21 @@ def decode_batch(
     beyond ``limits``. Unknown fields and event types are skipped.
     """
     lim = DEFAULT_LIMITS if limits is None else limits
+    if _typed_ok(lim) and type(payload) in (bytes, bytearray, memoryview):
+        size = memoryview(payload).nbytes
+        if 0 < size <= lim.max_payload_bytes:
+            batch = decode_typed(payload)
+            if batch is not None:
+                return batch
+    return decode_general(payload, lim)
+
+
+def decode_general(
+    payload: bytes | bytearray | memoryview, limits: DecodeLimits | None = None
+) -> DecodedBatch:
+    """:func:`decode_batch` without the typed path: every field checked one by one (what
+    decodes a payload the typed structs do not accept, and their reference in tests)."""
+    lim = DEFAULT_LIMITS if limits is None else limits
     top = _unpack(payload, lim)
     try:
         if type(top) is not list or len(top) not in (2, 3):
@@ -446,7 +413,7 @@ def decode_batch(
             # batch says what was left out.
             try:
                 event = _event(raw, i, dp_rank, lim)
-            except _LimitError:
+            except LimitError:
                 raise
             except DecodeError as exc:
                 malformed.append(str(exc))
@@ -464,4 +431,4 @@ def decode_batch(
         raise DecodeError(f"malformed payload: {type(exc).__name__}: {exc}") from None
 
 
-__all__ = ["DEFAULT_LIMITS", "DecodeError", "DecodeLimits", "decode_batch"]
+__all__ = ["DEFAULT_LIMITS", "DecodeError", "DecodeLimits", "decode_batch", "decode_general"]

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from events import _records, wire_decode
+from events import _records, wire_decode, wire_values
 from events.codec import DecodeError, DecodeLimits, decode_batch, encode_batch
 from events.model import (
     AllBlocksCleared,
@@ -66,7 +66,7 @@ def decoder_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
     """Every test runs with the extension's scan and records and with the pure-Python paths."""
     if request.param == "pure":
         monkeypatch.setattr(wire_decode, "_native_msgpack_scan", None)
-        monkeypatch.setattr(wire_decode, "stored_blocks", _records.stored_blocks_py)
+        monkeypatch.setattr(wire_values, "stored_blocks", _records.stored_blocks_py)
     elif wire_decode._native_msgpack_scan is None or not _records.NATIVE:
         pytest.skip("native extension not built")
     return str(request.param)
@@ -93,7 +93,7 @@ _HUGE_LIMITS_CHECK = """
 import resource, sys
 from pathlib import Path
 resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))  # a runaway allocation fails fast
-from events import _records, wire_decode
+from events import _records, wire_decode, wire_values
 from events.codec import DecodeLimits, decode_batch
 if sys.argv[1] == "pure":
     wire_decode._native_msgpack_scan = None

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events import _records, codec, manager, wire_decode
+from events import _records, codec, manager, wire_values
 from events._records import stored_block, stored_blocks_py, v1_stored_block_py
 from events.codec import decode_batch, encode_batch
 from events.hashing import v1_block_hash_py
@@ -137,7 +137,7 @@ def test_manager_codec_and_decoder_agree_with_their_pure_paths(
     fast_decoded = decode_batch(fast_payload)
     monkeypatch.setattr(manager, "v1_stored_block", v1_stored_block_py)
     monkeypatch.setattr(codec, "_stored_runs", codec._stored_runs_py)
-    monkeypatch.setattr(wire_decode, "stored_blocks", stored_blocks_py)
+    monkeypatch.setattr(wire_values, "stored_blocks", stored_blocks_py)
     pure = _events_of_a_cache_run()
     assert pure == fast
     assert any(b.cache_salt_id is not None for e in fast for b in getattr(e.data, "blocks", []))

@@ -1,0 +1,252 @@
+"""Typed fast path of the wire decoder: msgspec decodes a payload straight into structs that
+mirror the wire (WIRE.md section 4), checking types and ranges as it goes.
+
+Two decoders, one per event form, each over a tagged union: map-form events tagged by their
+``"type"`` field (vLLM >= 0.25, SGLang, this project), and positional events (vLLM 0.11's
+``array_like`` structs) whose element 0 is the tag. Whatever these types do not accept
+(a wrong type or range anywhere, an unknown field or event type, a mixed batch, SGLang's
+bigram pages, a token count that does not fit its blocks, limits tighter than the defaults)
+returns None, and ``events.wire_decode`` decodes the payload on its general path, which
+keeps every rule and error message. What the types accept is built into model objects by
+the rules both paths share (``events.wire_values``), so both paths give equal batches.
+
+Why the bounds hold here: every type is nested at most :data:`FAST_DEPTH` deep (no ``Any``
+anywhere; ``extra_keys`` items are scalars or lists of scalars), every list, string and bin is
+capped at the default :class:`~events.wire_decode.DecodeLimits` (strings at a quarter of
+``max_str_len`` in characters, so their UTF-8 bytes fit it too), a map holds only known
+fields, and the path runs only under limits at least as loose as the defaults. msgspec checks
+each declared length against the bytes left before it allocates.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Final, TypeAlias, Union, cast
+
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+from events.json_codec import DecodeError
+from events.model import (
+    AllBlocksCleared,
+    Created,
+    DecodedBatch,
+    EventData,
+    EventDiff,
+    KVCacheEvent,
+    Removed,
+    Updated,
+    cache_level_of,
+)
+from events.wire_values import build_stored, salt_from_extra_keys, wire_hash, wire_hashes
+from kvcache.keys import TOKEN_LIMIT
+
+#: the default DecodeLimits, restated (wire_decode checks they agree)
+MAX_EVENTS: Final = 1 << 16
+MAX_TOKENS: Final = 1 << 20
+MAX_BLOCKS: Final = 1 << 16
+MAX_STR: Final = 1 << 16
+MAX_BIN: Final = 1 << 16
+#: deepest nesting these types allow: envelope, events, event, extra_keys, entry, item
+FAST_DEPTH: Final = 6
+
+_DEFAULT_ALGO: Final = "v1_block_key"
+_DEFAULT_PRIORITY: Final = 35
+
+Token = Annotated[int, Meta(ge=0, lt=TOKEN_LIMIT)]
+U64 = Annotated[int, Meta(ge=0)]
+Small = Annotated[int, Meta(ge=0, lt=TOKEN_LIMIT)]
+Str = Annotated[str, Meta(max_length=MAX_STR // 4)]
+Hash: TypeAlias = Union[int, Annotated[bytes, Meta(min_length=1, max_length=64)]]  # noqa: UP007
+Hashes = Annotated[list[Hash], Meta(max_length=MAX_BLOCKS)]
+Tokens = Annotated[list[Token], Meta(max_length=MAX_TOKENS)]
+Diff = Union[tuple[U64, U64], None]  # noqa: UP007
+# vLLM's extra_keys: per block, None or a list of str (LoRA name, cache salt) and (mm hash,
+# offset) tuples; no deeper. A union holds one str-like type, so a store whose extra_keys
+# carry bytes (prompt-embeds digests) takes the general path.
+_Scalar = Union[None, bool, int, float, Str]  # noqa: UP007
+_ExtraItem = Union[None, bool, int, float, Str, list[_Scalar]]  # noqa: UP007
+ExtraKeys = Union[list[Union[list[_ExtraItem], None]], None]  # noqa: UP007
+
+_MAP: Final = {"tag_field": "type", "forbid_unknown_fields": True}
+_ARRAY: Final = {"array_like": True, "forbid_unknown_fields": True}
+
+
+class _Common(Struct, forbid_unknown_fields=True):
+    event_id: U64 | UnsetType = UNSET
+    window_size: U64 = 0
+    hash_algo: Str = _DEFAULT_ALGO
+    attention_dp_rank: U64 | UnsetType | None = UNSET
+
+
+class MapStored(_Common, tag="BlockStored", kw_only=True, **_MAP):
+    block_hashes: Hashes
+    token_ids: Tokens
+    block_size: Small
+    parent_block_hash: Hash | None = None
+    lora_id: U64 | None = None
+    medium: Str | None = None
+    lora_name: Str | None = None
+    cache_salt_id: U64 | None = None
+    priority: Annotated[int, Meta(ge=0, lt=101)] = _DEFAULT_PRIORITY
+    cache_salt: Str | None = None
+    extra_keys: ExtraKeys = None
+    group_idx: Small | None = None
+    # vLLM 0.33 sends these; they are read by no one here (scalars, like any ignored field)
+    kv_cache_spec_kind: Str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class MapRemoved(_Common, tag="BlockRemoved", kw_only=True, **_MAP):
+    block_hashes: Hashes
+    medium: Str | None = None
+    group_idx: Small | None = None
+
+
+class MapCleared(_Common, tag="AllBlocksCleared", kw_only=True, **_MAP):
+    pass
+
+
+class MapUpdated(_Common, tag="BlockUpdated", kw_only=True, **_MAP):
+    block_hash: Hash
+    cache_level: Diff = None
+    priority: Diff = None
+
+
+class MapCreated(_Common, tag="CacheCreated", kw_only=True, **_MAP):
+    num_blocks_per_cache_level: list[U64]
+
+
+class PosStored(Struct, tag="BlockStored", **_ARRAY):
+    block_hashes: Hashes
+    parent_block_hash: Hash | None
+    token_ids: Tokens
+    block_size: Small
+    lora_id: U64 | None = None
+    medium: Str | None = None
+    lora_name: Str | None = None
+
+
+class PosRemoved(Struct, tag="BlockRemoved", **_ARRAY):
+    block_hashes: Hashes
+    medium: Str | None = None
+
+
+class PosCleared(Struct, tag="AllBlocksCleared", **_ARRAY):
+    pass
+
+
+class PosUpdated(Struct, tag="BlockUpdated", **_ARRAY):
+    block_hash: Hash
+    cache_level: Diff = None
+    priority: Diff = None
+
+
+class PosCreated(Struct, tag="CacheCreated", **_ARRAY):
+    num_blocks_per_cache_level: list[U64]
+
+
+MapEvent = Union[MapStored, MapRemoved, MapCleared, MapUpdated, MapCreated]  # noqa: UP007
+PosEvent = Union[PosStored, PosRemoved, PosCleared, PosUpdated, PosCreated]  # noqa: UP007
+AnyStored = Union[MapStored, PosStored]  # noqa: UP007
+
+
+class MapBatch(Struct, array_like=True, forbid_unknown_fields=True):
+    ts: float
+    events: Annotated[list[MapEvent], Meta(max_length=MAX_EVENTS)]
+    dp_rank: Small | None = None
+
+
+class PosBatch(Struct, array_like=True, forbid_unknown_fields=True):
+    ts: float
+    events: Annotated[list[PosEvent], Meta(max_length=MAX_EVENTS)]
+    dp_rank: Small | None = None
+
+
+_MAP_DECODER: Final = msgspec.msgpack.Decoder(MapBatch)
+_POS_DECODER: Final = msgspec.msgpack.Decoder(PosBatch)
+
+
+def _diff(value: tuple[int, int] | None) -> EventDiff | None:
+    return None if value is None else EventDiff(value[0], value[1])
+
+
+def _stored(e: MapStored | PosStored, where: str) -> EventData | None:
+    parent = e.parent_block_hash
+    if type(e) is MapStored:
+        group, salt = e.group_idx, e.cache_salt
+        salt_id, priority = e.cache_salt_id, e.priority
+        if salt is None:
+            salt = salt_from_extra_keys(e.extra_keys, e.lora_name, f"{where}.extra_keys")
+    else:
+        group = salt = salt_id = None
+        priority = _DEFAULT_PRIORITY
+    level = 0 if e.medium is None else cache_level_of(e.medium)
+    return build_stored(
+        wire_hashes(e.block_hashes, where, MAX_BLOCKS),
+        e.token_ids,
+        e.block_size,
+        None if parent is None else wire_hash(parent, where),
+        (e.lora_id, level, salt_id, priority, e.lora_name, group, salt),
+        where,
+    )
+
+
+def _data(e: MapEvent | PosEvent, where: str) -> EventData | None:
+    if type(e) is MapStored or type(e) is PosStored:
+        return _stored(e, where)
+    if type(e) is MapRemoved or type(e) is PosRemoved:
+        medium = e.medium
+        return Removed(
+            wire_hashes(e.block_hashes, where, MAX_BLOCKS),
+            None if medium is None else cache_level_of(medium),
+            e.group_idx if type(e) is MapRemoved else None,
+        )
+    if type(e) is MapUpdated or type(e) is PosUpdated:
+        return Updated(wire_hash(e.block_hash, where), _diff(e.cache_level), _diff(e.priority))
+    if type(e) is MapCreated or type(e) is PosCreated:
+        return Created(list(e.num_blocks_per_cache_level))
+    return AllBlocksCleared()
+
+
+def decode_typed(payload: bytes | bytearray | memoryview) -> DecodedBatch | None:
+    """The batch, when the typed structs accept all of ``payload``; None otherwise (the
+    caller then decodes it on the general path, which says what is wrong, if anything)."""
+    batch: MapBatch | PosBatch
+    try:
+        batch = _MAP_DECODER.decode(payload)
+    except msgspec.ValidationError:
+        try:
+            batch = _POS_DECODER.decode(payload)
+        except (msgspec.MsgspecError, RecursionError):
+            return None
+    except (msgspec.MsgspecError, RecursionError):  # msgspec's guard while skipping input
+        return None
+    ts = batch.ts
+    if not math.isfinite(ts):
+        return None
+    dp_rank = batch.dp_rank
+    events: list[KVCacheEvent] = []
+    positional = type(batch) is PosBatch
+    try:
+        for i, e in enumerate(batch.events):
+            data = _data(e, f"events[{i}]")
+            if data is None:
+                continue
+            if positional:
+                events.append(KVCacheEvent(i, data, 0, _DEFAULT_ALGO, dp_rank))
+                continue
+            m = cast(MapEvent, e)
+            event_id, rank = m.event_id, m.attention_dp_rank
+            events.append(
+                KVCacheEvent(
+                    i if isinstance(event_id, UnsetType) else event_id,
+                    data,
+                    m.window_size,
+                    m.hash_algo,
+                    dp_rank if isinstance(rank, UnsetType) else rank,
+                )
+            )
+    except DecodeError:
+        return None  # a malformed event: the general path leaves it out and names it
+    return DecodedBatch(ts=ts, events=events, dp_rank=dp_rank, malformed=[])
