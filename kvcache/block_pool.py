@@ -238,18 +238,30 @@ class BlockPool:
     # --------------------------------------------------------------------------- tree edits
 
     def store_full(
-        self, scope: ReuseScope, blocks: list[Block], first: int, last: int, tokens: array[int]
+        self,
+        scope: ReuseScope,
+        blocks: list[Block],
+        first: int,
+        last: int,
+        tokens: array[int],
+        data: bytes | None = None,
     ) -> None:
         """Blocks ``first..last-1`` of a sequence (private pages holding ``tokens``'s blocks)
         join the tree. Where the same block is cached already the sequence switches to it
         (its own page is given back, or handed to the cached block when that one sits on a
         slower tier: the page holds the same KV). After the first block that is not cached,
-        none is (a new block has no children), so the rest joins as one chain."""
+        none is (a new block has no children), so the rest joins as one chain.
+
+        ``data``: the 4-byte LE encoding of ``tokens`` from block ``first`` on, when the caller
+        has it (it may run longer)."""
         tpb = self.tokens_per_block
-        data = tokens_to_bytes(tokens[first * tpb : last * tpb])
+        step = 4 * tpb
+        if data is None:
+            data = tokens_to_bytes(tokens[first * tpb : last * tpb])
         node = self._parent_node(scope, blocks, first)
         i = first
-        for cached in self.tree.match_full(node, data, last - first, 4 * tpb):
+        found, next_key = self.tree.match_full_key(node, data, last - first, step)
+        for cached in found:
             self._holders(cached, cached.refs + 1, cached.susp)
             b = blocks[i]
             if cached.tier == 0:
@@ -270,9 +282,13 @@ class BlockPool:
                 self._replace_partial(old)
                 node = self._parent_node(scope, blocks, i)  # the root may have gone with it
         new = blocks[i:last]
-        self.tree.attach_chain(node, new, tokens[i * tpb : last * tpb], tpb)
+        # next_key chains from node's key: a root that went with the partial comes back with
+        # the same key (the scope's)
+        rest = data if i == first else data[(i - first) * step :]
+        self.tree.attach_chain(node, new, tokens, tpb, start=i * tpb, data=rest, first_key=next_key)
         self._linked(new[0])
-        for b in new[:-1]:  # each one's child is on its tier (the device tier, pinned)
+        for j in range(i, last - 1):  # each one's child is on its tier (the device tier, pinned)
+            b = blocks[j]
             b.here = 1
             b.gen += 1
         self._emit_stored(new)

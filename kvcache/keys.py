@@ -33,15 +33,25 @@ def token_array(tokens: Iterable[int]) -> array[int]:
     Raises ``TypeError`` for non-integers (``True`` is not a token id) and for unordered or
     text input (a set, a mapping, a str), and ``ValueError`` for ids outside [0, 2**31).
     """
+    return token_array_bytes(tokens)[0]
+
+
+def token_array_bytes(tokens: Iterable[int]) -> tuple[array[int], bytes]:
+    """:func:`token_array` and the tokens' 4-byte LE encoding (:func:`tokens_to_bytes`), from
+    one packing: the check below reads the same bytes the block keys hash, so a request's
+    tokens are copied out of the array once, not once to check and again to hash."""
     if isinstance(tokens, array) and tokens.typecode == "i":  # noqa: SIM108 (mypy narrows)
         arr = tokens
     else:
         arr = _from_ints(tokens)
+    data = arr.tobytes()
     # Sign check on the raw bytes: deleting every byte below 0x80 from the high bytes is a C
     # loop, an order of magnitude cheaper than min() over Python ints on long prompts.
-    if arr and arr.tobytes()[_HIGH_BYTE::4].translate(None, _NON_NEGATIVE_HIGH):
+    if data and data[_HIGH_BYTE::4].translate(None, _NON_NEGATIVE_HIGH):
         raise ValueError(f"token ids must be in [0, 2**31), got {min(arr)}")
-    return arr
+    if _BIG_ENDIAN:
+        data = tokens_to_bytes(arr)
+    return arr, data
 
 
 def _from_ints(tokens: Iterable[int]) -> array[int]:

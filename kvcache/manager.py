@@ -31,7 +31,7 @@ from typing import Any
 from kvcache.block_pool import BlockPool
 from kvcache.config import KVCacheManagerConfig
 from kvcache.errors import KVCacheError
-from kvcache.keys import token_array, tokens_to_bytes
+from kvcache.keys import token_array_bytes
 from kvcache.owner import ThreadOwner
 from kvcache.pool import PagePool
 from kvcache.scope import DEFAULT_SCOPE, ReuseScope
@@ -103,17 +103,18 @@ class KVCacheManager:
 
     # ---------------------------------------------------------------------------- matching
 
-    def _match(self, tokens: Any, scope: ReuseScope) -> tuple[list[Block], Block | None, int]:
-        """(full blocks reused, copy-on-write source, tokens reused from it)."""
+    def _match(
+        self, tokens: Any, scope: ReuseScope, data: bytes
+    ) -> tuple[list[Block], Block | None, int]:
+        """(full blocks reused, copy-on-write source, tokens reused from it); ``data`` is the
+        tokens' 4-byte LE encoding."""
         n = len(tokens)
         root = self._tree.root(scope)
         if root is None or n < 2:
             return [], None, 0
         tpb = self.tokens_per_block
         max_full = (n - 1) // tpb
-        full = self._tree.match_full(
-            root, tokens_to_bytes(tokens[: max_full * tpb]), max_full, self._step
-        )
+        full = self._tree.match_full(root, data, max_full, self._step)
         cfg = self.config
         if not cfg.enable_partial_reuse:
             return full, None, 0
@@ -131,8 +132,8 @@ class KVCacheManager:
         """Tokens ``create_kv_cache`` would reuse now; changes nothing (no LRU, stats, events)."""
         self._owner.check("probe_reuse")
         scope = _check_scope(reuse_scope)
-        tokens = token_array(input_tokens)
-        full, _, m = self._match(tokens, scope)
+        tokens, data = token_array_bytes(input_tokens)
+        full, _, m = self._match(tokens, scope, data)
         return len(full) * self.tokens_per_block + m
 
     def create_kv_cache(
@@ -150,8 +151,8 @@ class KVCacheManager:
         self._owner.check("create_kv_cache")
         scope = _check_scope(reuse_scope)
         priority = _check_priority(priority)
-        tokens = token_array(input_tokens)
-        full, src, m = self._match(tokens, scope)
+        tokens, data = token_array_bytes(input_tokens)
+        full, src, m = self._match(tokens, scope, data)
         blocks = self._pool.acquire(full, src, m, scope, priority)
         reused = len(full) * self.tokens_per_block + (m if src is not None else 0)
         self._queries += 1

@@ -18,7 +18,7 @@ from types import TracebackType
 
 from kvcache.block_pool import BlockPool
 from kvcache.errors import CacheStateError, ClosedCacheError
-from kvcache.keys import token_array
+from kvcache.keys import token_array_bytes, tokens_to_bytes
 from kvcache.owner import ThreadOwner
 from kvcache.scope import ReuseScope
 from kvcache.tree import Block
@@ -148,7 +148,7 @@ class KVCache:
         the pages cannot be had.
         """
         self._check_writable("commit")
-        arr = token_array(tokens)
+        arr, data = token_array_bytes(tokens)
         if not arr:
             return
         pool = self._pool
@@ -161,7 +161,10 @@ class KVCache:
         self._tokens.extend(arr)
         first, last = old_n // tpb, new_n // tpb
         if last > first:
-            pool.store_full(self.scope, self._blocks, first, last, self._tokens)
+            head = first * tpb
+            if head < old_n:  # the block being filled began in an earlier commit
+                data = tokens_to_bytes(self._tokens[head:old_n]) + data
+            pool.store_full(self.scope, self._blocks, first, last, self._tokens, data)
         pool.finish()
 
     def stop_committing(self) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterator, Sequence
 from hashlib import sha256
+from itertools import islice
 from typing import Final
 
 from kvcache.keys import BlockKey, root_key, tokens_to_bytes
@@ -148,6 +149,15 @@ class RadixTree:
 
         ``data`` is the packed 4-byte LE token bytes; ``step`` = 4 * tokens_per_block.
         """
+        return RadixTree.match_full_key(node, data, max_blocks, step)[0]
+
+    @staticmethod
+    def match_full_key(
+        node: Node, data: bytes, max_blocks: int, step: int
+    ) -> tuple[list[Block], BlockKey | None]:
+        """:meth:`match_full`, and the key of the first block that did not match when it was
+        computed on the way (None otherwise): a block pool storing that chain next would only
+        hash the same bytes again. ``data`` may run past ``max_blocks`` blocks."""
         found: list[Block] = []
         key: bytes = node.key
         children = node.children
@@ -157,10 +167,10 @@ class RadixTree:
             key = sha256(key + data[start : start + step]).digest()
             block = children.get(key)
             if block is None:
-                break
+                return found, BlockKey(key)
             found.append(block)
             children = block.children
-        return found
+        return found, None
 
     @staticmethod
     def match_partial(
@@ -172,53 +182,103 @@ class RadixTree:
         best_len = 0
         if limit <= 0:
             return None, 0
-        for scanned, child in enumerate(_siblings(node)):
-            if scanned >= max_scan:
-                break
-            n = _common_prefix(child.tokens, rest, limit)
-            if n > best_len:
-                best, best_len = child, n
-                if n == limit:
-                    break
+        # A child whose first token differs shares nothing: one int comparison rules out most
+        # of the scanned children before any slice is made (most siblings differ from the
+        # first token on). Children past ``max_scan`` are never looked at.
+        first = rest[0]
+        left = max_scan
+        for table in (node.partials, node.children):
+            if not table or left <= 0:
+                continue
+            for child in islice(table.values(), left):
+                tokens = child.tokens
+                if tokens[0] != first:
+                    continue
+                n = _common_prefix(tokens, rest, limit)
+                if n > best_len:
+                    best, best_len = child, n
+                    if n == limit:
+                        return best, best_len
+            left -= len(table)
         return best, best_len
 
     @staticmethod
     def is_useless_partial(node: Node, tokens: array[int]) -> bool:
         """A partial block whose tokens are a prefix of a sibling's adds nothing reusable."""
         n = len(tokens)
-        return any(sib.tokens[:n] == tokens for sib in _siblings(node))
+        if not n:
+            return bool(node.partials or node.children)
+        # A tree block holds at least one token (verify checks it), so its first token rules
+        # it out before a slice is made.
+        first = tokens[0]
+        for table in (node.partials, node.children):
+            if table:
+                for sib in table.values():
+                    t = sib.tokens
+                    if t[0] == first and t[:n] == tokens:
+                        return True
+        return False
 
     @staticmethod
     def extended_partial(node: Node, tokens: array[int]) -> Block | None:
         """The partial sibling whose tokens are a strict prefix of ``tokens``, if any."""
         if not node.partials:
             return None
+        size = len(tokens)
+        if not size:
+            return None
+        first = tokens[0]
         for sib in node.partials.values():
-            n = len(sib.tokens)
-            if n < len(tokens) and tokens[:n] == sib.tokens:
+            t = sib.tokens
+            if t[0] == first and len(t) < size and tokens[: len(t)] == t:
                 return sib
         return None
 
     def attach_chain(
-        self, node: Node, blocks: Sequence[Block], tokens: array[int], tpb: int
+        self,
+        node: Node,
+        blocks: Sequence[Block],
+        tokens: array[int],
+        tpb: int,
+        *,
+        start: int = 0,
+        data: bytes | None = None,
+        first_key: bytes | None = None,
     ) -> None:
         """Make ``blocks`` a chain of full blocks below ``node``: block ``j`` holds
-        ``tokens[j * tpb : (j + 1) * tpb]`` and gets the key chained from its parent's."""
-        data = tokens_to_bytes(tokens)
+        ``tokens[start + j * tpb : start + (j + 1) * tpb]`` and gets the key chained from its
+        parent's.
+
+        ``data``, when given, is those tokens' 4-byte LE encoding from the chain's first block
+        on (it may run longer), and ``first_key`` the first block's key if already known
+        (:meth:`match_full_key`): the caller has them, so nothing is packed or hashed twice.
+        """
         step = 4 * tpb
+        if data is None:
+            data = tokens_to_bytes(tokens[start : start + len(blocks) * tpb])
         key: bytes = node.key
         parent = node if isinstance(node, Block) else None
-        for j, b in enumerate(blocks):
-            key = sha256(key + data[j * step : (j + 1) * step]).digest()
-            b.key = BlockKey(key)
-            b.tokens = tokens[j * tpb : (j + 1) * tpb]
+        prev: Node = node
+        pos = start
+        off = 0
+        for b in blocks:
+            if first_key is None:
+                key = sha256(key + data[off : off + step]).digest()
+            else:
+                key, first_key = first_key, None
+            b.key = key  # type: ignore[assignment]  # a BlockKey (NewType's call costs per block)
+            b.tokens = tokens[pos : pos + tpb]
             b.is_full = True
             b.parent = parent
             b.in_tree = True
-            if node.children is None:
-                node.children = {}
-            node.children[key] = b
-            node = parent = b
+            children = prev.children
+            if children is None:
+                prev.children = {key: b}
+            else:
+                children[key] = b
+            prev = parent = b
+            pos += tpb
+            off += step
         self.num_blocks += len(blocks)
 
     def attach_partial(self, block: Block, node: Node, tokens: array[int]) -> None:
