@@ -7,12 +7,14 @@ raises :class:`DecodeError` with the path of the bad value, a malformed event is
 its batch and named in ``DecodedBatch.malformed``, and :class:`DecodeLimits` bound the work and
 memory one payload can cost (a payload beyond them is refused whole).
 
-The msgpack itself is read by the msgpack library, with every length capped by the limits
-before anything is allocated; this module checks shapes and values with C-speed builtins over
-whole lists. With the optional extension, a header-only scan refuses deep nesting, truncation
-and trailing bytes before msgpack builds any object (without it, msgpack's own stack limit and
-the shape checks bound the same cases, more slowly), token ids are checked in one C pass, and
-an event's StoredBlock records are built in one C call (``events._records``).
+Two paths give the same batches. The typed path (``events.wire_fast``) has msgspec decode the
+payload into structs that mirror the wire, checking types and ranges as it reads; it takes
+well-formed map-form or positional batches under limits at least as loose as the defaults.
+Everything else (malformed input, unknown fields or event types, bigram pages, tighter
+limits) takes the general path: msgspec's untyped decode (which refuses any declared length
+beyond the bytes present before it allocates, and bounds nesting by its recursion guard), a
+walk that holds every array, map, string and bin and the nesting to the limits, then field
+by field checks here. Both build model objects by the rules in ``events.wire_values``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-import msgpack
+import msgspec
 
 from events.json_codec import (
     DecodeError,
@@ -61,19 +63,12 @@ from events.wire_values import wire_hash as _hash
 from events.wire_values import wire_hashes as _hashes
 from kvcache.keys import TOKEN_LIMIT
 
-try:  # C passes over the raw bytes and token_ids when the optional extension is built
-    from events._v1hash import first_bad_token as _native_first_bad_token
-    from events._v1hash import msgpack_scan as _native_msgpack_scan
-except ImportError:  # pragma: no cover - depends on the install
-    _native_first_bad_token = None  # type: ignore[assignment]
-    _native_msgpack_scan = None  # type: ignore[assignment]
-
-_SCAN_ERRORS: Final = {
-    1: "arrays/maps nested deeper than DecodeLimits.max_depth ({max_depth})",
-    2: "not a valid msgpack payload: truncated (incomplete input)",
-    3: "not a valid msgpack payload: invalid type byte 0xc1",
-    4: "trailing bytes after the payload's msgpack array",
-}
+# What msgspec's untyped decode may build that the format holds (ext types are not in it:
+# msgspec returns unknown ones as Ext objects and the timestamp type as a datetime).
+_SCALARS: Final = frozenset((type(None), bool, int, float, str, bytes))
+_CONTAINERS: Final = frozenset((list, dict))
+_KEYS: Final = frozenset((str, bytes))
+_UNTYPED: Final = msgspec.msgpack.Decoder()
 
 _DEFAULT_ALGO: Final = "v1_block_key"
 _DEFAULT_PRIORITY: Final = 35
@@ -83,8 +78,8 @@ _DEFAULT_PRIORITY: Final = 35
 class DecodeLimits:
     """Bounds on what one payload may cost the decoder; anything beyond raises DecodeError.
 
-    The payload size is checked before unpacking, and every msgpack length is capped before
-    anything is allocated, so memory stays proportional to ``max_payload_bytes``.
+    The payload size is checked before decoding, and no declared length beyond the bytes
+    present is allocated, so memory stays proportional to ``max_payload_bytes``.
     """
 
     max_payload_bytes: int = 16 << 20
@@ -147,6 +142,7 @@ POSITIONAL_FIELDS: Final[dict[str, tuple[str, ...]]] = {
     "CacheCreated": ("num_blocks_per_cache_level",),
 }
 _COMMON_FIELDS: Final = ("type", "event_id", "window_size", "hash_algo", "attention_dp_rank")
+# The map fields each event type has here (the typed structs declare these; tests check).
 _KNOWN_FIELDS: Final[dict[str, frozenset[str]]] = {
     "BlockStored": frozenset(
         (
@@ -177,58 +173,96 @@ def _unpack(payload: bytes | bytearray | memoryview, limits: DecodeLimits) -> ob
             f"payload of {size} bytes exceeds DecodeLimits.max_payload_bytes "
             f"({limits.max_payload_bytes})"
         )
-    # A header-only scan refuses deep nesting and broken framing before the unpacker builds
-    # anything (without the extension, msgpack's own stack limit, the shape checks and
-    # _check_depth bound the same cases, more slowly).
-    if _native_msgpack_scan is not None:
-        status = _native_msgpack_scan(payload, min(limits.max_depth, size))
-        if status:
-            raise DecodeError(_SCAN_ERRORS[status].format(max_depth=limits.max_depth))
-    # Every element costs at least one byte, so no declared length may exceed the size: a
-    # 5-byte header announcing 2**32 elements is refused before anything is allocated.
-    max_array = min(size, max(limits.max_events, limits.max_tokens_per_event))
     try:
-        return msgpack.unpackb(
-            payload,
-            raw=False,
-            strict_map_key=True,
-            use_list=True,
-            max_str_len=min(size, limits.max_str_len),
-            max_bin_len=min(size, limits.max_bin_len),
-            max_array_len=max_array,
-            max_map_len=min(size, limits.max_fields),
-            max_ext_len=0,  # the format has no ext types
-        )
-    except msgpack.ExtraData:
-        raise DecodeError("trailing bytes after the payload's msgpack array") from None
-    except msgpack.exceptions.StackError:
+        top = _UNTYPED.decode(payload)
+    except RecursionError:  # msgspec's guard: nesting deeper than the interpreter's stack
         raise DecodeError("arrays/maps nested too deep for a KV event payload") from None
-    except Exception as exc:  # msgpack raises several types; all mean "not a valid payload"
-        raise DecodeError(f"not a valid msgpack payload: {type(exc).__name__}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        text = str(exc)
+        if "trailing characters" in text:
+            raise DecodeError("trailing bytes after the payload's msgpack array") from None
+        if "truncated" in text:
+            raise DecodeError("not a valid msgpack payload: truncated (incomplete input)") from None
+        raise DecodeError(f"not a valid msgpack payload: {text}") from None
+    _check_tree(top, limits, size)
+    return top
 
 
-def _check_depth(value: object, budget: int, where: str) -> None:
-    """Rejects arrays/maps nested more than ``budget`` levels inside ``value`` (ignored data
-    included: it still costs memory and time)."""
-    level = [value]
-    depth = 0
+def _too_long(kind: str, n: int, cap: int) -> DecodeError:
+    return DecodeError(
+        f"not a valid msgpack payload: ValueError: {n} exceeds max_{kind}_len({cap})"
+    )
+
+
+def _check_tree(top: object, limits: DecodeLimits, size: int) -> None:
+    """Holds the decoded payload to ``limits``, level by level: nesting, the length of every
+    array, map, string and bin, map keys (strings or bins), no ext types.
+
+    msgspec refuses any declared length beyond the bytes left before it allocates, and its
+    recursion guard bounds the nesting it builds, so what it builds is proportional to the
+    payload; this walk then applies the tighter bounds (one pass over each container, with a
+    C-speed type scan of its items)."""
+    # no declared length can exceed the bytes present (each element costs at least one byte)
+    max_array = min(size, max(limits.max_events, limits.max_tokens_per_event))
+    max_map, max_str = min(size, limits.max_fields), min(size, limits.max_str_len)
+    max_bin = min(size, limits.max_bin_len)
+    level, depth = [top], 0
     while level:
         depth += 1
-        if depth > budget:
-            raise LimitError(f"{where}: nested deeper than DecodeLimits.max_depth allows")
-        nxt: list[object] = []
+        if depth > limits.max_depth:
+            raise DecodeError(
+                f"arrays/maps nested deeper than DecodeLimits.max_depth ({limits.max_depth})"
+            )
+        nested: list[object] = []
         for item in level:
+            values: Any
             if type(item) is list:
-                nxt.extend(x for x in item if type(x) is list or type(x) is dict)
+                if len(item) > max_array:
+                    raise _too_long("array", len(item), max_array)
+                values = item
             elif type(item) is dict:
-                nxt.extend(x for x in item.values() if type(x) is list or type(x) is dict)
-        level = nxt
+                if len(item) > max_map:
+                    raise _too_long("map", len(item), max_map)
+                keys = item.keys()
+                kinds = set(map(type, keys))
+                if not kinds <= _KEYS:
+                    bad = next(iter(kinds - _KEYS)).__name__
+                    raise DecodeError(
+                        f"not a valid msgpack payload: ValueError: {bad} is not allowed for "
+                        "map key when strict_map_key=True"
+                    )
+                _check_strings(keys, kinds, max_str, max_bin)
+                values = item.values()
+            elif type(item) in _SCALARS:
+                continue  # a scalar envelope: the envelope check says what is wrong
+            else:
+                raise DecodeError(
+                    f"not a valid msgpack payload: {type(item).__name__} is not in the format"
+                )
+            kinds = set(map(type, values))
+            if not kinds <= _SCALARS:
+                if not kinds <= _SCALARS | _CONTAINERS:
+                    bad = next(iter(kinds - _SCALARS - _CONTAINERS)).__name__
+                    raise DecodeError(f"not a valid msgpack payload: {bad} is not in the format")
+                nested.extend(v for v in values if type(v) is list or type(v) is dict)
+            _check_strings(values, kinds, max_str, max_bin)
+        level = nested
+
+
+def _check_strings(values: Any, kinds: set[type], max_str: int, max_bin: int) -> None:
+    if str in kinds:
+        for v in values:
+            # msgpack bounds a string's UTF-8 bytes; a character is at most 4 of them
+            if type(v) is str and len(v) * 4 > max_str and len(v.encode()) > max_str:
+                raise _too_long("str", len(v.encode()), max_str)
+    if bytes in kinds:
+        for v in values:
+            if type(v) is bytes and len(v) > max_bin:
+                raise _too_long("bin", len(v), max_bin)
 
 
 def _first_bad_token(items: list[Any]) -> int:
     """Index of the first item that is not an int in [0, 2**31), or -1."""
-    if _native_first_bad_token is not None:
-        return _native_first_bad_token(items)
     if not items or (
         set(map(type, items)) == {int} and min(items) >= 0 and max(items) < TOKEN_LIMIT
     ):
@@ -327,24 +361,17 @@ def _event(
     raw: object, index: int, dp_rank: int | None, limits: DecodeLimits
 ) -> KVCacheEvent | None:
     where = f"events[{index}]"
-    extra: list[object]
     if type(raw) is dict:
         kind = expect_str(raw.get("type"), f"{where}.type")
         fields: Mapping[str, Any] = raw
-        known = _KNOWN_FIELDS.get(kind)
-        extra = [v for k, v in raw.items() if known is None or k not in known]
     elif type(raw) is list:
         if not raw:
             raise DecodeError(f"{where}: an event array needs its type name as element 0")
         kind = expect_str(raw[0], f"{where}[0] (type)")
         names = POSITIONAL_FIELDS.get(kind, ())
         fields = dict(zip(names, raw[1:], strict=False))
-        extra = raw[1 + len(names) :] if kind in POSITIONAL_FIELDS else raw[1:]
     else:
         raise DecodeError(f"{where}: an event must be a map or an array, got {type(raw).__name__}")
-    for value in extra:  # ignored, but bounded like everything else
-        if type(value) is list or type(value) is dict:
-            _check_depth(value, limits.max_depth - 3, where)
     if kind not in POSITIONAL_FIELDS:
         return None  # an event type this decoder does not know: skipped
     data = _data(kind, fields, where, limits)

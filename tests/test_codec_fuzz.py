@@ -61,13 +61,14 @@ FUZZ = settings(
 )
 
 
-@pytest.fixture(autouse=True, params=["native", "pure"])
+@pytest.fixture(autouse=True, params=["typed", "general"])
 def decoder_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every test runs with the extension's scan and records and with the pure-Python paths."""
-    if request.param == "pure":
-        monkeypatch.setattr(wire_decode, "_native_msgpack_scan", None)
+    """Every test runs with the typed path first (native records) and on the general path
+    alone (pure-Python records)."""
+    if request.param == "general":
+        monkeypatch.setattr(wire_decode, "decode_typed", lambda payload: None)
         monkeypatch.setattr(wire_values, "stored_blocks", _records.stored_blocks_py)
-    elif wire_decode._native_msgpack_scan is None or not _records.NATIVE:
+    elif not _records.NATIVE:
         pytest.skip("native extension not built")
     return str(request.param)
 
@@ -95,9 +96,9 @@ from pathlib import Path
 resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))  # a runaway allocation fails fast
 from events import _records, wire_decode, wire_values
 from events.codec import DecodeLimits, decode_batch
-if sys.argv[1] == "pure":
-    wire_decode._native_msgpack_scan = None
-    wire_decode.stored_blocks = _records.stored_blocks_py
+if sys.argv[1] == "general":
+    wire_decode.decode_typed = lambda payload: None
+    wire_values.stored_blocks = _records.stored_blocks_py
 for path in sys.argv[2:]:
     payload = Path(path).read_bytes()
     for big in (1 << 31, 1 << 32, 1 << 40, 1 << 63, 1 << 64):
