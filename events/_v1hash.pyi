@@ -16,13 +16,6 @@ def chain_lists(
     """V1 hash of each list of token ids in turn, chained from ``parent_hash``; stops before
     the first empty list."""
 
-def first_bad_token(tokens: list[object]) -> int:
-    """Index of the first item that is not an exact int in [0, 2**31), or -1."""
-
-def msgpack_scan(data: bytes | bytearray | memoryview, max_depth: int) -> int:
-    """0: one well-formed msgpack object; 1: nested deeper than max_depth; 2: truncated;
-    3: invalid type byte; 4: trailing bytes after the object."""
-
 def stored_blocks(
     cls: type[Any],
     setters: tuple[Any, ...],
