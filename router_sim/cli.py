@@ -217,6 +217,9 @@ def run(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     bound = compulsory_bound(requests, tpb)
     summaries: dict[str, PolicySummary] = {}
     for name in args.policies:
+        if args.no_progress:  # no bar at all: a disabled tqdm still starts its monitor thread
+            summaries[name] = simulate(requests, name, config)
+            continue
         with tqdm(
             total=len(requests),
             desc=f"{name:<14}",

@@ -97,9 +97,10 @@ class WorkerConfig:
         check_engine(self.engine)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Seq:
-    """A request inside a worker."""
+    """A request inside a worker (compared by identity: list lookups and removals must not
+    compare field by field, and no two sequences are ever alike)."""
 
     req: Request
     record: RequestRecord
@@ -119,6 +120,10 @@ class _Seq:
     @property
     def decoding(self) -> bool:
         return self.cache is not None and self.computed >= self.target and self.generated > 0
+
+
+def _by_order(s: _Seq) -> int:
+    return s.order
 
 
 def _frame_dropped(seed: int, worker: int, seq: int, rate: float) -> bool:
@@ -520,9 +525,10 @@ class SimWorker:
         self._load = None
         self._admit_waiting()
         tpb = self.config.tokens_per_block
-        # pages for this step's decode tokens first (may preempt, so iterate over a copy)
-        for s in sorted(self.running, key=lambda x: x.order):
-            if s in self.running and s.decoding:
+        # pages for this step's decode tokens first (may preempt, so iterate over a copy; a
+        # preempted request has no cache, so it is not decoding)
+        for s in sorted(self.running, key=_by_order):
+            if s.decoding:
                 self._ensure_capacity(s, s.req.input_length + s.generated + 1)
         decodes = [s for s in self.running if s.decoding]
         budget = self.config.max_batch_tokens - len(decodes)

@@ -1,0 +1,66 @@
+"""The simulator's fast paths: each one is checked against the slow form it replaces."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import pytest
+
+import router_sim.cli
+from router_sim.cli import main
+from router_sim.sim import SimConfig, simulate
+from router_sim.workloads import SyntheticSpec, synthetic_workload
+
+SMALL = SyntheticSpec(num_requests=40, rate_per_s=40.0)
+
+
+def _config(**kw: Any) -> SimConfig:
+    base: dict[str, Any] = {"workers": 2, "tokens_per_block": 32, "device_blocks": 400}
+    base.update(kw)
+    return SimConfig(**base)
+
+
+@pytest.mark.parametrize("enabled_before", [True, False])
+def test_a_run_pauses_the_cyclic_collector_and_restores_it(enabled_before: bool) -> None:
+    reqs = synthetic_workload("shared-prompts", seed=1, spec=SMALL)
+    seen: list[bool] = []
+    was = gc.isenabled()
+    try:
+        if enabled_before:
+            gc.enable()
+        else:
+            gc.disable()
+        simulate(reqs, "round_robin", _config(), lambda done, total: seen.append(gc.isenabled()))
+        assert gc.isenabled() is enabled_before
+    finally:
+        if was:
+            gc.enable()
+        else:
+            gc.disable()
+    assert len(seen) == len(reqs) and not any(seen)
+
+
+def test_the_collector_comes_back_when_a_run_fails() -> None:
+    reqs = synthetic_workload("shared-prompts", seed=1, spec=SMALL)
+
+    def fail(done: int, total: int) -> None:
+        raise RuntimeError("stop")
+
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError, match="stop"):
+        simulate(reqs, "round_robin", _config(), fail)
+    assert gc.isenabled()
+
+
+def test_no_progress_builds_no_progress_bar(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a disabled tqdm bar still starts tqdm's monitor thread: --no-progress must make none
+    def no_bar(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a progress bar was built")
+
+    monkeypatch.setattr(router_sim.cli, "tqdm", no_bar)
+    argv = ["run", "--max-requests", "20", "--policies", "round_robin", "--no-progress"]
+    assert main(argv) == 0
+    assert "round_robin" in capsys.readouterr().out
