@@ -1,24 +1,32 @@
 /*
- * Native match loop of router_sim.indexer: an open-addressing table key -> 64-bit worker mask.
+ * Native match loop of router_sim.indexer: an open-addressing table key -> worker mask, and
+ * the indexer's common per-block updates done in one call per event.
  *
  * KvIndexer's dicts stay the source of truth; this table mirrors, for every key that is an int
  * in [0, 2**64), the mask of workers holding the block on any tier (bit b set iff the worker
- * whose bit is b holds the key). One request lookup is then one cache line per block, and the
- * lines of a whole chunk of blocks are prefetched before any is read, so a request's misses
- * overlap instead of following one another (Python dicts cost several dependent misses per
- * block: index slot, entry, key object, value object). indexer.py keeps the pure-Python
- * matching loop as the reference and the fallback; tests check both agree.
+ * whose bit is b holds the key). A mask is as many 64-bit words as the highest bit in use
+ * needs (one word up to 64 workers, two up to 128, ...): the table is rebuilt one word wider
+ * when a worker's bit passes the width, so any fleet size takes the native path. One request
+ * lookup is then one slot per block, and the slots of the next keys are prefetched before
+ * they are read, so a request's misses overlap instead of following one another (Python dicts
+ * cost several dependent misses per block: index slot, entry, key object, value object).
+ * indexer.py keeps the pure-Python matching loop as the reference and the fallback; tests
+ * check both agree.
  *
  *   MaskTable()
- *   .sync(keys, bit, held)  for each int key: set bit `bit` (0..63) if key in dict `held`,
- *                           else clear it (keys of other types are ignored)
+ *   .sync(keys, bit, held)  for each int key: set bit `bit` if key in dict `held`, else clear
+ *                           it (keys of other types are ignored)
  *   .set_bit(keys, bit) / .clear_bit(keys, bit)   the same where every key is / none is held
  *   .runs(keys, worker_of_bit) -> {worker: run length} as KvIndexer.find_matches, or None
  *                           when a key before the cut is not an int in [0, 2**64)
- *   len(table)             keys held
+ *   .store(blocks, keys, start, bit, bitobj, held, device) -> index
+ *   .evict(hashes, start, bit, bitobj, held, device, keys, recent, recent_max) -> index
+ *                           the indexer's device-tier store / eviction loops (see below)
+ *   .words                  64-bit words per mask;  len(table): keys held
  *
  * Linear probing, splitmix64-scrambled keys (so sequential or crafted hashes spread out),
  * load <= 3/4, deletion by backward shift (no tombstones), memory from PyMem_Raw* (traced).
+ * A slot is 1 + words uint64s: the key, then the mask; a slot is empty iff its mask is 0.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -30,20 +38,20 @@
 #endif
 
 typedef struct {
-    uint64_t key;
-    uint64_t mask; /* 0: empty slot */
-} Slot;
-
-typedef struct {
     PyObject_HEAD
-    Slot *slots;
-    size_t cap; /* a power of two */
+    uint64_t *slots; /* cap * (1 + words) */
+    size_t cap;      /* a power of two */
     size_t count;
+    size_t words; /* mask words per slot */
 } MaskTable;
 
 #define MIN_CAP 1024
 #define AHEAD 16 /* how many keys ahead the slots are fetched */
 #define STACK_KEYS 256
+#define STACK_WORDS 32
+/* bits of worker masks: 2**20 workers (a 128 KiB mask per slot) is far past any fleet; the
+   bound keeps a wild bit number from asking for terabytes */
+#define MAX_BIT ((1L << 20) - 1)
 
 static inline uint64_t scramble(uint64_t x) {
     x ^= x >> 30;
@@ -51,6 +59,24 @@ static inline uint64_t scramble(uint64_t x) {
     x ^= x >> 27;
     x *= UINT64_C(0x94d049bb133111eb);
     return x ^ (x >> 31);
+}
+
+static inline uint64_t *slot_at(const MaskTable *t, size_t j) {
+    return t->slots + j * (1 + t->words);
+}
+
+static inline int slot_empty(const uint64_t *s, size_t words) {
+    for (size_t w = 1; w <= words; w++)
+        if (s[w])
+            return 0;
+    return 1;
+}
+
+static inline void prefetch_key(const MaskTable *t, uint64_t key) {
+    const char *p = (const char *)slot_at(t, scramble(key) & (t->cap - 1));
+    __builtin_prefetch(p);
+    if (t->words > 1) /* a wide slot may straddle a cache line */
+        __builtin_prefetch(p + 8 * t->words);
 }
 
 /* A large table is read at random: ask for huge pages (where the kernel leaves it to
@@ -69,51 +95,96 @@ static void advise_huge(void *p, size_t bytes) {
 #endif
 }
 
-static int table_resize(MaskTable *t, size_t cap) {
-    Slot *fresh = PyMem_RawCalloc(cap, sizeof(Slot));
+/* rebuild into `cap` slots of `words` mask words (words >= the current width) */
+static int table_rebuild(MaskTable *t, size_t cap, size_t words) {
+    const size_t stride = 1 + words, old_stride = 1 + t->words;
+    if (cap > PY_SSIZE_T_MAX / 8 / stride) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    uint64_t *fresh = PyMem_RawCalloc(cap * stride, sizeof(uint64_t));
     if (fresh == NULL) {
         PyErr_NoMemory();
         return -1;
     }
-    advise_huge(fresh, cap * sizeof(Slot));
+    advise_huge(fresh, cap * stride * sizeof(uint64_t));
     for (size_t i = 0; i < t->cap; i++) {
-        Slot s = t->slots[i];
-        if (!s.mask)
+        const uint64_t *s = t->slots + i * old_stride;
+        if (slot_empty(s, t->words))
             continue;
-        size_t j = scramble(s.key) & (cap - 1);
-        while (fresh[j].mask)
+        size_t j = scramble(s[0]) & (cap - 1);
+        while (!slot_empty(fresh + j * stride, words))
             j = (j + 1) & (cap - 1);
-        fresh[j] = s;
+        memcpy(fresh + j * stride, s, old_stride * sizeof(uint64_t));
     }
     PyMem_RawFree(t->slots);
     t->slots = fresh;
     t->cap = cap;
+    t->words = words;
     return 0;
 }
 
-static inline size_t table_find(const MaskTable *t, uint64_t key) {
-    size_t j = scramble(key) & (t->cap - 1);
-    while (t->slots[j].mask && t->slots[j].key != key)
-        j = (j + 1) & (t->cap - 1);
-    return j;
+/* the slot holding key, else the empty slot where it would go */
+static inline uint64_t *table_find(const MaskTable *t, uint64_t key) {
+    const size_t cap_mask = t->cap - 1, words = t->words;
+    size_t j = scramble(key) & cap_mask;
+    for (;;) {
+        uint64_t *s = slot_at(t, j);
+        if (slot_empty(s, words) || s[0] == key)
+            return s;
+        j = (j + 1) & cap_mask;
+    }
 }
 
-static void table_delete(MaskTable *t, size_t hole) {
-    size_t cap_mask = t->cap - 1;
+static void table_delete(MaskTable *t, uint64_t *hole_slot) {
+    const size_t cap_mask = t->cap - 1, words = t->words, stride = 1 + words;
+    size_t hole = (size_t)(hole_slot - t->slots) / stride;
     size_t j = hole;
     for (;;) {
         j = (j + 1) & cap_mask;
-        if (!t->slots[j].mask)
+        uint64_t *s = slot_at(t, j);
+        if (slot_empty(s, words))
             break;
-        size_t home = scramble(t->slots[j].key) & cap_mask;
+        size_t home = scramble(s[0]) & cap_mask;
         /* the entry at j may move into the hole unless its home lies in (hole, j] */
         if (((j - home) & cap_mask) >= ((j - hole) & cap_mask)) {
-            t->slots[hole] = t->slots[j];
+            memcpy(slot_at(t, hole), s, stride * sizeof(uint64_t));
             hole = j;
         }
     }
-    t->slots[hole].mask = 0;
+    memset(slot_at(t, hole), 0, stride * sizeof(uint64_t));
     t->count--;
+}
+
+/* set (on) or clear bit `bit` of key; the table is widened first where the bit needs it */
+static int table_put(MaskTable *t, uint64_t key, long bit, int on) {
+    const size_t word = (size_t)bit >> 6;
+    const uint64_t b = UINT64_C(1) << (bit & 63);
+    if (word >= t->words) {
+        if (!on)
+            return 0; /* no key holds a bit past the width */
+        if (table_rebuild(t, t->cap, word + 1) < 0)
+            return -1;
+    }
+    uint64_t *s = table_find(t, key);
+    if (on) {
+        if (!slot_empty(s, t->words)) {
+            s[1 + word] |= b;
+            return 0;
+        }
+        s[0] = key;
+        s[1 + word] = b;
+        if (++t->count * 4 > t->cap * 3)
+            return table_rebuild(t, t->cap * 2, t->words);
+    } else if (s[1 + word] & b) {
+        s[1 + word] &= ~b;
+        if (slot_empty(s, t->words)) {
+            table_delete(t, s);
+            if (t->cap > MIN_CAP && t->count * 8 < t->cap)
+                return table_rebuild(t, t->cap / 2, t->words);
+        }
+    }
+    return 0;
 }
 
 static PyObject *MaskTable_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
@@ -124,13 +195,14 @@ static PyObject *MaskTable_new(PyTypeObject *type, PyObject *args, PyObject *kwd
     MaskTable *t = (MaskTable *)type->tp_alloc(type, 0);
     if (t == NULL)
         return NULL;
-    t->slots = PyMem_RawCalloc(MIN_CAP, sizeof(Slot));
+    t->slots = PyMem_RawCalloc(MIN_CAP * 2, sizeof(uint64_t));
     if (t->slots == NULL) {
         Py_DECREF(t);
         return PyErr_NoMemory();
     }
     t->cap = MIN_CAP;
     t->count = 0;
+    t->words = 1;
     return (PyObject *)t;
 }
 
@@ -154,15 +226,22 @@ static inline int as_key(PyObject *o, uint64_t *out) {
     return 1;
 }
 
+static long as_bit(PyObject *o) {
+    long bit = PyLong_AsLong(o);
+    if (bit == -1 && PyErr_Occurred())
+        return -1;
+    if (bit < 0 || bit > MAX_BIT) {
+        PyErr_Format(PyExc_ValueError, "bit must lie in [0, %ld]", MAX_BIT);
+        return -1;
+    }
+    return bit;
+}
+
 /* held: a dict (membership decides), or Py_True / Py_False (set / clear every key) */
 static PyObject *update(MaskTable *t, PyObject *keys_arg, PyObject *bit_arg, PyObject *held) {
-    long bit = PyLong_AsLong(bit_arg);
-    if (bit == -1 && PyErr_Occurred())
+    long bit = as_bit(bit_arg);
+    if (bit < 0)
         return NULL;
-    if (bit < 0 || bit > 63) {
-        PyErr_SetString(PyExc_ValueError, "bit must lie in [0, 63]");
-        return NULL;
-    }
     const int by_dict = held != Py_True && held != Py_False;
     if (by_dict && !PyDict_Check(held)) {
         PyErr_SetString(PyExc_TypeError, "held must be a dict");
@@ -171,7 +250,6 @@ static PyObject *update(MaskTable *t, PyObject *keys_arg, PyObject *bit_arg, PyO
     PyObject *seq = PySequence_Fast(keys_arg, "keys must be a sequence");
     if (seq == NULL)
         return NULL;
-    const uint64_t b = UINT64_C(1) << bit;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
     /* keys converted up front; while key i is applied, the slot of key i + AHEAD is
@@ -190,36 +268,16 @@ static PyObject *update(MaskTable *t, PyObject *keys_arg, PyObject *bit_arg, PyO
             goto fail_keys;
         is_key[i] = (int8_t)ok;
         if (ok && i < AHEAD)
-            __builtin_prefetch(&t->slots[scramble(keys[i]) & (t->cap - 1)]);
+            prefetch_key(t, keys[i]);
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i + AHEAD < n && is_key[i + AHEAD])
-            __builtin_prefetch(&t->slots[scramble(keys[i + AHEAD]) & (t->cap - 1)]);
+            prefetch_key(t, keys[i + AHEAD]);
         if (!is_key[i])
             continue;
-        uint64_t key = keys[i];
         int present = by_dict ? PyDict_Contains(held, items[i]) : held == Py_True;
-        if (present < 0)
+        if (present < 0 || table_put(t, keys[i], bit, present) < 0)
             goto fail_keys;
-        size_t j = table_find(t, key);
-        Slot *s = &t->slots[j];
-        if (present) {
-            if (s->mask) {
-                s->mask |= b;
-                continue;
-            }
-            s->key = key;
-            s->mask = b;
-            if (++t->count * 4 > t->cap * 3 && table_resize(t, t->cap * 2) < 0)
-                goto fail_keys;
-        } else if (s->mask & b) {
-            s->mask &= ~b;
-            if (!s->mask) {
-                table_delete(t, j);
-                if (t->cap > MIN_CAP && t->count * 8 < t->cap && table_resize(t, t->cap / 2) < 0)
-                    goto fail_keys;
-            }
-        }
     }
     if (keys != stack_keys)
         PyMem_Free(keys);
@@ -228,9 +286,9 @@ static PyObject *update(MaskTable *t, PyObject *keys_arg, PyObject *bit_arg, PyO
     Py_DECREF(seq);
     Py_RETURN_NONE;
 fail_keys:
-    if (keys != stack_keys)
+    if (keys != NULL && keys != stack_keys)
         PyMem_Free(keys);
-    if (is_key != stack_ok)
+    if (is_key != NULL && is_key != stack_ok)
         PyMem_Free(is_key);
     Py_DECREF(seq);
     return NULL;
@@ -260,10 +318,12 @@ static PyObject *MaskTable_clear_bit(MaskTable *t, PyObject *const *args, Py_ssi
     return update(t, args[0], args[1], Py_False);
 }
 
-/* result[worker_of_bit[b]] = n for every bit b in lost, low bits first (as the Python loop) */
-static int put_lost(PyObject *result, PyObject *worker_of_bit, uint64_t lost, Py_ssize_t n) {
+/* result[worker_of_bit[base + b]] = n for every bit b in lost, low bits first (as the Python
+   loop) */
+static int put_lost(PyObject *result, PyObject *worker_of_bit, uint64_t lost, long base,
+                    Py_ssize_t n) {
     while (lost) {
-        int b = __builtin_ctzll(lost);
+        long b = base + __builtin_ctzll(lost);
         lost &= lost - 1;
         PyObject *bo = PyLong_FromLong(b);
         if (bo == NULL)
@@ -272,7 +332,7 @@ static int put_lost(PyObject *result, PyObject *worker_of_bit, uint64_t lost, Py
         Py_DECREF(bo);
         if (w == NULL) {
             if (!PyErr_Occurred())
-                PyErr_Format(PyExc_KeyError, "no worker for bit %d", b);
+                PyErr_Format(PyExc_KeyError, "no worker for bit %ld", b);
             return -1;
         }
         PyObject *v = PyLong_FromSsize_t(n);
@@ -293,16 +353,20 @@ static PyObject *MaskTable_runs(MaskTable *t, PyObject *const *args, Py_ssize_t 
     PyObject *seq = PySequence_Fast(args[0], "keys must be a sequence");
     if (seq == NULL)
         return NULL;
-    PyObject *result = PyDict_New();
+    const size_t words = t->words;
+    uint64_t stack_acc[STACK_WORDS];
+    uint64_t *acc = words <= STACK_WORDS ? stack_acc : PyMem_Malloc(words * sizeof(uint64_t));
+    PyObject *result = acc == NULL ? PyErr_NoMemory() : PyDict_New();
     if (result == NULL) {
+        if (acc != NULL && acc != stack_acc)
+            PyMem_Free(acc);
         Py_DECREF(seq);
         return NULL;
     }
+    memset(acc, 0, words * sizeof(uint64_t));
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
-    const Slot *slots = t->slots;
     const size_t cap_mask = t->cap - 1;
-    uint64_t acc = 0;
     /* key i + AHEAD is read and its slot fetched while key i is looked up, so the misses of
        a request overlap; a ring of AHEAD + 1 keys */
     uint64_t ring[AHEAD + 1];
@@ -312,41 +376,281 @@ static PyObject *MaskTable_runs(MaskTable *t, PyObject *const *args, Py_ssize_t 
             uint64_t key;
             int ok = as_key(items[ahead], &key);
             if (ok <= 0) {
-                Py_DECREF(seq);
                 Py_DECREF(result);
-                if (ok < 0)
-                    return NULL;
-                Py_RETURN_NONE; /* the caller takes the reference path */
+                if (ok < 0) {
+                    result = NULL;
+                    goto out;
+                }
+                result = Py_None; /* the caller takes the reference path */
+                Py_INCREF(result);
+                goto out;
             }
             ring[ahead % (AHEAD + 1)] = key;
-            __builtin_prefetch(&slots[scramble(key) & cap_mask]);
+            prefetch_key(t, key);
         }
         if (i < 0)
             continue;
         uint64_t key = ring[i % (AHEAD + 1)];
         size_t j = scramble(key) & cap_mask;
-        while (slots[j].mask && slots[j].key != key)
+        const uint64_t *s = slot_at(t, j);
+        while (!slot_empty(s, words) && s[0] != key) {
             j = (j + 1) & cap_mask;
-        uint64_t mask = slots[j].mask; /* 0 when the key is absent */
-        uint64_t next = i == 0 ? mask : acc & mask;
-        if (next != acc && i > 0 && put_lost(result, args[1], acc & ~next, i) < 0)
-            goto fail;
-        acc = next;
-        if (!acc)
-            goto done;
+            s = slot_at(t, j);
+        }
+        /* an empty slot's mask is 0: the key is absent */
+        uint64_t any = 0;
+        for (size_t w = 0; w < words; w++) {
+            uint64_t next = i == 0 ? s[1 + w] : acc[w] & s[1 + w];
+            uint64_t lost = acc[w] & ~next;
+            if (i > 0 && lost && put_lost(result, args[1], lost, (long)(64 * w), i) < 0)
+                goto fail;
+            acc[w] = next;
+            any |= next;
+        }
+        if (!any)
+            goto out;
     }
-    if (put_lost(result, args[1], acc, n) < 0)
-        goto fail;
-done:
+    for (size_t w = 0; w < words && n > 0; w++)
+        if (put_lost(result, args[1], acc[w], (long)(64 * w), n) < 0)
+            goto fail;
+out:
+    if (acc != stack_acc)
+        PyMem_Free(acc);
     Py_DECREF(seq);
     return result;
 fail:
-    Py_DECREF(seq);
-    Py_DECREF(result);
+    Py_CLEAR(result);
+    goto out;
+}
+
+/* ------------------------------------------------ the indexer's per-block update loops */
+
+static PyObject *str_cache_level, *str_block_hash, *one;
+
+/* store(blocks, keys, start, bit, bitobj, held, device) -> index
+
+   KvIndexer's store of blocks on the device tier for the worker whose bit is `bit`
+   (`bitobj` == 1 << bit), from blocks[start] on: each block's key is keys[i] (or its
+   block_hash when keys is None); held[key] |= 1, device[key] |= bitobj, and the table's bit
+   set, exactly as the Python loop does. Stops at the first block whose cache_level is not 0
+   (the caller handles it and calls again) and returns its index, else len(blocks). */
+static PyObject *MaskTable_store(MaskTable *t, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7 || !PyList_Check(args[0]) || (args[1] != Py_None && !PyList_Check(args[1])) ||
+        !PyDict_Check(args[5]) || !PyDict_Check(args[6])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "store(blocks: list, keys: list | None, start, bit, bitobj, held: dict, "
+                        "device: dict)");
+        return NULL;
+    }
+    PyObject *blocks = args[0], *keys = args[1], *bitobj = args[4];
+    PyObject *held = args[5], *device = args[6];
+    Py_ssize_t n = PyList_GET_SIZE(blocks);
+    if (keys != Py_None && PyList_GET_SIZE(keys) != n) {
+        PyErr_SetString(PyExc_ValueError, "keys and blocks differ in length");
+        return NULL;
+    }
+    Py_ssize_t i = PyLong_AsSsize_t(args[2]);
+    if (i == -1 && PyErr_Occurred())
+        return NULL;
+    long bit = as_bit(args[3]);
+    if (bit < 0)
+        return NULL;
+    if (i < 0)
+        i = 0;
+    for (; i < n; i++) {
+        PyObject *block = PyList_GET_ITEM(blocks, i);
+        PyObject *level = PyObject_GetAttr(block, str_cache_level);
+        if (level == NULL)
+            return NULL;
+        int deeper = PyObject_IsTrue(level);
+        Py_DECREF(level);
+        if (deeper < 0)
+            return NULL;
+        if (deeper)
+            break;
+        PyObject *h;
+        if (keys == Py_None) {
+            h = PyObject_GetAttr(block, str_block_hash);
+            if (h == NULL)
+                return NULL;
+        } else {
+            h = PyList_GET_ITEM(keys, i);
+            Py_INCREF(h);
+        }
+        if (i + 8 < n && keys != Py_None) {
+            uint64_t ahead;
+            int ok = as_key(PyList_GET_ITEM(keys, i + 8), &ahead);
+            if (ok < 0)
+                goto fail_h;
+            if (ok)
+                prefetch_key(t, ahead);
+        }
+        Py_ssize_t size = PyDict_GET_SIZE(held);
+        PyObject *old = PyDict_SetDefault(held, h, one); /* borrowed */
+        if (old == NULL)
+            goto fail_h;
+        if (PyDict_GET_SIZE(held) == size) { /* the worker knew the block */
+            if (!PyLong_Check(old)) {
+                PyErr_SetString(PyExc_TypeError, "held levels must be ints");
+                goto fail_h;
+            }
+            if (PyLong_AsUnsignedLongLongMask(old) & 1) {
+                Py_DECREF(h);
+                continue; /* already on the device tier */
+            }
+            PyObject *levels = PyNumber_Or(old, one);
+            if (levels == NULL)
+                goto fail_h;
+            int err = PyDict_SetItem(held, h, levels);
+            Py_DECREF(levels);
+            if (err < 0)
+                goto fail_h;
+        }
+        PyObject *m = PyDict_SetDefault(device, h, bitobj); /* borrowed */
+        if (m == NULL)
+            goto fail_h;
+        if (m != bitobj) {
+            PyObject *mm = PyNumber_Or(m, bitobj);
+            if (mm == NULL)
+                goto fail_h;
+            int err = PyDict_SetItem(device, h, mm);
+            Py_DECREF(mm);
+            if (err < 0)
+                goto fail_h;
+        }
+        uint64_t key;
+        int ok = as_key(h, &key);
+        if (ok < 0 || (ok && table_put(t, key, bit, 1) < 0))
+            goto fail_h;
+        Py_DECREF(h);
+        continue;
+    fail_h:
+        Py_DECREF(h);
+        return NULL;
+    }
+    return PyLong_FromSsize_t(i);
+}
+
+/* evict(hashes, start, bit, bitobj, held, device, keys, recent, recent_max) -> index
+
+   KvIndexer's common eviction (a removal that covers the device tier) for the worker whose
+   bit is `bit`, from hashes[start] on: each hash names its key through `keys` (popped:
+   engine hash -> key; None: the hash is the key); a block the worker holds on the device
+   tier only is dropped from held and from device[key] (and the table), and its mapping goes
+   to `recent`. Stops and returns the index of the first hash that needs the general path
+   (held elsewhere or not held: its mapping is put back), or the index after the mapping that
+   took `recent` past `recent_max` (the caller trims it), else len(hashes). */
+static PyObject *MaskTable_evict(MaskTable *t, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 9 || !PyList_Check(args[0]) || !PyDict_Check(args[4]) ||
+        !PyDict_Check(args[5]) || (args[6] != Py_None && !PyDict_Check(args[6])) ||
+        (args[7] != Py_None && !PyDict_Check(args[7]))) {
+        PyErr_SetString(PyExc_TypeError,
+                        "evict(hashes: list, start, bit, bitobj, held: dict, device: dict, "
+                        "keys: dict | None, recent: dict | None, recent_max)");
+        return NULL;
+    }
+    PyObject *hashes = args[0], *bitobj = args[3], *held = args[4], *device = args[5];
+    PyObject *keys = args[6], *recent = args[7];
+    Py_ssize_t n = PyList_GET_SIZE(hashes);
+    Py_ssize_t i = PyLong_AsSsize_t(args[1]);
+    if (i == -1 && PyErr_Occurred())
+        return NULL;
+    long bit = as_bit(args[2]);
+    if (bit < 0)
+        return NULL;
+    Py_ssize_t recent_max = PyLong_AsSsize_t(args[8]);
+    if (recent_max == -1 && PyErr_Occurred())
+        return NULL;
+    if (i < 0)
+        i = 0;
+    PyObject *keep = PyNumber_Invert(bitobj);
+    if (keep == NULL)
+        return NULL;
+    for (; i < n; i++) {
+        PyObject *eh = PyList_GET_ITEM(hashes, i);
+        PyObject *h = NULL;
+        if (keys != Py_None) {
+            h = PyDict_GetItemWithError(keys, eh);
+            if (h == NULL && PyErr_Occurred())
+                goto fail;
+        }
+        if (h == NULL) {
+            h = eh;
+            Py_INCREF(h);
+        } else {
+            Py_INCREF(h);
+            if (PyDict_DelItem(keys, eh) < 0)
+                goto fail_h;
+        }
+        PyObject *old = PyDict_GetItemWithError(held, h); /* borrowed */
+        if (old == NULL && PyErr_Occurred())
+            goto fail_h;
+        int only_device = 0;
+        if (old != NULL && PyLong_CheckExact(old)) {
+            int overflow;
+            long v = PyLong_AsLongAndOverflow(old, &overflow);
+            only_device = !overflow && v == 1;
+        }
+        if (!only_device) {
+            if (h != eh && PyDict_SetItem(keys, eh, h) < 0) /* put back */
+                goto fail_h;
+            Py_DECREF(h);
+            break;
+        }
+        if (PyDict_DelItem(held, h) < 0)
+            goto fail_h;
+        PyObject *m = PyDict_GetItemWithError(device, h); /* borrowed */
+        if (m == NULL && PyErr_Occurred())
+            goto fail_h;
+        if (m != NULL) {
+            PyObject *mm = PyNumber_And(m, keep);
+            if (mm == NULL)
+                goto fail_h;
+            int truth = PyObject_IsTrue(mm);
+            int err = truth < 0 ? -1
+                      : truth   ? PyDict_SetItem(device, h, mm)
+                                : PyDict_DelItem(device, h);
+            Py_DECREF(mm);
+            if (err < 0)
+                goto fail_h;
+        }
+        uint64_t key;
+        int ok = as_key(h, &key);
+        if (ok < 0 || (ok && table_put(t, key, bit, 0) < 0))
+            goto fail_h;
+        if (h != eh && recent != Py_None) {
+            if (PyDict_SetItem(recent, eh, h) < 0)
+                goto fail_h;
+            if (PyDict_GET_SIZE(recent) > recent_max) {
+                Py_DECREF(h);
+                i++;
+                break;
+            }
+        }
+        Py_DECREF(h);
+        continue;
+    fail_h:
+        Py_DECREF(h);
+        goto fail;
+    }
+    Py_DECREF(keep);
+    return PyLong_FromSsize_t(i);
+fail:
+    Py_DECREF(keep);
     return NULL;
 }
 
 static Py_ssize_t MaskTable_len(MaskTable *t) { return (Py_ssize_t)t->count; }
+
+static PyObject *MaskTable_get_words(MaskTable *t, void *closure) {
+    (void)closure;
+    return PyLong_FromSize_t(t->words);
+}
+
+static PyGetSetDef MaskTable_getset[] = {
+    {"words", (getter)MaskTable_get_words, NULL, "64-bit words per worker mask.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
 
 static PyMethodDef MaskTable_methods[] = {
     {"sync", (PyCFunction)(void (*)(void))MaskTable_sync, METH_FASTCALL,
@@ -357,6 +661,12 @@ static PyMethodDef MaskTable_methods[] = {
      "clear_bit(keys, bit): clear bit `bit` of each int key (none is held)."},
     {"runs", (PyCFunction)(void (*)(void))MaskTable_runs, METH_FASTCALL,
      "runs(keys, worker_of_bit) -> {worker: run length}, or None (reference path needed)."},
+    {"store", (PyCFunction)(void (*)(void))MaskTable_store, METH_FASTCALL,
+     "store(blocks, keys, start, bit, bitobj, held, device) -> index of the first block not "
+     "on the device tier."},
+    {"evict", (PyCFunction)(void (*)(void))MaskTable_evict, METH_FASTCALL,
+     "evict(hashes, start, bit, bitobj, held, device, keys, recent, recent_max) -> index "
+     "where the general path is needed."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -368,8 +678,9 @@ static PyTypeObject MaskTableType = {
     .tp_dealloc = (destructor)MaskTable_dealloc,
     .tp_as_sequence = &MaskTable_as_sequence,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Key -> 64-bit mask of workers holding the block (see router_sim.indexer).",
+    .tp_doc = "Key -> mask of workers holding the block (see router_sim.indexer).",
     .tp_methods = MaskTable_methods,
+    .tp_getset = MaskTable_getset,
     .tp_new = MaskTable_new,
 };
 
@@ -379,6 +690,11 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__match(void) {
     if (PyType_Ready(&MaskTableType) < 0)
+        return NULL;
+    str_cache_level = PyUnicode_InternFromString("cache_level");
+    str_block_hash = PyUnicode_InternFromString("block_hash");
+    one = PyLong_FromLong(1);
+    if (str_cache_level == NULL || str_block_hash == NULL || one == NULL)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)

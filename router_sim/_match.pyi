@@ -4,9 +4,14 @@ from collections.abc import Sequence
 from typing import Any
 
 class MaskTable:
-    """Key -> 64-bit mask of the workers holding the block on any tier."""
+    """Key -> mask of the workers holding the block on any tier (as many 64-bit words as
+    the highest bit in use needs)."""
 
     def __init__(self) -> None: ...
+    @property
+    def words(self) -> int:
+        """64-bit words per worker mask (the table widens as bits past it are set)."""
+
     def sync(self, keys: Sequence[object], bit: int, held: dict[Any, int]) -> None:
         """For each int key in [0, 2**64): set bit ``bit`` if the key is in ``held``, else
         clear it; keys of other types are ignored."""
@@ -20,5 +25,36 @@ class MaskTable:
     def runs(self, keys: Sequence[object], worker_of_bit: dict[int, int]) -> dict[int, int] | None:
         """{worker: run length} as ``KvIndexer.find_matches``, or None when a key is not an
         int in [0, 2**64) (the caller takes the reference path)."""
+
+    def store(
+        self,
+        blocks: list[Any],
+        keys: list[Any] | None,
+        start: int,
+        bit: int,
+        bitobj: int,
+        held: dict[Any, int],
+        device: dict[Any, int],
+    ) -> int:
+        """KvIndexer's device-tier store loop from ``blocks[start]`` (keys: each block's key,
+        None: its ``block_hash``); returns the index of the first block whose ``cache_level``
+        is not 0, else ``len(blocks)``."""
+
+    def evict(
+        self,
+        hashes: list[Any],
+        start: int,
+        bit: int,
+        bitobj: int,
+        held: dict[Any, int],
+        device: dict[Any, int],
+        keys: dict[Any, int] | None,
+        recent: dict[Any, int] | None,
+        recent_max: int,
+    ) -> int:
+        """KvIndexer's eviction of blocks held on the device tier only, from
+        ``hashes[start]``; returns the index of the first hash needing the general path, or
+        the one after the mapping that took ``recent`` past ``recent_max``, else
+        ``len(hashes)``."""
 
     def __len__(self) -> int: ...

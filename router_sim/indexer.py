@@ -15,12 +15,20 @@ At a million entries those lookups miss the CPU caches several times each (index
 key object, value object), one after the other. So ``find_matches`` runs natively when the
 optional extension ``router_sim._match`` is built: ``_table`` mirrors, for every int key, the
 mask of workers holding it on any tier (bit w set iff the key is in ``_held`` of the worker
-whose bit is w; each event's keys are synced after it is applied), one 16-byte slot per key in
-an open-addressing table, and a request's slots are fetched ahead so their misses overlap
-(89 -> 14 us p50 over distinct 256-block requests at 1M entries, bench_router.py). The pure
-matching loop (``find_matches_py``) is the reference and the fallback: without the extension,
-for requests naming keys the table does not hold (strings, ints outside [0, 2**64)), and once
-a worker's bit passes 63 (the native masks are 64 bits wide).
+whose bit is w), one slot per key in an open-addressing table whose masks are as many 64-bit
+words as the fleet's highest bit needs (16 bytes a slot up to 64 workers, 24 up to 128, ...),
+and a request's slots are fetched ahead so their misses overlap (89 -> 14 us p50 over
+distinct 256-block requests at 1M entries, bench_router.py). The pure matching loop
+(``find_matches_py``) is the reference and the fallback: without the extension, and for
+requests naming keys the table does not hold (strings, ints outside [0, 2**64)).
+
+The same extension runs the two per-block loops that dominate a busy stream, one call per
+event: storing blocks on the device tier (``MaskTable.store``: held, device mask and table)
+and evicting blocks held on the device tier only (``MaskTable.evict``: the engine hash ->
+key map too). Each stops at the first block that needs anything else (a slower tier, a copy
+kept elsewhere, an unknown block), which the Python code below handles before handing the
+rest back, so both paths apply a stream identically (the pure one is what runs without the
+extension or with ``native=False``).
 
 Matching exploits that a prefix-AND of worker bitmasks is numerically non-increasing (a
 subset of a set of bits is never a larger integer): ``accumulate(masks, and_)`` gives, at
@@ -64,6 +72,7 @@ from events.model import (
     KVCacheEvent,
     Removed,
     Stored,
+    StoredBlock,
     Updated,
 )
 from kvcache.scope import cache_salt_id
@@ -131,7 +140,6 @@ try:  # the native match loop (see _match.c), when the extension is built
     from router_sim._match import MaskTable
 except ImportError:  # pragma: no cover - depends on the install
     MaskTable = None  # type: ignore[assignment,misc]
-_TABLE_BITS: Final = 64
 
 _chain_lists: Callable[[list[list[int]], int, int | None, int | None], list[int]] = (
     _native_chain_lists if _native_chain_lists is not None else _chain_lists_py
@@ -214,7 +222,7 @@ class KvIndexer:
         # worker -> [blocks keyed by tokens, by engine hash, blocks whose key equals the hash]
         self._keying: dict[int, list[int]] = {}
         # the native mirror of which workers hold each int key (None: the pure-Python match
-        # loop, without the extension or once a worker's bit is past 63)
+        # loop and update loops, without the extension or with native=False)
         self._table: MaskTable | None = MaskTable() if native and MaskTable is not None else None
         self.batches_applied = 0
         self.events_applied = 0
@@ -225,8 +233,6 @@ class KvIndexer:
         bit = self._bit_of.get(worker)
         if bit is None:
             bit = self._free_bits.pop() if self._free_bits else len(self._bit_of)
-            if bit >= _TABLE_BITS:
-                self._table = None  # the native masks are 64 bits wide
             self._bit_of[worker] = bit
             self._worker_of_bit[bit] = worker
             self._held[worker] = {}
@@ -402,9 +408,14 @@ class KvIndexer:
         removal costs one insertion plus an amortized copy)."""
         recent[ek] = key
         if len(recent) > 2 * RECENT_KEYS:
-            newest = list(recent.items())[-RECENT_KEYS:]
-            recent.clear()
-            recent.update(newest)
+            KvIndexer._trim(recent)
+
+    @staticmethod
+    def _trim(recent: dict[IndexKey, int]) -> None:
+        """Keep the newest RECENT_KEYS memories of dropped blocks."""
+        newest = list(recent.items())[-RECENT_KEYS:]
+        recent.clear()
+        recent.update(newest)
 
     def _check_block_size(self, worker: int, data: Stored) -> None:
         size = data.block_size
@@ -546,19 +557,71 @@ class KvIndexer:
         if not data.blocks:
             return
         self._check_block_size(worker, data)
-        device, slower = self._device, self._slower
-        refs = self._refs[worker]
+        self._store(worker, bit, held, data.blocks, self._stored_keys(worker, held, data), True)
+
+    def _stored_by_hash(
+        self, worker: int, bit: int, held: dict[IndexKey, int], data: Stored
+    ) -> None:
+        if not data.blocks:
+            return
+        self._check_block_size(worker, data)
+        parent = data.parent_hash
+        if parent is not None and parent not in held:
+            self._anomaly(worker, UNKNOWN_PARENT)
+        self._store(worker, bit, held, data.blocks, None, False)
+
+    def _store(
+        self,
+        worker: int,
+        bit: int,
+        held: dict[IndexKey, int],
+        blocks: Sequence[StoredBlock],
+        keys: list[IndexKey] | None,
+        counting: bool,
+    ) -> None:
+        """Store ``blocks`` under ``keys`` (None: their own hashes); ``counting``: repeated
+        announcements on a slower tier are counted (keyed streams: vLLM's offload chunks)."""
+        t = self._table
+        if t is None:
+            self._store_py(worker, bit, held, blocks, keys, counting)
+            return
+        # the native loop stores device-tier blocks and stops at any other; that one goes
+        # through _store_deeper here, mirrored, and the loop resumes after it
+        if type(blocks) is not list:
+            blocks = list(blocks)
+        b = bit.bit_length() - 1
+        device = self._device
+        n = len(blocks)
+        i = t.store(blocks, keys, 0, b, bit, held, device)
+        while i < n:
+            block = blocks[i]
+            h = block.block_hash if keys is None else keys[i]
+            self._store_deeper(worker, bit, held, block.cache_level, h, counting)
+            t.sync([h], b, held)
+            i = t.store(blocks, keys, i + 1, b, bit, held, device)
+
+    def _store_py(
+        self,
+        worker: int,
+        bit: int,
+        held: dict[IndexKey, int],
+        blocks: Sequence[StoredBlock],
+        keys: list[IndexKey] | None,
+        counting: bool,
+    ) -> None:
+        """The pure-Python store loop (what the native ``MaskTable.store`` runs)."""
+        device = self._device
         held_add, device_add = held.setdefault, device.setdefault
-        stored = self._stored_keys(worker, held, data)
-        skipped = False
-        for block, h in zip(data.blocks, stored, strict=True):
+        for block, h in zip(
+            blocks, map(_BLOCK_HASH, blocks) if keys is None else keys, strict=True
+        ):
             level = block.cache_level
             if not level:
-                # the common case, one lookup per map for a block new to the worker and to
-                # the fleet (as in the by-hash path)
+                # the common case, kept to one lookup per map for a block new to the worker
+                # and to the fleet (at 1M entries the lookups are cache misses)
                 size = len(held)
                 old = held_add(h, 1)
-                if len(held) == size:
+                if len(held) == size:  # the worker knew the block
                     if old & 1:
                         continue
                     held[h] = old | 1
@@ -566,23 +629,35 @@ class KvIndexer:
                 if m != bit:
                     device[h] = m | bit
                 continue
-            if level > MAX_CACHE_LEVEL:
-                self._anomaly(worker, LEVEL_OUT_OF_RANGE)
-                skipped = True
-                continue
-            lbit = 1 << level if level > 0 else 1
-            old = held.get(h, 0)
-            if old & lbit:
-                if lbit != 1:  # slower tiers count announcements (vLLM's offload chunks)
-                    rk = (h, level)
-                    refs[rk] = refs.get(rk, 0) + 1
-                continue
-            held[h] = old | lbit
-            if lbit == 1:
-                device[h] = device.get(h, 0) | bit
-            elif not old >> 1:
-                slower[h] = slower.get(h, 0) | bit
-        self._mirror(stored, bit, held if skipped else True)
+            self._store_deeper(worker, bit, held, level, h, counting)
+
+    def _store_deeper(
+        self,
+        worker: int,
+        bit: int,
+        held: dict[IndexKey, int],
+        level: int,
+        h: IndexKey,
+        counting: bool,
+    ) -> None:
+        """Store one block at a cache level other than 0 (a slower tier, or a negative level
+        read as the device tier)."""
+        if level > MAX_CACHE_LEVEL:
+            self._anomaly(worker, LEVEL_OUT_OF_RANGE)
+            return
+        lbit = 1 << level if level > 0 else 1
+        old = held.get(h, 0)
+        if old & lbit:
+            if counting and lbit != 1:  # slower tiers count announcements
+                rk = (h, level)
+                refs = self._refs[worker]
+                refs[rk] = refs.get(rk, 0) + 1
+            return
+        held[h] = old | lbit
+        if lbit == 1:
+            self._device[h] = self._device.get(h, 0) | bit
+        elif not old >> 1:
+            self._slower[h] = self._slower.get(h, 0) | bit
 
     def _mirror(self, keys: Sequence[IndexKey], bit: int, held: dict[IndexKey, int] | bool) -> None:
         """Bring the native table in line with ``held`` for ``keys`` (one call per event);
@@ -629,17 +704,71 @@ class KvIndexer:
             self._anomaly(worker, LEVEL_OUT_OF_RANGE, len(data.block_hashes))
             return
         mask = -1 if level is None else 1 << max(0, level)
+        hashes = data.block_hashes
+        t = self._table
+        if t is None or data.group or not mask & 1:
+            unknown = self._remove_keys_py(worker, bit, held, hashes, level, data.group)
+        else:
+            unknown = self._evict(worker, bit, held, hashes, level, True)
+        if unknown:
+            self._anomaly(worker, UNKNOWN_REMOVAL, unknown)
+
+    def _evict(
+        self,
+        worker: int,
+        bit: int,
+        held: dict[IndexKey, int],
+        hashes: Sequence[BlockHash],
+        level: int | None,
+        keyed: bool,
+    ) -> int:
+        """A removal covering the device tier, natively: ``MaskTable.evict`` drops each block
+        held on the device tier only and stops at any other, which the Python loop handles
+        before the native one resumes. Returns the count of unknown blocks."""
+        t = self._table
+        assert t is not None
+        if type(hashes) is not list:
+            hashes = list(hashes)
+        b = bit.bit_length() - 1
+        device = self._device
+        keys = self._keys[worker] if keyed else None
+        recent = self._recent[worker] if keyed else None
+        limit = 2 * RECENT_KEYS
+        remove_py = self._remove_keys_py if keyed else self._remove_hashes_py
+        unknown = 0
+        n = len(hashes)
+        i = 0
+        while i < n:
+            i = t.evict(hashes, i, b, bit, held, device, keys, recent, limit)
+            if recent is not None and len(recent) > limit:
+                self._trim(recent)  # the native loop stopped right after the insertion
+            elif i < n:
+                unknown += remove_py(worker, bit, held, hashes[i : i + 1], level, None)
+                i += 1
+        return unknown
+
+    def _remove_keys_py(
+        self,
+        worker: int,
+        bit: int,
+        held: dict[IndexKey, int],
+        hashes: Sequence[BlockHash],
+        level: int | None,
+        group: int | None,
+    ) -> int:
+        """The removal loop of a keyed worker, engine hashes mapped to keys (mirrored);
+        returns the count of unknown blocks."""
+        mask = -1 if level is None else 1 << max(0, level)
         unknown = 0
         keys = self._keys[worker]
         refs = self._refs[worker]
-        group = data.group
         device = self._device
         keep = ~bit
         kpop = keys.pop
         recent = self._recent[worker]
         size = len(held)
         touched: list[IndexKey] = []
-        for eh in data.block_hashes:
+        for eh in hashes:
             ek: IndexKey = eh if not group else (eh, group)
             h: IndexKey = kpop(ek, ek)  # taken out of the map; put back below if still held
             touched.append(h)
@@ -673,68 +802,43 @@ class KvIndexer:
                 del keys[ek]
                 self._retire(recent, ek, h)  # type: ignore[arg-type]
         self._mirror(touched, bit, False if size - len(held) == len(touched) else held)
-        if unknown:
-            self._anomaly(worker, UNKNOWN_REMOVAL, unknown)
-
-    def _stored_by_hash(
-        self, worker: int, bit: int, held: dict[IndexKey, int], data: Stored
-    ) -> None:
-        if not data.blocks:
-            return
-        self._check_block_size(worker, data)
-        parent = data.parent_hash
-        if parent is not None and parent not in held:
-            self._anomaly(worker, UNKNOWN_PARENT)
-        device, slower = self._device, self._slower
-        held_get, device_get = held.get, device.get
-        held_add, device_add = held.setdefault, device.setdefault
-        skipped = False
-        for block in data.blocks:
-            h = block.block_hash
-            if not block.cache_level:
-                # The common case, kept to one lookup per map for a block new to the worker
-                # and to the fleet (at 1M entries the lookups are cache misses).
-                size = len(held)
-                old = held_add(h, 1)
-                if len(held) == size:  # the worker knew the block
-                    if old & 1:
-                        continue
-                    held[h] = old | 1
-                m = device_add(h, bit)
-                if m != bit:
-                    device[h] = m | bit
-                continue
-            if block.cache_level > MAX_CACHE_LEVEL:
-                self._anomaly(worker, LEVEL_OUT_OF_RANGE)
-                skipped = True
-                continue
-            old = held_get(h, 0)
-            lbit = 1 << block.cache_level if block.cache_level > 0 else 1
-            if old & lbit:
-                continue
-            held[h] = old | lbit
-            if lbit == 1:
-                device[h] = device_get(h, 0) | bit
-            elif not old >> 1:
-                slower[h] = slower.get(h, 0) | bit
-        if self._table is not None:
-            self._mirror(list(map(_BLOCK_HASH, data.blocks)), bit, held if skipped else True)
+        return unknown
 
     def _removed_by_hash(
         self, worker: int, bit: int, held: dict[IndexKey, int], data: Removed
     ) -> None:
         # A removal without a level drops every copy; with a level, only that tier's copy
         # (a GPU -> CPU offload travels as Removed(GPU) + Stored(CPU)).
-        if data.cache_level is not None and data.cache_level > MAX_CACHE_LEVEL:
+        level = data.cache_level
+        if level is not None and level > MAX_CACHE_LEVEL:
             self._anomaly(worker, LEVEL_OUT_OF_RANGE, len(data.block_hashes))
             return
-        mask = -1 if data.cache_level is None else 1 << max(0, data.cache_level)
+        hashes = data.block_hashes
+        if self._table is None or not (level is None or level <= 0):
+            unknown = self._remove_hashes_py(worker, bit, held, hashes, level, None)
+        else:
+            unknown = self._evict(worker, bit, held, hashes, level, False)
+        if unknown:
+            self._anomaly(worker, UNKNOWN_REMOVAL, unknown)
+
+    def _remove_hashes_py(
+        self,
+        worker: int,
+        bit: int,
+        held: dict[IndexKey, int],
+        hashes: Sequence[BlockHash],
+        level: int | None,
+        group: int | None,
+    ) -> int:
+        """The removal loop of a worker whose hashes are the keys (mirrored); returns the
+        count of unknown blocks."""
+        mask = -1 if level is None else 1 << max(0, level)
         unknown = 0
         device = self._device
         keep = ~bit
         held_pop, device_pop = held.pop, device.pop
         size = len(held)
-        for h in data.block_hashes:
+        for h in hashes:
             old = held_pop(h, 0)
             if old == 1 and mask & 1:
                 # the common eviction: the only copy was on the device tier (one lookup per map
@@ -751,10 +855,9 @@ class KvIndexer:
                 continue
             self._drop_levels(bit, held, h, old, gone)
         # as many entries gone as keys named: each key was dropped (a removal adds none)
-        gone_all = size - len(held) == len(data.block_hashes)
-        self._mirror(data.block_hashes, bit, False if gone_all else held)
-        if unknown:
-            self._anomaly(worker, UNKNOWN_REMOVAL, unknown)
+        gone_all = size - len(held) == len(hashes)
+        self._mirror(hashes, bit, False if gone_all else held)
+        return unknown
 
     def _updated(self, worker: int, bit: int, held: dict[IndexKey, int], data: Updated) -> None:
         diff = data.cache_level

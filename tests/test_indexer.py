@@ -422,13 +422,3 @@ def test_native_table_finds_every_key_left_after_deletions_inside_probe_runs() -
     table.sync(keys[::2], 1, dict.fromkeys(keys, 1))  # re-inserted, not duplicated
     assert len(table) == 3000
     assert all(table.runs([k], {0: 7, 1: 8}) == ({8: 1} if k % 2 == 0 else {7: 1}) for k in keys)
-
-
-@needs_native
-def test_more_than_64_workers_fall_back_to_the_reference() -> None:
-    ix = KvIndexer(TPB)
-    chain: list[BlockHash] = [1, 2, 3]
-    for w in range(70):
-        ix.apply_batch(w, batch(stored(chain[: 1 + w % 3])))
-    assert ix._table is None
-    assert ix.find_matches([1, 2, 3]) == {w: 1 + w % 3 for w in range(70)}
