@@ -147,7 +147,8 @@ class BlockPool:
     def grow(self, count: int, scope: ReuseScope, priority: int) -> list[Block]:
         """``count`` device pages a sequence holds privately; ``OutOfPagesError`` (nothing
         changed) when the device tier cannot provide them."""
-        self._check_room(count, f"the sequence needs {count} more")
+        if count > self.pools[0].num_free:  # else room() is at least count: skip its sum
+            self._check_room(count, f"the sequence needs {count} more")
         return self._privates(count, scope, priority)
 
     def _privates(self, count: int, scope: ReuseScope, priority: int) -> list[Block]:
@@ -228,12 +229,24 @@ class BlockPool:
         """A sequence lets go of ``blocks``: tree blocks stay cached, private pages are freed;
         a block no live sequence holds any more was last used now."""
         tick = self.next_tick()
+        classes = self._classes
+        queues = self.queues
         for b in blocks:
             if not b.in_tree:
                 self.free(b)
                 continue
+            # _holders(b, refs, susp, None if refs else tick), inlined: once per held block
             refs, susp = (b.refs, b.susp - 1) if suspended else (b.refs - 1, b.susp)
-            self._holders(b, refs, susp, None if refs else tick)
+            t = b.tier
+            classes[0 if b.refs else 1 if b.susp else 2][t] -= 1
+            classes[0 if refs else 1 if susp else 2][t] += 1
+            b.refs = refs
+            b.susp = susp
+            b.gen += 1
+            if not refs:
+                b.tick = tick
+                if b.here == 0 and b.page >= 0:
+                    queues[t][1 if susp else 0].push(b)
 
     # --------------------------------------------------------------------------- tree edits
 
@@ -367,14 +380,26 @@ class BlockPool:
             elif parent.tier == tier:
                 parent.here += 1
                 parent.gen += 1  # no longer a leaf on its tier
-        b.here = sum(1 for c in b.iter_children() if c.tier == tier)
+        here = 0
+        if b.children:
+            for c in b.children.values():
+                if c.tier == tier:
+                    here += 1
+        if b.partials:
+            for c in b.partials.values():
+                if c.tier == tier:
+                    here += 1
+        b.here = here
         self._refresh(b)
 
     def _drop(self, victims: list[Block], evicted: bool = True) -> None:
         """Remove cached blocks and their subtrees from the tree and free their pages. The
         sink hears ``on_removed`` with every block gone, descendants first, or ``on_cleared``
         when a ``clear`` emptied the tree."""
-        gone = [b for v in victims for b in self.tree.subtree(v)]
+        subtree = self.tree.subtree
+        gone = (
+            subtree(victims[0]) if len(victims) == 1 else [b for v in victims for b in subtree(v)]
+        )
         everything = not evicted and len(gone) == self.tree.num_blocks
         self.batch.flush_moves()
         for b in gone:

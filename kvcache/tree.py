@@ -308,6 +308,8 @@ class RadixTree:
     @staticmethod
     def subtree(block: Block) -> list[Block]:
         """``block`` and every descendant, descendants first (post-order)."""
+        if not block.children and not block.partials:
+            return [block]  # the usual eviction victim: a leaf
         out: list[Block] = []
         stack: list[tuple[Block, bool]] = [(block, False)]
         while stack:
@@ -316,7 +318,10 @@ class RadixTree:
                 out.append(node)
                 continue
             stack.append((node, True))
-            stack.extend((child, False) for child in node.iter_children())
+            if node.children:
+                stack += [(child, False) for child in node.children.values()]
+            if node.partials:
+                stack += [(child, False) for child in node.partials.values()]
         return out
 
     def iter_blocks(self) -> Iterator[Block]:
