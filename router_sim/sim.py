@@ -474,4 +474,8 @@ def simulate(
     progress: Callable[[int, int], None] | None = None,
 ) -> PolicySummary:
     """Run ``policy`` on ``requests`` with fresh workers and a fresh router."""
-    return Simulation(policy, config).run(requests, progress)
+    # the collector resumes once the simulation is gone: its one walk over what the run built
+    # then also frees the workers' caches (cyclic trees), instead of a walk that finds them
+    # alive and a later full one that frees them
+    with _without_cyclic_gc():
+        return Simulation(policy, config).run(requests, progress)
