@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import itertools
 from array import array
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcache.scope import ReuseScope, cache_salt_id
+from router_sim import workloads
 from router_sim.workloads import (
     WORKLOADS,
     Request,
     SyntheticSpec,
     expand_hash_ids,
+    expand_hash_ids_py,
     identical_prompts_for_tenants,
     synthetic_workload,
 )
@@ -117,6 +120,7 @@ def test_unknown_workload_is_rejected_with_the_choices() -> None:
         synthetic_workload("nope")
 
 
+@pytest.mark.parametrize("expand", [expand_hash_ids, expand_hash_ids_py])
 @settings(max_examples=60, deadline=None)
 @given(
     st.sampled_from([1, 2, 16, 100, 512, 4096]),
@@ -124,10 +128,37 @@ def test_unknown_workload_is_rejected_with_the_choices() -> None:
     st.data(),
 )
 def test_expansion_matches_the_per_token_formula(
-    n: int, ids: list[int], data: st.DataObject
+    expand: Callable[[tuple[int, ...], int, int], array[int]],
+    n: int,
+    ids: list[int],
+    data: st.DataObject,
 ) -> None:
     length = data.draw(st.integers(1, n * len(ids)))
     pos_bits = max(1, (n - 1).bit_length())
     b = 31 - pos_bits  # token j of id h is j << b | (h mod 2**b), as the docstring says
     naive = [j << b | (h % 2**b) for h in ids for j in range(n)][:length]
-    assert expand_hash_ids(tuple(ids), length, n).tolist() == naive
+    out = expand(tuple(ids), length, n)
+    assert out.typecode == "i" and out.tolist() == naive
+
+
+def test_expansion_and_answers_without_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
+    ids = (5, 2**23 + 7, 2**40 + 1)
+    with_numpy = expand_hash_ids(ids, 1300)
+    req = Request(7, 0.0, 1300, 90, hash_ids=ids)
+    answer = req.output_tokens()
+    monkeypatch.setattr(workloads, "_np", None)
+    assert expand_hash_ids(ids, 1300) == with_numpy
+    assert req.output_tokens() == answer
+    with pytest.raises(ValueError, match="hash ids"):
+        expand_hash_ids(ids, 3 * 512 + 1)
+
+
+@pytest.mark.parametrize("numpy", [True, False])
+def test_answers_are_a_run_of_consecutive_ids(monkeypatch: pytest.MonkeyPatch, numpy: bool) -> None:
+    if not numpy:
+        monkeypatch.setattr(workloads, "_np", None)
+    for rid, length in ((0, 1), (3, 40), (2**40 + 5, 700), (12345, 2**16 + 3)):
+        out = Request(rid, 0.0, 1, length, prompt=array("i", [1])).output_tokens()
+        base = 2**30 + (rid * 4099) % (2**30 - length)  # the formula, by hand
+        assert out.typecode == "i" and out.tolist() == list(range(base, base + length))
+        assert max(out) < 2**31
