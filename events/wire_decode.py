@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Annotated, Any, Final
 
 import msgspec
 
@@ -69,6 +69,7 @@ _SCALARS: Final = frozenset((type(None), bool, int, float, str, bytes))
 _CONTAINERS: Final = frozenset((list, dict))
 _KEYS: Final = frozenset((str, bytes))
 _UNTYPED: Final = msgspec.msgpack.Decoder()
+_TOKEN_LIST: Final = list[Annotated[int, msgspec.Meta(ge=0, lt=TOKEN_LIMIT)]]
 
 _DEFAULT_ALGO: Final = "v1_block_key"
 _DEFAULT_PRIORITY: Final = 35
@@ -262,12 +263,15 @@ def _check_strings(values: Any, kinds: set[type], max_str: int, max_bin: int) ->
 
 
 def _first_bad_token(items: list[Any]) -> int:
-    """Index of the first item that is not an int in [0, 2**31), or -1."""
-    if not items or (
-        set(map(type, items)) == {int} and min(items) >= 0 and max(items) < TOKEN_LIMIT
-    ):
-        return -1
-    return next(i for i, t in enumerate(items) if type(t) is not int or not 0 <= t < TOKEN_LIMIT)
+    """Index of the first item that is not an int in [0, 2**31), or -1 (msgspec checks the
+    whole list at C speed; the index is looked for only when something is wrong)."""
+    try:
+        msgspec.convert(items, _TOKEN_LIST)
+    except msgspec.ValidationError:
+        return next(
+            i for i, t in enumerate(items) if type(t) is not int or not 0 <= t < TOKEN_LIMIT
+        )
+    return -1
 
 
 def _bigram_tokens(items: list[Any], where: str) -> list[int]:

@@ -10,25 +10,45 @@ decodes it repeatedly and prints, from one run:
   accumulates. (msgpack interns map keys, so garbage full of distinct keys can make the
   interpreter's interned-string table resize once; that shows as a one-off retained block
   in one round, not as growth.)
-- for comparison, valid batches decoded per second and the decode cost per stored block.
+- valid batches, side by side in one run, in us per stored block (and per batch): the decoder
+  (typed path first), its general path alone, and with ``--reference DIR`` the decoder of
+  another checkout (e.g. the commit before a change: ``git worktree add /tmp/ref <commit>``
+  and ``python3 setup.py build_ext --inplace`` there), timed in a child process that runs
+  its rounds alternately with this one on the same payloads (best round of each; the child
+  also returns its batches, which must equal this decoder's). Payload sets: sim-like batches
+  (map form, 1-3 events per batch, 1-16 blocks of 512 tokens per store, token ids anywhere
+  in [0, 2**31), as ``router-sim run`` on the Mooncake trace publishes them), the same with
+  32-token blocks (1-64 blocks per store), and every payload of the engine captures in
+  tests/data/engines/.
 
-Usage: ``python scripts/bench_decoder.py [--payloads 20000] [--rounds 5] [--seed 1]``.
+Usage: ``python scripts/bench_decoder.py [--payloads 20000] [--rounds 5] [--seed 1]
+[--reference DIR]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import pickle
 import random
+import subprocess
+import sys
+import tempfile
 import time
 import tracemalloc
+from collections.abc import Callable
+from pathlib import Path
 
-import msgpack
+import msgspec
 
+from events.capture import read_capture
 from events.codec import DecodeError, decode_batch, encode_batch
 from events.hashing import v1_chain
-from events.model import KVCacheEvent, Removed, Stored, StoredBlock
+from events.model import DecodedBatch, KVCacheEvent, Removed, Stored, StoredBlock
+from events.wire_decode import decode_general
 from kvcache.scope import ReuseScope
+
+ENGINES = Path(__file__).resolve().parent.parent / "tests" / "data" / "engines"
 
 
 def valid_batch(rng: random.Random, blocks: int, tpb: int) -> bytes:
@@ -71,7 +91,7 @@ def corpus(rng: random.Random, n: int) -> list[bytes]:
                 "block_size": 2,
             }
             event[field] = bad
-            p = msgpack.packb([1.0, [event], 0], use_bin_type=True)
+            p = msgspec.msgpack.encode([1.0, [event], 0])
         elif kind == 4:
             code = rng.choice([b"\xdd", b"\xdf", b"\xdb", b"\xc6"])
             p = prefix + code + b"\xff\xff\xff\xff"
@@ -81,11 +101,119 @@ def corpus(rng: random.Random, n: int) -> list[bytes]:
     return out
 
 
+def sim_like(rng: random.Random, batches: int, tpb: int, max_blocks: int) -> list[bytes]:
+    """Map-form batches shaped as the simulator publishes them (1-3 events, mostly one)."""
+    out = []
+    for _ in range(batches):
+        events = []
+        for e in range(rng.choices((1, 2, 3), (91, 8, 1))[0]):
+            n = rng.choice((1, max_blocks, max_blocks - 1, rng.randint(1, max_blocks)))
+            tokens = [rng.randrange(1 << 31) for _ in range(n * tpb)]
+            blocks = [
+                StoredBlock(rng.randrange(1 << 64), tokens[i * tpb : (i + 1) * tpb])
+                for i in range(n)
+            ]
+            events.append(KVCacheEvent(e, Stored(rng.randrange(1 << 64), blocks, tpb)))
+        out.append(encode_batch(events, 1.7e9, 0))
+    return out
+
+
+def engine_payloads() -> list[bytes]:
+    out = []
+    for capture in sorted(ENGINES.glob("*/stream.jsonl")):
+        out += [m.frames[-1] for m in read_capture(capture).messages]
+    return out
+
+
+def blocks_of(batches: list[DecodedBatch]) -> int:
+    return sum(len(e.data.blocks) for b in batches for e in b.events if isinstance(e.data, Stored))
+
+
+_CHILD = """
+import pickle, sys, time
+sys.path.insert(0, sys.argv[1])
+from events.codec import decode_batch
+sets = pickle.load(open(sys.argv[2], "rb"))
+sys.stdout.buffer.write(pickle.dumps({k: [decode_batch(p) for p in v] for k, v in sets.items()}))
+sys.stdout.flush()
+for name in sys.stdin:
+    payloads = sets[name.strip()]
+    t = time.perf_counter()
+    for p in payloads:
+        decode_batch(p)
+    print(time.perf_counter() - t, flush=True)
+"""
+
+
+def time_all(decode: Callable[[bytes], object], payloads: list[bytes]) -> float:
+    t = time.perf_counter()
+    for p in payloads:
+        decode(p)
+    return time.perf_counter() - t
+
+
+def side_by_side(rng: random.Random, rounds: int, reference: Path | None) -> None:
+    sets = {
+        "sim-like, 512-token blocks": sim_like(rng, 400, 512, 16),
+        "sim-like, 32-token blocks": sim_like(rng, 400, 32, 64),
+        "engine captures": engine_payloads(),
+    }
+    paths: dict[str, Callable[[bytes], object]] = {
+        "decode_batch": decode_batch,
+        "general path alone": decode_general,
+    }
+    child = None
+    if reference is not None:
+        tmp = tempfile.NamedTemporaryFile(suffix=".pkl", delete=False)  # noqa: SIM115
+        pickle.dump(sets, tmp)
+        tmp.close()
+        argv = [sys.executable, "-c", _CHILD, str(reference.resolve()), tmp.name]
+        child = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=False)
+        assert child.stdout is not None and child.stdin is not None
+        theirs = pickle.load(child.stdout)  # the reference's batches, with this tree's model
+        Path(tmp.name).unlink()
+    label = f"reference {reference}" if reference is not None else ""
+    print(
+        f"\nvalid payloads, best of {rounds} alternating rounds (us per stored block / per batch)"
+    )
+    print(f"{'payloads':<28}{'batches':>8}{'blocks':>8}" + "".join(f"{n:>24}" for n in paths)
+          + (f"{'reference':>24}{'speed-up':>10}" if child else ""))  # fmt: skip
+    for name, payloads in sets.items():
+        mine = [decode_batch(p) for p in payloads]
+        assert [decode_general(p) for p in payloads] == mine, "the two paths disagree"
+        blocks = max(blocks_of(mine), 1)
+        best = dict.fromkeys(paths, 1e9)
+        ref = 1e9
+        for _ in range(rounds):
+            for path, fn in paths.items():
+                best[path] = min(best[path], time_all(fn, payloads))
+            if child is not None:
+                assert child.stdin is not None and child.stdout is not None
+                child.stdin.write(name.encode() + b"\n")
+                child.stdin.flush()
+                ref = min(ref, float(child.stdout.readline()))
+        cells = [f"{t / blocks * 1e6:9.2f} / {t / len(payloads) * 1e6:9.1f}" for t in best.values()]
+        line = f"{name:<28}{len(payloads):>8}{blocks:>8}" + "".join(f"{c:>24}" for c in cells)
+        if child is not None:
+            same = "" if theirs[name] == mine else "  (batches DIFFER)"
+            line += f"{ref / blocks * 1e6:>11.2f} / {ref / len(payloads) * 1e6:9.1f}"
+            line += f"{ref / best['decode_batch']:>9.2f}x{same}"
+        print(line)
+    if child is not None:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait(60)
+        print(f"reference: {label}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--payloads", type=int, default=20_000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--reference", type=Path, help="a checkout whose decode_batch is timed side by side"
+    )
     args = parser.parse_args()
     rng = random.Random(args.seed)
     payloads = corpus(rng, args.payloads)
@@ -130,14 +258,7 @@ def main() -> int:
         rate = len(subset) / (time.perf_counter() - t0)
         print(f"{name:<14}{rate:>14,.0f}{rejected / len(subset):>10.1%}")
 
-    valid = [valid_batch(rng, 64, 32) for _ in range(50)]
-    t0 = time.perf_counter()
-    reps = 20
-    for _ in range(reps):
-        for p in valid:
-            decode_batch(p)
-    dt = (time.perf_counter() - t0) / (reps * len(valid))
-    print(f"valid 64-block batches: {1 / dt:,.0f} batches/s, {dt / 64 * 1e6:.2f} us per block")
+    side_by_side(rng, args.rounds, args.reference)
     best = max(rates)
     print(
         f"malformed rejected: {best:,.0f}/s best round (target >= 100k/s: "
