@@ -32,7 +32,7 @@ from kvcache.pool import PagePool
 from kvcache.scope import ReuseScope
 from kvcache.sink import EventSink
 from kvcache.storage_protocol import PageStorage
-from kvcache.tree import Block, Node, RadixTree
+from kvcache.tree import Block, Node, RadixTree, full_children
 
 
 @dataclass(slots=True)
@@ -381,10 +381,9 @@ class BlockPool:
                 parent.here += 1
                 parent.gen += 1  # no longer a leaf on its tier
         here = 0
-        if b.children:
-            for c in b.children.values():
-                if c.tier == tier:
-                    here += 1
+        for c in full_children(b):
+            if c.tier == tier:
+                here += 1
         if b.partials:
             for c in b.partials.values():
                 if c.tier == tier:
@@ -417,7 +416,7 @@ class BlockPool:
         """Drop every cached block that no sequence (live or suspended) holds."""
         victims: list[Block] = []
         for root in list(self.tree.roots.values()):
-            stack = [*(root.children or {}).values(), *(root.partials or {}).values()]
+            stack = [*full_children(root), *(root.partials or {}).values()]
             while stack:
                 b = stack.pop()
                 if b.refs == 0 and b.susp == 0:

@@ -10,16 +10,25 @@ A child is found by its chained key ``sha256(parent_key || tokens)``, so two sco
 a node. Full children live in ``children``; partial blocks (fewer than ``tokens_per_block``
 tokens, always leaves) live in ``partials`` so that a full-block walk never lands on one.
 
+A node's only full child sits in ``child`` and ``children`` stays None; the dict is made when a
+second full child comes (the first moves into it, so the order stays insertion order) and kept
+from then on, with ``firsts`` beside it (how many full children begin with each token, so a
+partial match skips a node's children when none can share a token with the query). Most blocks
+are links of one chain: a dict each would be a third garbage-collected object per cached block
+beside the block and its token array, and the cyclic collector's full passes grow with their
+number.
+
 Ownership of a :class:`Block`'s fields (each is written by one module only; a test checks it):
-this module writes the structure (``key``, ``tokens``, ``is_full``, ``parent``, ``children``,
-``partials``, ``in_tree``); :mod:`kvcache.block_pool` writes the page state (``tier``, ``page``,
-``priority``, ``refs``, ``susp``, ``tick``, ``here``, ``gen``, ``uid``).
+this module writes the structure (``key``, ``tokens``, ``is_full``, ``parent``, ``child``,
+``children``, ``firsts``, ``partials``, ``in_tree``); :mod:`kvcache.block_pool` writes the page
+state (``tier``, ``page``, ``priority``, ``refs``, ``susp``, ``tick``, ``here``, ``gen``,
+``uid``).
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from hashlib import sha256
 from itertools import islice
 from typing import Final
@@ -34,12 +43,14 @@ _NO_TOKENS: Final = array("i")  # shared by every block not in the tree; never m
 class ScopeRoot:
     """The root of one scope: holds no tokens and no page."""
 
-    __slots__ = ("children", "key", "partials", "scope")
+    __slots__ = ("child", "children", "firsts", "key", "partials", "scope")
 
     def __init__(self, scope: ReuseScope) -> None:
         self.scope = scope
         self.key: BlockKey = root_key(scope)
+        self.child: Block | None = None
         self.children: dict[bytes, Block] | None = None
+        self.firsts: dict[int, int] | None = None
         self.partials: dict[bytes, Block] | None = None
 
 
@@ -54,7 +65,9 @@ class Block:
     """
 
     __slots__ = (
+        "child",
         "children",
+        "firsts",
         "gen",
         "here",
         "in_tree",
@@ -82,7 +95,9 @@ class Block:
         self.key: BlockKey = _NO_KEY
         self.tokens: array[int] = _NO_TOKENS
         self.parent: Block | None = None
+        self.child: Block | None = None
         self.children: dict[bytes, Block] | None = None
+        self.firsts: dict[int, int] | None = None
         self.partials: dict[bytes, Block] | None = None
         self.is_full = False
         self.in_tree = False
@@ -101,13 +116,47 @@ class Block:
 
     def iter_children(self) -> Iterator[Block]:
         """Full children, then partial children."""
-        if self.children:
-            yield from self.children.values()
+        yield from full_children(self)
         if self.partials:
             yield from self.partials.values()
 
 
 Node = Block | ScopeRoot
+
+
+def full_children(node: Node) -> Collection[Block]:
+    """``node``'s full children, in the order they joined."""
+    if node.children is not None:
+        return node.children.values()
+    return () if node.child is None else (node.child,)
+
+
+def _starting(node: Node, first: int) -> Collection[Block]:
+    """``node``'s full children to scan for one whose tokens begin with ``first``: none when
+    the per-token counts say that no child does (a shared system prompt's last block may have
+    hundreds of children, one per conversation that went on from it)."""
+    children = node.children
+    if children is None:
+        return () if node.child is None else (node.child,)
+    firsts = node.firsts
+    return children.values() if firsts is not None and firsts.get(first) else ()
+
+
+def _count_first(node: Node, child: Block, sign: int) -> None:
+    """Keep ``node.firsts`` (full children per first token, beside ``children``) up to date."""
+    firsts = node.firsts
+    assert firsts is not None
+    t = child.tokens[0]
+    n = firsts.get(t, 0) + sign
+    if n:
+        firsts[t] = n
+    else:
+        del firsts[t]
+
+
+def has_children(node: Node) -> bool:
+    """Whether any block (full or partial) hangs below ``node``."""
+    return node.child is not None or bool(node.children) or bool(node.partials)
 
 
 def _common_prefix(a: array[int], b: array[int], limit: int) -> int:
@@ -123,8 +172,7 @@ def _common_prefix(a: array[int], b: array[int], limit: int) -> int:
 def _siblings(node: Node) -> Iterator[Block]:
     if node.partials:
         yield from node.partials.values()
-    if node.children:
-        yield from node.children.values()
+    yield from full_children(node)
 
 
 class RadixTree:
@@ -161,15 +209,26 @@ class RadixTree:
         found: list[Block] = []
         key: bytes = node.key
         children = node.children
+        child = node.child
         for start in range(0, max_blocks * step, step):
-            if not children:
-                break
-            key = sha256(key + data[start : start + step]).digest()
-            block = children.get(key)
-            if block is None:
-                return found, BlockKey(key)
+            if children is None:
+                if child is None:
+                    break
+                key = sha256(key + data[start : start + step]).digest()
+                if child.key != key:
+                    return found, BlockKey(key)
+                block = child
+            else:
+                if not children:
+                    break
+                key = sha256(key + data[start : start + step]).digest()
+                found_block = children.get(key)
+                if found_block is None:
+                    return found, BlockKey(key)
+                block = found_block
             found.append(block)
             children = block.children
+            child = block.child
         return found, None
 
     @staticmethod
@@ -187,10 +246,10 @@ class RadixTree:
         # first token on). Children past ``max_scan`` are never looked at.
         first = rest[0]
         left = max_scan
-        for table in (node.partials, node.children):
+        for table in (node.partials.values() if node.partials else (), _starting(node, first)):
             if not table or left <= 0:
                 continue
-            for child in islice(table.values(), left):
+            for child in islice(table, left):
                 tokens = child.tokens
                 if tokens[0] != first:
                     continue
@@ -207,16 +266,15 @@ class RadixTree:
         """A partial block whose tokens are a prefix of a sibling's adds nothing reusable."""
         n = len(tokens)
         if not n:
-            return bool(node.partials or node.children)
+            return has_children(node)
         # A tree block holds at least one token (verify checks it), so its first token rules
         # it out before a slice is made.
         first = tokens[0]
-        for table in (node.partials, node.children):
-            if table:
-                for sib in table.values():
-                    t = sib.tokens
-                    if t[0] == first and t[:n] == tokens:
-                        return True
+        for table in (node.partials.values() if node.partials else (), _starting(node, first)):
+            for sib in table:
+                t = sib.tokens
+                if t[0] == first and t[:n] == tokens:
+                    return True
         return False
 
     @staticmethod
@@ -272,10 +330,18 @@ class RadixTree:
             b.parent = parent
             b.in_tree = True
             children = prev.children
-            if children is None:
-                prev.children = {key: b}
-            else:
+            if children is not None:
                 children[key] = b
+                _count_first(prev, b, 1)
+            elif prev.child is None:
+                prev.child = b
+            else:  # a second full child: both go into a dict, the first one first
+                first = prev.child
+                prev.children = {first.key: first, key: b}
+                prev.firsts = {}
+                _count_first(prev, first, 1)
+                _count_first(prev, b, 1)
+                prev.child = None
             prev = parent = b
             pos += tpb
             off += step
@@ -297,18 +363,25 @@ class RadixTree:
         """Take ``block`` out of its parent's children (its own children are left alone); a
         scope root goes with its last child."""
         node: Node = block.parent or self.roots[block.scope]
-        table = node.children if block.is_full else node.partials
-        assert table is not None and block.in_tree
-        del table[block.key]
+        assert block.in_tree
+        if block.is_full and node.children is None:
+            assert node.child is block
+            node.child = None
+        else:
+            table = node.children if block.is_full else node.partials
+            assert table is not None
+            del table[block.key]
+            if block.is_full:
+                _count_first(node, block, -1)
         block.in_tree = False
         self.num_blocks -= 1
-        if isinstance(node, ScopeRoot) and not node.children and not node.partials:
+        if isinstance(node, ScopeRoot) and not has_children(node):
             del self.roots[node.scope]
 
     @staticmethod
     def subtree(block: Block) -> list[Block]:
         """``block`` and every descendant, descendants first (post-order)."""
-        if not block.children and not block.partials:
+        if block.child is None and not block.children and not block.partials:
             return [block]  # the usual eviction victim: a leaf
         out: list[Block] = []
         stack: list[tuple[Block, bool]] = [(block, False)]
@@ -318,8 +391,7 @@ class RadixTree:
                 out.append(node)
                 continue
             stack.append((node, True))
-            if node.children:
-                stack += [(child, False) for child in node.children.values()]
+            stack += [(child, False) for child in full_children(node)]
             if node.partials:
                 stack += [(child, False) for child in node.partials.values()]
         return out

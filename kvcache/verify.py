@@ -17,7 +17,7 @@ from hashlib import sha256
 from kvcache.block_pool import BlockPool
 from kvcache.errors import KVCacheError
 from kvcache.keys import root_key, tokens_to_bytes
-from kvcache.tree import Block, RadixTree
+from kvcache.tree import Block, Node, RadixTree, has_children
 
 
 class InconsistentStateError(KVCacheError):
@@ -85,5 +85,24 @@ def verify(
         here = sum(1 for c in b.iter_children() if c.tier == b.tier)
         if here != b.here:
             _fail(f"{b}: counts {b.here} children on its tier, has {here}")
-        if not b.is_full and (b.children or b.partials):
+        if not b.is_full and has_children(b):
             _fail(f"partial {b} has children")
+    nodes: list[Node] = [*tree.roots.values(), *tree_blocks]
+    for node in nodes:
+        _check_full_children(node)
+
+
+def _check_full_children(node: Node) -> None:
+    """One full child inline or a dict of them (never both), each under its key, and the
+    per-first-token counts beside the dict."""
+    if node.children is None:
+        if node.firsts is not None:
+            _fail(f"{node} counts first tokens without a children dict")
+        return
+    if node.child is not None:
+        _fail(f"{node} holds a child inline and a children dict")
+    if any(k != c.key or not c.is_full for k, c in node.children.items()):
+        _fail(f"{node}: a full child is not under its key")
+    firsts = Counter(c.tokens[0] for c in node.children.values())
+    if node.firsts != dict(firsts):
+        _fail(f"{node}: first-token counts {node.firsts}, children say {dict(firsts)}")

@@ -11,7 +11,17 @@ import kvcache
 PACKAGE = Path(kvcache.__file__).parent
 # Who may write which field of a block (the ownership table of kvcache.tree's docstring).
 OWNERS = {
-    "tree.py": {"key", "tokens", "is_full", "parent", "children", "partials", "in_tree"},
+    "tree.py": {
+        "key",
+        "tokens",
+        "is_full",
+        "parent",
+        "child",
+        "children",
+        "firsts",
+        "partials",
+        "in_tree",
+    },
     "block_pool.py": {"tier", "page", "priority", "refs", "susp", "tick", "here", "gen", "uid"},
 }
 
