@@ -138,18 +138,50 @@ sys.stdout.buffer.write(pickle.dumps({k: [decode_batch(p) for p in v] for k, v i
 sys.stdout.flush()
 for name in sys.stdin:
     payloads = sets[name.strip()]
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.thread_time()
     for p in payloads:
         decode_batch(p)
-    print(time.perf_counter() - t, flush=True)
+    print(time.perf_counter() - t, time.thread_time() - c, flush=True)
 """
 
 
+class ReferenceDecoder:
+    """The ``decode_batch`` of another checkout, in a child process that holds the same payload
+    sets: :meth:`seconds` times one set there (the caller alternates it with its own rounds),
+    ``batches`` holds what it decoded (unpickled into this tree's model classes)."""
+
+    def __init__(self, checkout: Path, sets: dict[str, list[bytes]]) -> None:
+        with tempfile.NamedTemporaryFile(suffix=".pkl", delete=False) as tmp:
+            pickle.dump(sets, tmp)
+        argv = [sys.executable, "-c", _CHILD, str(checkout.resolve()), tmp.name]
+        self.checkout = checkout
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert self.proc.stdout is not None
+        try:
+            self.batches: dict[str, list[DecodedBatch]] = pickle.load(self.proc.stdout)
+        finally:
+            Path(tmp.name).unlink()
+
+    def seconds(self, name: str, cpu: bool = False) -> float:
+        """Wall seconds (or with ``cpu``, the child's thread CPU seconds) to decode a set."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(name.encode() + b"\n")
+        self.proc.stdin.flush()
+        wall, thread_cpu = map(float, self.proc.stdout.readline().split())
+        return thread_cpu if cpu else wall
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(60)
+
+
 def time_all(decode: Callable[[bytes], object], payloads: list[bytes]) -> float:
-    t = time.perf_counter()
+    """Thread CPU seconds to decode every payload (other load on the machine does not count)."""
+    t = time.thread_time()
     for p in payloads:
         decode(p)
-    return time.perf_counter() - t
+    return time.thread_time() - t
 
 
 def side_by_side(rng: random.Random, rounds: int, reference: Path | None) -> None:
@@ -162,20 +194,8 @@ def side_by_side(rng: random.Random, rounds: int, reference: Path | None) -> Non
         "decode_batch": decode_batch,
         "general path alone": decode_general,
     }
-    child = None
-    if reference is not None:
-        tmp = tempfile.NamedTemporaryFile(suffix=".pkl", delete=False)  # noqa: SIM115
-        pickle.dump(sets, tmp)
-        tmp.close()
-        argv = [sys.executable, "-c", _CHILD, str(reference.resolve()), tmp.name]
-        child = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=False)
-        assert child.stdout is not None and child.stdin is not None
-        theirs = pickle.load(child.stdout)  # the reference's batches, with this tree's model
-        Path(tmp.name).unlink()
-    label = f"reference {reference}" if reference is not None else ""
-    print(
-        f"\nvalid payloads, best of {rounds} alternating rounds (us per stored block / per batch)"
-    )
+    child = None if reference is None else ReferenceDecoder(reference, sets)
+    print(f"\nvalid payloads, CPU time, best of {rounds} alternating rounds (us per block / batch)")
     print(f"{'payloads':<28}{'batches':>8}{'blocks':>8}" + "".join(f"{n:>24}" for n in paths)
           + (f"{'reference':>24}{'speed-up':>10}" if child else ""))  # fmt: skip
     for name, payloads in sets.items():
@@ -188,22 +208,17 @@ def side_by_side(rng: random.Random, rounds: int, reference: Path | None) -> Non
             for path, fn in paths.items():
                 best[path] = min(best[path], time_all(fn, payloads))
             if child is not None:
-                assert child.stdin is not None and child.stdout is not None
-                child.stdin.write(name.encode() + b"\n")
-                child.stdin.flush()
-                ref = min(ref, float(child.stdout.readline()))
+                ref = min(ref, child.seconds(name, cpu=True))
         cells = [f"{t / blocks * 1e6:9.2f} / {t / len(payloads) * 1e6:9.1f}" for t in best.values()]
         line = f"{name:<28}{len(payloads):>8}{blocks:>8}" + "".join(f"{c:>24}" for c in cells)
         if child is not None:
-            same = "" if theirs[name] == mine else "  (batches DIFFER)"
+            same = "" if child.batches[name] == mine else "  (batches DIFFER)"
             line += f"{ref / blocks * 1e6:>11.2f} / {ref / len(payloads) * 1e6:9.1f}"
             line += f"{ref / best['decode_batch']:>9.2f}x{same}"
         print(line)
     if child is not None:
-        assert child.stdin is not None
-        child.stdin.close()
-        child.wait(60)
-        print(f"reference: {label}")
+        child.close()
+        print(f"reference: decode_batch of {reference}; speed-up: reference / decode_batch")
 
 
 def main() -> int:

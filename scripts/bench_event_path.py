@@ -18,7 +18,11 @@ process) and tcp loopback with the subscriber in its own process (the router's u
 with the cache's long-lived objects frozen out of the cyclic garbage collector (``gc.freeze()``,
 as a server does after start-up), plus inproc without the freeze for comparison.
 
-    python scripts/bench_event_path.py [--prompts N]
+With ``--reference DIR`` (a checkout of another commit, its extension built), the decode step
+is also timed (CPU time) with that checkout's ``decode_batch`` in a child process, alternating
+with this tree's on the same payloads (see ``bench_decoder.py``), and printed beside it.
+
+    python scripts/bench_event_path.py [--prompts N] [--reference DIR]
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ import multiprocessing as mp
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import zmq
-from bench_event_manager import KeepBlocks  # scripts/ is on sys.path when run as a script
+from bench_decoder import ReferenceDecoder  # scripts/ is on sys.path when run as a script
+from bench_event_manager import KeepBlocks
 
 from events.codec import decode_batch, encode_batch
 from events.manager import KVCacheEventManager
@@ -192,11 +198,15 @@ def run_subscriber_process(calls: list[list[BlockView]]) -> Result:
     return Result(blocks, end - start, cpu, cpu_pub, dropped, resyncs)
 
 
-def component_costs(calls: list[list[BlockView]]) -> dict[str, float]:
+def component_costs(
+    calls: list[list[BlockView]], reference: Path | None = None
+) -> dict[str, float]:
     """CPU seconds per block of each step alone (thread CPU time, so other load on the machine
-    does not inflate it), best of 3, in this run."""
+    does not inflate it), best of 3, in this run; with ``reference``, that checkout's decode
+    of the same payloads (CPU time in its own process, alternating with this one's)."""
     best = {"event manager": 1e9, "encode_batch": 1e9, "decode_batch": 1e9}
     total = sum(len(c) for c in calls)
+    child = None
     for _ in range(3):
         mgr = KVCacheEventManager(max_entries=1 << 20)
         t0 = time.thread_time()
@@ -211,8 +221,17 @@ def component_costs(calls: list[list[BlockView]]) -> dict[str, float]:
         for payload in payloads:
             decode_batch(payload)
         t3 = time.thread_time()
-        for name, sec in zip(best, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+        steps = ("event manager", "encode_batch", "decode_batch")
+        for name, sec in zip(steps, (t1 - t0, t2 - t1, t3 - t2), strict=True):
             best[name] = min(best[name], sec / total)
+        if reference is not None:
+            if child is None:
+                child = ReferenceDecoder(reference, {"path": payloads})
+                assert child.batches["path"] == [decode_batch(p) for p in payloads]
+            key = f"decode_batch of {reference}"
+            best[key] = min(best.get(key, 1e9), child.seconds("path", cpu=True) / total)
+    if child is not None:
+        child.close()
     return best
 
 
@@ -255,6 +274,9 @@ def transport_costs(calls: list[list[BlockView]]) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=400)
+    parser.add_argument(
+        "--reference", type=Path, help="a checkout whose decode_batch is timed beside this one"
+    )
     args = parser.parse_args()
     cache, calls = tree_blocks(args.prompts)
     total = sum(len(c) for c in calls)
@@ -264,11 +286,11 @@ def main() -> None:
     # The tree's blocks are long-lived objects; a server freezes them out of the cyclic
     # collector after start-up so that collections do not keep traversing them.
     gc.freeze()
-    costs = component_costs(calls)
+    costs = component_costs(calls, args.reference)
     print(f"{'step alone (same run, CPU time)':<34}{'us/block':>11}")
     for name, sec in costs.items():
         print(f"{name:<34}{sec * 1e6:>11.2f}")
-    serial = sum(costs.values())
+    serial = sum(costs[k] for k in ("event manager", "encode_batch", "decode_batch"))
     print(
         f"{'sum of the three':<34}{serial * 1e6:>11.2f}   = {1 / serial:,.0f} blocks/s on one core"
     )
