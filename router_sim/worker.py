@@ -33,6 +33,7 @@ from array import array
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Final
 
 import zmq
@@ -122,8 +123,7 @@ class _Seq:
         return self.cache is not None and self.computed >= self.target and self.generated > 0
 
 
-def _by_order(s: _Seq) -> int:
-    return s.order
+_block_hash: Final = attrgetter("block_hash")
 
 
 def _frame_dropped(seed: int, worker: int, seq: int, rate: float) -> bool:
@@ -352,7 +352,7 @@ class SimWorker:
         for ev in batch:
             data = ev.data
             if isinstance(data, Stored):
-                held.update(b.block_hash for b in data.blocks)
+                held.update(map(_block_hash, data.blocks))
             elif isinstance(data, Removed):
                 held.difference_update(data.block_hashes)
             elif isinstance(data, AllBlocksCleared):
@@ -475,9 +475,13 @@ class SimWorker:
 
     def _preempt_for(self, needy: _Seq) -> bool:
         """Free pages by preempting the most recently admitted request; False if ``needy``
-        itself was the victim."""
-        victim = max(self.running, key=lambda s: s.order)
-        self.running.remove(victim)
+        itself was the victim.
+
+        ``running`` stays sorted by ``order`` (admission order) and every waiting request
+        comes after it: requests are admitted from the head of the FIFO, which holds the
+        oldest, and the victim, the newest running request, goes back to that head."""
+        victim = self.running.pop()
+        assert not self.running or self.running[-1].order < victim.order
         self._release(victim)
         victim.computed = victim.in_cache = 0
         victim.record.preemptions += 1
@@ -525,17 +529,22 @@ class SimWorker:
         self._load = None
         self._admit_waiting()
         tpb = self.config.tokens_per_block
-        # pages for this step's decode tokens first (may preempt, so iterate over a copy; a
-        # preempted request has no cache, so it is not decoding)
-        for s in sorted(self.running, key=_by_order):
+        # Pages for this step's decode tokens first, oldest request first (``running`` is in
+        # admission order, see _preempt_for). Taking a page may preempt the newest request,
+        # which then has no cache and so is not decoding: iterate over a copy.
+        running = self.running
+        for s in running[:]:
             if s.decoding:
                 self._ensure_capacity(s, s.req.input_length + s.generated + 1)
-        decodes = [s for s in self.running if s.decoding]
+        decodes: list[_Seq] = []
+        prefills: list[_Seq] = []
+        for s in running:
+            (decodes if s.decoding else prefills).append(s)
         budget = self.config.max_batch_tokens - len(decodes)
         chunks: list[tuple[_Seq, int]] = []
-        for s in self.running:
-            if s.decoding or budget <= 0:
-                continue
+        for s in prefills:
+            if budget <= 0:
+                break
             n = min(max(1, s.target - s.computed), budget)
             chunks.append((s, n))
             budget -= n

@@ -8,9 +8,11 @@ from typing import Any
 import pytest
 
 import router_sim.cli
+import router_sim.sim
 from kvcache.tree import Block
 from router_sim.cli import main
-from router_sim.sim import SimConfig, simulate
+from router_sim.sim import Restart, SimConfig, simulate
+from router_sim.worker import SimWorker
 from router_sim.workloads import SyntheticSpec, synthetic_workload
 
 SMALL = SyntheticSpec(num_requests=40, rate_per_s=40.0)
@@ -85,3 +87,27 @@ def test_a_young_collection_frees_a_finished_runs_caches() -> None:
         gc.set_threshold(*thresholds)
     gc.collect(1)  # the young generations only
     assert blocks() == before
+
+
+@pytest.mark.parametrize("restarts", [[], [Restart(0, 2000.0), Restart(1, 4000.0)]])
+def test_running_requests_stay_in_admission_order(
+    monkeypatch: pytest.MonkeyPatch, restarts: list[Restart]
+) -> None:
+    """A worker steps its running requests in list order and preempts the last one: that is
+    only the oldest-first order and the newest victim if ``running`` stays sorted by admission
+    and every waiting request is newer, through admissions, preemptions and restarts."""
+    checked = [0]
+
+    class Checked(SimWorker):
+        def _step(self, t_ms: float) -> bool:
+            stepped = super()._step(t_ms)
+            orders = [s.order for s in self.running] + [s.order for s in self.waiting]
+            assert orders == sorted(orders), orders
+            checked[0] += 1
+            return stepped
+
+    monkeypatch.setattr(router_sim.sim, "SimWorker", Checked)
+    reqs = synthetic_workload("mixed", seed=5, spec=SyntheticSpec(num_requests=150, rate_per_s=60))
+    run = simulate(reqs, "kv_overlap", _config(device_blocks=220, restarts=restarts))
+    assert checked[0] > 100
+    assert sum(r.preemptions for r in run.records) > 10
