@@ -1,13 +1,14 @@
 """Benchmark: the whole Mooncake conversation trace through the simulator.
 
-Prints, per (policy, tokens per block, device blocks), the wall time of the run beside the
-quality figures (hit rate and its ratio to the compulsory-miss bound, TTFT p50/p99, load
+Prints, per (speed-up, policy, tokens per block, device blocks), the wall and CPU seconds of
+the run beside the quality figures (hit rate and its ratio to the compulsory-miss bound, TTFT p50/p99, load
 max/mean), all from one invocation. Not part of the test suite.
 
     python scripts/bench_sim.py                                   # kv_overlap, 8 workers
     python scripts/bench_sim.py --policies round_robin random kv_overlap predicted_ttft
     python scripts/bench_sim.py --policies 'kv_overlap:{"overlap_weight": 4}' --spread-ms 3000
     python scripts/bench_sim.py --device-blocks 65536,4096 --tokens-per-block 512,128
+    python scripts/bench_sim.py --policies round_robin kv_overlap predicted_ttft --speedups 1,4
 
 ``--against-dynamo PYTHON`` runs NVIDIA Dynamo's Rust mocker (``ai-dynamo-runtime``, installed
 in its own environment whose interpreter is PYTHON; never a dependency of this project) on the
@@ -125,7 +126,7 @@ def against_dynamo(args: argparse.Namespace) -> None:
             f"{'ours CPU':>10}{'Dynamo':>8}{'hit %':>7}{'Dynamo':>8}{'TTFT p50':>9}{'Dynamo':>8}"
             f"{'p99':>7}{'Dynamo':>8}"
         )
-        for speedup in (float(x) for x in args.speedups.split(",")):
+        for speedup in (float(x) for x in (args.speedups or "1,4").split(",")):
             t0 = time.perf_counter()
             requests = load_trace(args.trace, speedup=speedup, max_requests=args.max_requests)
             load_s = time.perf_counter() - t0
@@ -172,23 +173,32 @@ def main() -> None:
         metavar="PYTHON",
         help="interpreter of an environment with ai-dynamo-runtime: compare with its mocker",
     )
-    parser.add_argument("--speedups", default="1,4", help="with --against-dynamo: factors")
+    parser.add_argument(
+        "--speedups",
+        help="arrival speed-up factors, comma-separated (default 1; with --against-dynamo 1,4)",
+    )
     parser.add_argument("--repeats", type=int, default=1, help="with --against-dynamo")
     args = parser.parse_args()
     if args.against_dynamo:
         against_dynamo(args)
         return
-    seeds = [int(x) for x in args.seed.split(",")]
+    for speedup in (float(x) for x in (args.speedups or "1").split(",")):
+        _sweep(args, speedup)
 
+
+def _sweep(args: argparse.Namespace, speedup: float) -> None:
+    seeds = [int(x) for x in args.seed.split(",")]
     t0 = time.perf_counter()
-    requests = load_trace(args.trace, max_requests=args.max_requests, spread_ms=args.spread_ms)
+    requests = load_trace(
+        args.trace, max_requests=args.max_requests, spread_ms=args.spread_ms, speedup=speedup
+    )
     print(
         f"loaded {len(requests)} requests in {time.perf_counter() - t0:.2f} s "
-        f"(spread {args.spread_ms:g} ms, {args.workers} workers)"
+        f"(speed-up {speedup:g}, spread {args.spread_ms:g} ms, {args.workers} workers)"
     )
     header = (
-        f"{'policy':<34}{'tpb':>5}{'dev blocks':>11}{'wall s':>8}{'hit %':>7}{'of bound':>9}"
-        f"{'TTFT p50':>9}{'p99':>8}{'max/mean':>9}{'busy m/m':>9}{'given up':>9}"
+        f"{'policy':<34}{'tpb':>5}{'dev blocks':>11}{'wall s':>8}{'CPU s':>7}{'hit %':>7}"
+        f"{'of bound':>9}{'TTFT p50':>9}{'p99':>8}{'max/mean':>9}{'busy m/m':>9}{'given up':>9}"
     )
     for tpb in (int(x) for x in args.tokens_per_block.split(",")):
         t0 = time.perf_counter()
@@ -208,13 +218,13 @@ def main() -> None:
                     seed=seed,
                     policy_options={policy: json.loads(options)} if options else {},
                 )
-                t0 = time.perf_counter()
+                c0, t0 = _cpu_s(), time.perf_counter()
                 f = simulate(requests, policy, config).as_dict()
-                wall = time.perf_counter() - t0
+                wall, cpu = time.perf_counter() - t0, _cpu_s() - c0
                 hit = _num(f["hit_rate"])
                 label = spec + (f" seed {seed}" if len(seeds) > 1 else "")
                 print(
-                    f"{label:<34}{tpb:>5}{blocks:>11}{wall:>8.1f}{hit:>7.1%}"
+                    f"{label:<34}{tpb:>5}{blocks:>11}{wall:>8.1f}{cpu:>7.1f}{hit:>7.1%}"
                     f"{hit / bound.token_hit_rate:>9.1%}{f['ttft_p50_ms']:>9.0f}"
                     f"{f['ttft_p99_ms']:>8.0f}{f['load_max_over_mean']:>9.3f}"
                     f"{f['busy_max_over_mean']:>9.3f}{f['locality_given_up']:>9.2%}",
