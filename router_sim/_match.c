@@ -42,7 +42,8 @@ typedef struct {
     uint64_t *slots; /* cap * (1 + words) */
     size_t cap;      /* a power of two */
     size_t count;
-    size_t words; /* mask words per slot */
+    size_t words;    /* mask words per slot */
+    PyObject *other; /* key -> device mask for keys that are not ints in [0, 2**64) */
 } MaskTable;
 
 #define MIN_CAP 1024
@@ -61,12 +62,15 @@ static inline uint64_t scramble(uint64_t x) {
     return x ^ (x >> 31);
 }
 
+/* a slot: the key, the any-tier mask (words), the device-tier mask (words) */
+static inline size_t stride_of(size_t words) { return 1 + 2 * words; }
+
 static inline uint64_t *slot_at(const MaskTable *t, size_t j) {
-    return t->slots + j * (1 + t->words);
+    return t->slots + j * stride_of(t->words);
 }
 
 static inline int slot_empty(const uint64_t *s, size_t words) {
-    for (size_t w = 1; w <= words; w++)
+    for (size_t w = 1; w <= 2 * words; w++)
         if (s[w])
             return 0;
     return 1;
@@ -75,8 +79,7 @@ static inline int slot_empty(const uint64_t *s, size_t words) {
 static inline void prefetch_key(const MaskTable *t, uint64_t key) {
     const char *p = (const char *)slot_at(t, scramble(key) & (t->cap - 1));
     __builtin_prefetch(p);
-    if (t->words > 1) /* a wide slot may straddle a cache line */
-        __builtin_prefetch(p + 8 * t->words);
+    __builtin_prefetch(p + 8 * stride_of(t->words) - 1); /* a slot may straddle two lines */
 }
 
 /* A large table is read at random: ask for huge pages (where the kernel leaves it to
@@ -97,7 +100,7 @@ static void advise_huge(void *p, size_t bytes) {
 
 /* rebuild into `cap` slots of `words` mask words (words >= the current width) */
 static int table_rebuild(MaskTable *t, size_t cap, size_t words) {
-    const size_t stride = 1 + words, old_stride = 1 + t->words;
+    const size_t stride = stride_of(words), old_words = t->words, old_stride = stride_of(old_words);
     if (cap > PY_SSIZE_T_MAX / 8 / stride) {
         PyErr_NoMemory();
         return -1;
@@ -115,7 +118,10 @@ static int table_rebuild(MaskTable *t, size_t cap, size_t words) {
         size_t j = scramble(s[0]) & (cap - 1);
         while (!slot_empty(fresh + j * stride, words))
             j = (j + 1) & (cap - 1);
-        memcpy(fresh + j * stride, s, old_stride * sizeof(uint64_t));
+        uint64_t *d = fresh + j * stride;
+        d[0] = s[0];
+        memcpy(d + 1, s + 1, old_words * sizeof(uint64_t));
+        memcpy(d + 1 + words, s + 1 + old_words, old_words * sizeof(uint64_t));
     }
     PyMem_RawFree(t->slots);
     t->slots = fresh;
@@ -137,7 +143,7 @@ static inline uint64_t *table_find(const MaskTable *t, uint64_t key) {
 }
 
 static void table_delete(MaskTable *t, uint64_t *hole_slot) {
-    const size_t cap_mask = t->cap - 1, words = t->words, stride = 1 + words;
+    const size_t cap_mask = t->cap - 1, words = t->words, stride = stride_of(words);
     size_t hole = (size_t)(hole_slot - t->slots) / stride;
     size_t j = hole;
     for (;;) {
@@ -156,8 +162,9 @@ static void table_delete(MaskTable *t, uint64_t *hole_slot) {
     t->count--;
 }
 
-/* set (on) or clear bit `bit` of key; the table is widened first where the bit needs it */
-static int table_put(MaskTable *t, uint64_t key, long bit, int on) {
+/* set (on) or clear bit `bit` of key's any-tier mask (tier 0) or device mask (tier 1); the
+   table is widened first where the bit needs it */
+static int table_put(MaskTable *t, uint64_t key, long bit, int on, int tier) {
     const size_t word = (size_t)bit >> 6;
     const uint64_t b = UINT64_C(1) << (bit & 63);
     if (word >= t->words) {
@@ -167,17 +174,18 @@ static int table_put(MaskTable *t, uint64_t key, long bit, int on) {
             return -1;
     }
     uint64_t *s = table_find(t, key);
+    const size_t at = 1 + (size_t)tier * t->words + word;
     if (on) {
         if (!slot_empty(s, t->words)) {
-            s[1 + word] |= b;
+            s[at] |= b;
             return 0;
         }
         s[0] = key;
-        s[1 + word] = b;
+        s[at] = b;
         if (++t->count * 4 > t->cap * 3)
             return table_rebuild(t, t->cap * 2, t->words);
-    } else if (s[1 + word] & b) {
-        s[1 + word] &= ~b;
+    } else if (s[at] & b) {
+        s[at] &= ~b;
         if (slot_empty(s, t->words)) {
             table_delete(t, s);
             if (t->cap > MIN_CAP && t->count * 8 < t->cap)
@@ -188,14 +196,22 @@ static int table_put(MaskTable *t, uint64_t key, long bit, int on) {
 }
 
 static PyObject *MaskTable_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    if (PyTuple_GET_SIZE(args) || (kwds != NULL && PyDict_GET_SIZE(kwds))) {
-        PyErr_SetString(PyExc_TypeError, "MaskTable() takes no arguments");
+    PyObject *other = NULL;
+    if (PyTuple_GET_SIZE(args) > 1 || (kwds != NULL && PyDict_GET_SIZE(kwds)) ||
+        (PyTuple_GET_SIZE(args) == 1 && !PyDict_Check(PyTuple_GET_ITEM(args, 0)))) {
+        PyErr_SetString(PyExc_TypeError, "MaskTable(other: dict = {}) takes one dict at most");
         return NULL;
     }
-    MaskTable *t = (MaskTable *)type->tp_alloc(type, 0);
-    if (t == NULL)
+    other = PyTuple_GET_SIZE(args) ? Py_NewRef(PyTuple_GET_ITEM(args, 0)) : PyDict_New();
+    if (other == NULL)
         return NULL;
-    t->slots = PyMem_RawCalloc(MIN_CAP * 2, sizeof(uint64_t));
+    MaskTable *t = (MaskTable *)type->tp_alloc(type, 0);
+    if (t == NULL) {
+        Py_DECREF(other);
+        return NULL;
+    }
+    t->other = other;
+    t->slots = PyMem_RawCalloc(MIN_CAP * stride_of(1), sizeof(uint64_t));
     if (t->slots == NULL) {
         Py_DECREF(t);
         return PyErr_NoMemory();
@@ -208,6 +224,7 @@ static PyObject *MaskTable_new(PyTypeObject *type, PyObject *args, PyObject *kwd
 
 static void MaskTable_dealloc(MaskTable *t) {
     PyMem_RawFree(t->slots);
+    Py_XDECREF(t->other);
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
 
@@ -276,7 +293,7 @@ static PyObject *update(MaskTable *t, PyObject *keys_arg, PyObject *bit_arg, PyO
         if (!is_key[i])
             continue;
         int present = by_dict ? PyDict_Contains(held, items[i]) : held == Py_True;
-        if (present < 0 || table_put(t, keys[i], bit, present) < 0)
+        if (present < 0 || table_put(t, keys[i], bit, present, 0) < 0)
             goto fail_keys;
     }
     if (keys != stack_keys)
@@ -427,6 +444,31 @@ fail:
 
 static PyObject *str_cache_level, *str_block_hash, *one;
 
+/* Touch what an update loop is about to read, for keys items[from:to]: the table slots are
+   prefetched and the dict entries looked up (`map` first maps a key, as evict does). These
+   lookups do not depend on one another, so the CPU overlaps their cache misses, where the
+   update loop's dependent steps would take them one after the other; the loop then finds
+   them cached. A hint only: nothing is changed. */
+static void warm(const MaskTable *t, PyObject *const *items, Py_ssize_t from, Py_ssize_t to,
+                 PyObject *map, PyObject *d1, PyObject *d2) {
+    for (Py_ssize_t i = from; i < to; i++) {
+        PyObject *h = items[i];
+        if (map != NULL) {
+            PyObject *k = PyDict_GetItemWithError(map, h);
+            if (k != NULL)
+                h = k;
+        }
+        uint64_t key;
+        int ok = as_key(h, &key);
+        if (ok > 0)
+            prefetch_key(t, key);
+        if (ok < 0 || PyDict_GetItemWithError(d1, h) == NULL ||
+            PyDict_GetItemWithError(d2, h) == NULL) {
+            PyErr_Clear(); /* an unhashable key fails again, with its error, in the loop */
+        }
+    }
+}
+
 /* store(blocks, keys, start, bit, bitobj, held, device) -> index
 
    KvIndexer's store of blocks on the device tier for the worker whose bit is `bit`
@@ -457,6 +499,8 @@ static PyObject *MaskTable_store(MaskTable *t, PyObject *const *args, Py_ssize_t
         return NULL;
     if (i < 0)
         i = 0;
+    if (keys != Py_None)
+        warm(t, PySequence_Fast_ITEMS(keys), i, n, NULL, held, device);
     for (; i < n; i++) {
         PyObject *block = PyList_GET_ITEM(blocks, i);
         PyObject *level = PyObject_GetAttr(block, str_cache_level);
@@ -476,14 +520,6 @@ static PyObject *MaskTable_store(MaskTable *t, PyObject *const *args, Py_ssize_t
         } else {
             h = PyList_GET_ITEM(keys, i);
             Py_INCREF(h);
-        }
-        if (i + 8 < n && keys != Py_None) {
-            uint64_t ahead;
-            int ok = as_key(PyList_GET_ITEM(keys, i + 8), &ahead);
-            if (ok < 0)
-                goto fail_h;
-            if (ok)
-                prefetch_key(t, ahead);
         }
         Py_ssize_t size = PyDict_GET_SIZE(held);
         PyObject *old = PyDict_SetDefault(held, h, one); /* borrowed */
@@ -506,6 +542,16 @@ static PyObject *MaskTable_store(MaskTable *t, PyObject *const *args, Py_ssize_t
             if (err < 0)
                 goto fail_h;
         }
+        uint64_t key;
+        int ok = as_key(h, &key);
+        if (ok < 0)
+            goto fail_h;
+        if (ok) { /* the table holds both masks */
+            if (table_put(t, key, bit, 1, 0) < 0 || table_put(t, key, bit, 1, 1) < 0)
+                goto fail_h;
+            Py_DECREF(h);
+            continue;
+        }
         PyObject *m = PyDict_SetDefault(device, h, bitobj); /* borrowed */
         if (m == NULL)
             goto fail_h;
@@ -518,10 +564,6 @@ static PyObject *MaskTable_store(MaskTable *t, PyObject *const *args, Py_ssize_t
             if (err < 0)
                 goto fail_h;
         }
-        uint64_t key;
-        int ok = as_key(h, &key);
-        if (ok < 0 || (ok && table_put(t, key, bit, 1) < 0))
-            goto fail_h;
         Py_DECREF(h);
         continue;
     fail_h:
@@ -566,6 +608,7 @@ static PyObject *MaskTable_evict(MaskTable *t, PyObject *const *args, Py_ssize_t
     PyObject *keep = PyNumber_Invert(bitobj);
     if (keep == NULL)
         return NULL;
+    warm(t, PySequence_Fast_ITEMS(hashes), i, n, keys == Py_None ? NULL : keys, held, device);
     for (; i < n; i++) {
         PyObject *eh = PyList_GET_ITEM(hashes, i);
         PyObject *h = NULL;
@@ -599,9 +642,19 @@ static PyObject *MaskTable_evict(MaskTable *t, PyObject *const *args, Py_ssize_t
         }
         if (PyDict_DelItem(held, h) < 0)
             goto fail_h;
-        PyObject *m = PyDict_GetItemWithError(device, h); /* borrowed */
-        if (m == NULL && PyErr_Occurred())
+        uint64_t key;
+        int ok = as_key(h, &key);
+        if (ok < 0)
             goto fail_h;
+        PyObject *m = NULL;
+        if (ok) { /* the table holds both masks */
+            if (table_put(t, key, bit, 0, 1) < 0 || table_put(t, key, bit, 0, 0) < 0)
+                goto fail_h;
+        } else {
+            m = PyDict_GetItemWithError(device, h); /* borrowed */
+            if (m == NULL && PyErr_Occurred())
+                goto fail_h;
+        }
         if (m != NULL) {
             PyObject *mm = PyNumber_And(m, keep);
             if (mm == NULL)
@@ -614,10 +667,6 @@ static PyObject *MaskTable_evict(MaskTable *t, PyObject *const *args, Py_ssize_t
             if (err < 0)
                 goto fail_h;
         }
-        uint64_t key;
-        int ok = as_key(h, &key);
-        if (ok < 0 || (ok && table_put(t, key, bit, 0) < 0))
-            goto fail_h;
         if (h != eh && recent != Py_None) {
             if (PyDict_SetItem(recent, eh, h) < 0)
                 goto fail_h;
@@ -637,6 +686,113 @@ static PyObject *MaskTable_evict(MaskTable *t, PyObject *const *args, Py_ssize_t
     return PyLong_FromSsize_t(i);
 fail:
     Py_DECREF(keep);
+    return NULL;
+}
+
+/* ------------------------------------------------------------ the device-tier masks */
+
+/* the device mask of key as a Python int (0 when absent) */
+static PyObject *device_mask(const MaskTable *t, uint64_t key) {
+    const uint64_t *s = table_find(t, key);
+    const size_t words = t->words;
+    if (words == 1)
+        return PyLong_FromUnsignedLongLong(s[2]);
+    PyObject *r = PyLong_FromLong(0);
+    for (size_t w = words; w-- > 0 && r != NULL;) {
+        PyObject *sixty_four = PyLong_FromLong(64), *word = PyLong_FromUnsignedLongLong(s[1 + words + w]);
+        PyObject *shifted = sixty_four == NULL ? NULL : PyNumber_Lshift(r, sixty_four);
+        PyObject *next = shifted == NULL || word == NULL ? NULL : PyNumber_Or(shifted, word);
+        Py_XDECREF(sixty_four);
+        Py_XDECREF(word);
+        Py_XDECREF(shifted);
+        Py_DECREF(r);
+        r = next;
+    }
+    return r;
+}
+
+/* device_get(key) -> the mask of workers holding key on the device tier: from the table for
+   an int in [0, 2**64), else from the device dict the table was made with (0 when absent) */
+static PyObject *MaskTable_device_get(MaskTable *t, PyObject *h) {
+    uint64_t key;
+    int ok = as_key(h, &key);
+    if (ok < 0)
+        return NULL;
+    if (ok)
+        return device_mask(t, key);
+    PyObject *m = PyDict_GetItemWithError(t->other, h);
+    if (m == NULL)
+        return PyErr_Occurred() ? NULL : PyLong_FromLong(0);
+    Py_INCREF(m);
+    return m;
+}
+
+/* device_bit(keys, bit, on): set (on) or clear bit `bit` of each key's device mask, where
+   device_get reads it */
+static PyObject *MaskTable_device_bit(MaskTable *t, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "device_bit(keys, bit, on) takes 3 arguments");
+        return NULL;
+    }
+    long bit = as_bit(args[1]);
+    if (bit < 0)
+        return NULL;
+    int on = PyObject_IsTrue(args[2]);
+    if (on < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[0], "keys must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    PyObject *bitobj = NULL, *keep = NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *h = items[i];
+        uint64_t key;
+        int ok = as_key(h, &key);
+        if (ok < 0)
+            goto fail;
+        if (ok) {
+            if (table_put(t, key, bit, on, 1) < 0)
+                goto fail;
+            continue;
+        }
+        if (bitobj == NULL) {
+            bitobj = PyLong_FromLong(1);
+            PyObject *shift = bitobj == NULL ? NULL : PyLong_FromLong(bit);
+            PyObject *b = shift == NULL ? NULL : PyNumber_Lshift(bitobj, shift);
+            Py_XDECREF(shift);
+            Py_XSETREF(bitobj, b);
+            keep = bitobj == NULL ? NULL : PyNumber_Invert(bitobj);
+            if (keep == NULL)
+                goto fail;
+        }
+        PyObject *m = PyDict_GetItemWithError(t->other, h); /* borrowed */
+        if (m == NULL && PyErr_Occurred())
+            goto fail;
+        if (m == NULL && !on)
+            continue;
+        PyObject *mm = m == NULL ? Py_NewRef(bitobj) : PyNumber_Or(m, bitobj);
+        if (!on) {
+            Py_XDECREF(mm);
+            mm = PyNumber_And(m, keep);
+        }
+        if (mm == NULL)
+            goto fail;
+        int truth = PyObject_IsTrue(mm);
+        int err = truth < 0 ? -1 : truth ? PyDict_SetItem(t->other, h, mm) : PyDict_DelItem(t->other, h);
+        Py_DECREF(mm);
+        if (err < 0)
+            goto fail;
+    }
+    Py_XDECREF(bitobj);
+    Py_XDECREF(keep);
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+fail:
+    Py_XDECREF(bitobj);
+    Py_XDECREF(keep);
+    Py_DECREF(seq);
     return NULL;
 }
 
@@ -661,6 +817,10 @@ static PyMethodDef MaskTable_methods[] = {
      "clear_bit(keys, bit): clear bit `bit` of each int key (none is held)."},
     {"runs", (PyCFunction)(void (*)(void))MaskTable_runs, METH_FASTCALL,
      "runs(keys, worker_of_bit) -> {worker: run length}, or None (reference path needed)."},
+    {"device_get", (PyCFunction)MaskTable_device_get, METH_O,
+     "device_get(key) -> mask of the workers holding key on the device tier (0: none)."},
+    {"device_bit", (PyCFunction)(void (*)(void))MaskTable_device_bit, METH_FASTCALL,
+     "device_bit(keys, bit, on): set or clear bit `bit` of each key's device mask."},
     {"store", (PyCFunction)(void (*)(void))MaskTable_store, METH_FASTCALL,
      "store(blocks, keys, start, bit, bitobj, held, device) -> index of the first block not "
      "on the device tier."},

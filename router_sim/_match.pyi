@@ -4,10 +4,18 @@ from collections.abc import Sequence
 from typing import Any
 
 class MaskTable:
-    """Key -> mask of the workers holding the block on any tier (as many 64-bit words as
-    the highest bit in use needs)."""
+    """Key -> masks of the workers holding the block on any tier and on the device tier (as
+    many 64-bit words each as the highest bit in use needs)."""
 
-    def __init__(self) -> None: ...
+    def __init__(self, other: dict[Any, int] = ..., /) -> None:
+        """``other``: where device masks of keys that are not ints in [0, 2**64) live."""
+
+    def device_get(self, key: object, /) -> int:
+        """The mask of the workers holding ``key`` on the device tier (0: none)."""
+
+    def device_bit(self, keys: Sequence[object], bit: int, on: bool) -> None:
+        """Set (``on``) or clear bit ``bit`` of each key's device mask."""
+
     @property
     def words(self) -> int:
         """64-bit words per worker mask (the table widens as bits past it are set)."""

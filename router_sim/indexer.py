@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import logging
 from bisect import bisect_right
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, repeat, takewhile
 from operator import and_, attrgetter, neg, or_
@@ -223,7 +223,9 @@ class KvIndexer:
         self._keying: dict[int, list[int]] = {}
         # the native mirror of which workers hold each int key (None: the pure-Python match
         # loop and update loops, without the extension or with native=False)
-        self._table: MaskTable | None = MaskTable() if native and MaskTable is not None else None
+        self._table: MaskTable | None = (
+            MaskTable(self._device) if native and MaskTable is not None else None
+        )
         self.batches_applied = 0
         self.events_applied = 0
 
@@ -264,21 +266,17 @@ class KvIndexer:
         held = self._held.get(worker)
         if not held:
             return
-        keep = ~(1 << self._bit_of[worker])
-        device, slower = self._device, self._slower
+        bit = 1 << self._bit_of[worker]
+        keep = ~bit
+        slower = self._slower
         for h, levels in held.items():
-            if levels & 1:
-                m = device[h] & keep
-                if m:
-                    device[h] = m
-                else:
-                    del device[h]
             if levels >> 1:
                 m = slower[h] & keep
                 if m:
                     slower[h] = m
                 else:
                     del slower[h]
+        self._device_bit([h for h, levels in held.items() if levels & 1], bit, False)
         if self._table is not None:
             self._table.clear_bit(list(held), self._bit_of[worker])
         held.clear()
@@ -655,7 +653,7 @@ class KvIndexer:
             return
         held[h] = old | lbit
         if lbit == 1:
-            self._device[h] = self._device.get(h, 0) | bit
+            self._device_bit([h], bit, True)
         elif not old >> 1:
             self._slower[h] = self._slower.get(h, 0) | bit
 
@@ -672,6 +670,28 @@ class KvIndexer:
         else:
             t.sync(keys, bit.bit_length() - 1, held)
 
+    def _device_bit(self, keys: list[IndexKey], bit: int, on: bool) -> None:
+        """Set (``on``) or clear worker bit ``bit`` (a mask) in the device masks of ``keys``:
+        in the native table for the keys it holds, else in ``_device``."""
+        t = self._table
+        if t is not None:
+            t.device_bit(keys, bit.bit_length() - 1, on)
+            return
+        device = self._device
+        for h in keys:
+            m = device.get(h, 0) | bit if on else device.get(h, 0) & ~bit
+            if m:
+                device[h] = m
+            else:
+                device.pop(h, None)
+
+    def _device_masks(self, keys: Sequence[IndexKey]) -> Iterator[int]:
+        """The device mask of each key (0 where no worker holds it there)."""
+        t = self._table
+        if t is not None:
+            return map(t.device_get, keys)
+        return map(self._device.get, keys, _ZEROS)
+
     def _drop_levels(
         self, bit: int, held: dict[IndexKey, int], h: IndexKey, old: int, gone: int
     ) -> None:
@@ -682,11 +702,7 @@ class KvIndexer:
         else:
             del held[h]
         if gone & 1:
-            m = self._device[h] & ~bit
-            if m:
-                self._device[h] = m
-            else:
-                del self._device[h]
+            self._device_bit([h], bit, False)
         if old >> 1 and not new >> 1:
             m = self._slower[h] & ~bit
             if m:
@@ -763,6 +779,8 @@ class KvIndexer:
         keys = self._keys[worker]
         refs = self._refs[worker]
         device = self._device
+        t = self._table
+        b = bit.bit_length() - 1
         keep = ~bit
         kpop = keys.pop
         recent = self._recent[worker]
@@ -776,9 +794,12 @@ class KvIndexer:
             if old == 1 and mask & 1:
                 # the common eviction: the only copy was on the device tier
                 del held[h]
-                m = device.pop(h) & keep
-                if m:
-                    device[h] = m
+                if t is None:
+                    m = device.pop(h) & keep
+                    if m:
+                        device[h] = m
+                else:
+                    t.device_bit([h], b, False)
                 if ek is not h:
                     self._retire(recent, ek, h)  # type: ignore[arg-type]
                 continue
@@ -835,6 +856,8 @@ class KvIndexer:
         mask = -1 if level is None else 1 << max(0, level)
         unknown = 0
         device = self._device
+        t = self._table
+        b = bit.bit_length() - 1
         keep = ~bit
         held_pop, device_pop = held.pop, device.pop
         size = len(held)
@@ -843,9 +866,12 @@ class KvIndexer:
             if old == 1 and mask & 1:
                 # the common eviction: the only copy was on the device tier (one lookup per map
                 # when no other worker holds the block)
-                m = device_pop(h) & keep
-                if m:
-                    device[h] = m
+                if t is None:
+                    m = device_pop(h) & keep
+                    if m:
+                        device[h] = m
+                else:
+                    t.device_bit([h], b, False)
                 continue
             if old:
                 held[h] = old  # put back: _drop_levels works on the held entry
@@ -879,7 +905,7 @@ class KvIndexer:
         if not old & new_bit:
             held[h] = old | new_bit
             if new_bit == 1:
-                self._device[h] = self._device.get(h, 0) | bit
+                self._device_bit([h], bit, True)
             elif not old >> 1:
                 self._slower[h] = self._slower.get(h, 0) | bit
         self._mirror([h], bit, held)
@@ -888,13 +914,12 @@ class KvIndexer:
 
     def _prefix_masks(self, block_hashes: Sequence[BlockHash], device_only: bool) -> list[int]:
         """Prefix-AND of worker masks, cut where it becomes empty (non-increasing ints)."""
-        device = self._device
         if device_only or not self._slower:
-            masks = map(device.get, block_hashes, _ZEROS)
+            masks = self._device_masks(block_hashes)
         else:
             masks = map(
                 or_,
-                map(device.get, block_hashes, _ZEROS),
+                self._device_masks(block_hashes),
                 map(self._slower.get, block_hashes, _ZEROS),
             )
         return list(takewhile(bool, accumulate(masks, and_)))
@@ -952,7 +977,7 @@ class KvIndexer:
                 # Past the device run the chain mixes tiers: count device copies one by one.
                 if dev_masks is None:
                     longest = max(any_runs.values())
-                    dev_masks = list(map(self._device.get, block_hashes[:longest], _ZEROS))
+                    dev_masks = list(self._device_masks(block_hashes[:longest]))
                 bit = 1 << self._bit_of[w]
                 on_device += sum(1 for m in dev_masks[d:n] if m & bit)
             result[w] = MatchDetail(n, d, on_device, n - on_device)

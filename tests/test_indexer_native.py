@@ -61,9 +61,14 @@ def remove(
 def state(ix: KvIndexer) -> dict[str, Any]:
     """Everything an update may change (the recent-key memory in its order: it is trimmed
     oldest first)."""
+    t = ix._table
+    if t is not None:  # the native table is the only store of ints' device masks
+        assert not [h for h in ix._device if isinstance(h, int) and 0 <= h < 2**64]
+    everything = {h for held in ix._held.values() for h in held} | set(ix._device)
+    device = {h: t.device_get(h) if t else ix._device.get(h, 0) for h in everything}
     return {
         "held": ix._held,
-        "device": ix._device,
+        "device": {h: m for h, m in device.items() if m},
         "slower": ix._slower,
         "keys": ix._keys,
         "recent": {w: list(r.items()) for w, r in ix._recent.items()},
@@ -267,4 +272,4 @@ def test_a_removal_naming_a_block_twice_and_a_block_kept_elsewhere() -> None:
         assert ix.block_count(3) == 0
         assert ix.anomalies["unknown_removal"] == 1
         assert ix.find_matches([1, 2, 3]) == {4: 2}
-        assert ix._device == {1: 1 << 1, 2: 1 << 1} and ix._slower == {}
+        assert state(ix)["device"] == {1: 1 << 1, 2: 1 << 1} and ix._slower == {}
