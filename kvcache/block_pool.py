@@ -168,8 +168,15 @@ class BlockPool:
         """Pin reused ``full`` blocks (onboarding those on slower tiers) and, with a
         copy-on-write ``src``, add a private page holding its first ``num_src`` tokens."""
         pinned = [*full, src] if src is not None else full  # src stays put for this operation
+        classes = self._classes
+        pinned_count = self.pinned
         for b in pinned:
-            self._holders(b, b.refs + 1, b.susp)
+            # _holders(b, b.refs + 1, b.susp), inlined: once per reused block. A pinned block
+            # is never a candidate, so nothing is pushed.
+            classes[0 if b.refs else 1 if b.susp else 2][b.tier] -= 1
+            pinned_count[b.tier] += 1
+            b.refs += 1
+            b.gen += 1
         away = [b for b in full if b.tier != 0]
         need = len(away) + (src is not None)
         if not need:

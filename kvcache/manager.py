@@ -189,8 +189,10 @@ class KVCacheManager:
 
     def kv_usage(self, tier: int = 0) -> float:
         """Fraction of the tier's pages pinned by live (not suspended) sequences."""
-        t = self._tier(tier)
-        return self._pool.pinned[t] / self._pool.pools[t].num_blocks
+        pool = self._pool
+        # checked by _tier only when not a plain in-range int (asked once per engine step)
+        t = tier if type(tier) is int and 0 <= tier < pool.num_tiers else self._tier(tier)
+        return pool.pinned[t] / pool.pools[t].num_blocks
 
     @property
     def storage(self) -> PageStorage | None:
