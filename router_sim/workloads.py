@@ -28,10 +28,21 @@ from typing import Any, Final
 
 from kvcache.scope import ReuseScope
 
-try:  # optional (the plot and ray extras bring it): vectorised prompt and answer tokens
-    import numpy as _np
-except ImportError:  # pragma: no cover - depends on the install
-    _np = None  # type: ignore[assignment]
+
+def _numpy() -> Any:
+    """numpy, or None without it (optional: the plot and ray extras bring it); imported on
+    first use, so that runs which build no tokens do not pay for the import."""
+    if not _NUMPY:
+        try:
+            import numpy
+        except ImportError:  # pragma: no cover - depends on the install
+            _NUMPY.append(None)
+        else:
+            _NUMPY.append(numpy)
+    return _NUMPY[0]
+
+
+_NUMPY: list[Any] = []
 
 VOCAB_SIZE: Final = 32_000
 """Synthetic token ids are drawn from [0, VOCAB_SIZE) (a Llama-2-sized vocabulary)."""
@@ -67,14 +78,15 @@ def expand_hash_ids(
         raise ValueError(
             f"input_length {input_length} needs more than {len(hash_ids)} hash ids of {n} tokens"
         )
-    if _np is None:
+    np = _numpy()
+    if np is None:
         return expand_hash_ids_py(hash_ids, input_length, n)
     pos_bits, mask = _layout(n)
     positions = _NP_POSITIONS.get(n)
     if positions is None:
-        positions = _np.arange(n, dtype=_np.int32) << (31 - pos_bits)
+        positions = np.arange(n, dtype=np.int32) << (31 - pos_bits)
         _NP_POSITIONS[n] = positions
-    ids = _np.array([h & mask for h in hash_ids[:k]], dtype=_np.int32)
+    ids = np.array([h & mask for h in hash_ids[:k]], dtype=np.int32)
     grid = (ids[:, None] | positions[None, :]).reshape(-1)
     out: array[int] = array("i")
     out.frombytes(grid[:input_length].tobytes())  # int32 in native order, as array("i")
@@ -181,10 +193,11 @@ class Request:
         if self.output is not None:
             return self.output
         base = (1 << 30) + (self.request_id * 4099) % ((1 << 30) - self.output_length)
-        if _np is None:
+        np = _numpy()
+        if np is None:
             return array("i", range(base, base + self.output_length))
         out: array[int] = array("i")
-        out.frombytes(_np.arange(base, base + self.output_length, dtype=_np.int32).tobytes())
+        out.frombytes(np.arange(base, base + self.output_length, dtype=np.int32).tobytes())
         return out
 
 
