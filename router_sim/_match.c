@@ -462,8 +462,9 @@ static void warm(const MaskTable *t, PyObject *const *items, Py_ssize_t from, Py
         int ok = as_key(h, &key);
         if (ok > 0)
             prefetch_key(t, key);
+        /* the device dict holds only keys the table does not */
         if (ok < 0 || PyDict_GetItemWithError(d1, h) == NULL ||
-            PyDict_GetItemWithError(d2, h) == NULL) {
+            (!ok && PyDict_GetItemWithError(d2, h) == NULL)) {
             PyErr_Clear(); /* an unhashable key fails again, with its error, in the loop */
         }
     }

@@ -59,7 +59,7 @@ import logging
 from bisect import bisect_right
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, repeat, takewhile
+from itertools import accumulate, islice, repeat, takewhile
 from operator import and_, attrgetter, neg, or_
 from typing import Final, TypeAlias
 
@@ -410,10 +410,10 @@ class KvIndexer:
 
     @staticmethod
     def _trim(recent: dict[IndexKey, int]) -> None:
-        """Keep the newest RECENT_KEYS memories of dropped blocks."""
-        newest = list(recent.items())[-RECENT_KEYS:]
-        recent.clear()
-        recent.update(newest)
+        """Keep the newest RECENT_KEYS memories of dropped blocks (the oldest deleted in
+        place: no copy of the pairs kept)."""
+        for ek in list(islice(recent, len(recent) - RECENT_KEYS)):
+            del recent[ek]
 
     def _check_block_size(self, worker: int, data: Stored) -> None:
         size = data.block_size
