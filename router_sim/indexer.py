@@ -2,9 +2,13 @@
 
 Layout (chosen for memory and for a matching loop that runs in C)::
 
-    _device[h]   -> bitmask of workers holding block h on the device tier (cache_level 0)
+    device mask of h -> bitmask of workers holding block h on the device tier (cache_level 0)
     _slower[h]   -> bitmask of workers holding block h on any slower tier (cache_level >= 1)
     _held[w][h]  -> bitmask of the cache levels at which worker w holds block h
+
+The device masks live in ``_device`` (a dict) without the extension; with it, the native
+table holds those of int keys in [0, 2**64) (every key a worker or the router hashes) and
+``_device`` only the others (hex strings, out-of-range ints, group-scoped pairs).
 
 ``_held`` is the source of truth (it makes ``reset_worker`` O(that worker's blocks) and lets
 removals and moves be checked); the two global maps are derived from it so that matching a
@@ -13,14 +17,15 @@ gets a bit; bits are recycled when a worker is removed.
 
 At a million entries those lookups miss the CPU caches several times each (index slot, entry,
 key object, value object), one after the other. So ``find_matches`` runs natively when the
-optional extension ``router_sim._match`` is built: ``_table`` mirrors, for every int key, the
+optional extension ``router_sim._match`` is built: ``_table`` holds, for every int key, the
 mask of workers holding it on any tier (bit w set iff the key is in ``_held`` of the worker
-whose bit is w), one slot per key in an open-addressing table whose masks are as many 64-bit
-words as the fleet's highest bit needs (16 bytes a slot up to 64 workers, 24 up to 128, ...),
-and a request's slots are fetched ahead so their misses overlap (89 -> 14 us p50 over
-distinct 256-block requests at 1M entries, bench_router.py). The pure matching loop
-(``find_matches_py``) is the reference and the fallback: without the extension, and for
-requests naming keys the table does not hold (strings, ints outside [0, 2**64)).
+whose bit is w) and its device mask, one slot per key in an open-addressing table whose
+masks are as many 64-bit words as the fleet's highest bit needs (24 bytes a slot up to 64
+workers, 40 up to 128, ...), and a request's slots are fetched ahead so their misses overlap
+(89 -> 14 us p50 over distinct 256-block requests at 1M entries, bench_router.py). The pure
+matching loop (``find_matches_py``) is the reference and the fallback: without the
+extension, and for requests naming keys the table does not hold (strings, ints outside
+[0, 2**64)).
 
 The same extension runs the two per-block loops that dominate a busy stream, one call per
 event: storing blocks on the device tier (``MaskTable.store``: held, device mask and table)
