@@ -13,16 +13,17 @@ tokens, always leaves) live in ``partials`` so that a full-block walk never land
 A node's only full child sits in ``child`` and ``children`` stays None; the dict is made when a
 second full child comes (the first moves into it, so the order stays insertion order) and kept
 from then on, with ``firsts`` beside it (how many full children begin with each token, so a
-partial match skips a node's children when none can share a token with the query). Most blocks
+partial match skips a node's children when none can share a token with the query);
+``partial_firsts`` counts the ``partials`` the same way. Most blocks
 are links of one chain: a dict each would be a third garbage-collected object per cached block
 beside the block and its token array, and the cyclic collector's full passes grow with their
 number.
 
 Ownership of a :class:`Block`'s fields (each is written by one module only; a test checks it):
 this module writes the structure (``key``, ``tokens``, ``is_full``, ``parent``, ``child``,
-``children``, ``firsts``, ``partials``, ``in_tree``); :mod:`kvcache.block_pool` writes the page
-state (``tier``, ``page``, ``priority``, ``refs``, ``susp``, ``tick``, ``here``, ``gen``,
-``uid``).
+``children``, ``firsts``, ``partials``, ``partial_firsts``, ``in_tree``);
+:mod:`kvcache.block_pool` writes the page state (``tier``, ``page``, ``priority``, ``refs``,
+``susp``, ``tick``, ``here``, ``gen``, ``uid``).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ _NO_TOKENS: Final = array("i")  # shared by every block not in the tree; never m
 class ScopeRoot:
     """The root of one scope: holds no tokens and no page."""
 
-    __slots__ = ("child", "children", "firsts", "key", "partials", "scope")
+    __slots__ = ("child", "children", "firsts", "key", "partial_firsts", "partials", "scope")
 
     def __init__(self, scope: ReuseScope) -> None:
         self.scope = scope
@@ -52,6 +53,7 @@ class ScopeRoot:
         self.children: dict[bytes, Block] | None = None
         self.firsts: dict[int, int] | None = None
         self.partials: dict[bytes, Block] | None = None
+        self.partial_firsts: dict[int, int] | None = None
 
 
 class Block:
@@ -75,6 +77,7 @@ class Block:
         "key",
         "page",
         "parent",
+        "partial_firsts",
         "partials",
         "priority",
         "refs",
@@ -99,6 +102,7 @@ class Block:
         self.children: dict[bytes, Block] | None = None
         self.firsts: dict[int, int] | None = None
         self.partials: dict[bytes, Block] | None = None
+        self.partial_firsts: dict[int, int] | None = None
         self.is_full = False
         self.in_tree = False
         self.refs = 1
@@ -142,9 +146,8 @@ def _starting(node: Node, first: int) -> Collection[Block]:
     return children.values() if firsts is not None and firsts.get(first) else ()
 
 
-def _count_first(node: Node, child: Block, sign: int) -> None:
-    """Keep ``node.firsts`` (full children per first token, beside ``children``) up to date."""
-    firsts = node.firsts
+def _count(firsts: dict[int, int] | None, child: Block, sign: int) -> None:
+    """Count ``child`` in (or out of) its parent's ``firsts`` or ``partial_firsts``."""
     assert firsts is not None
     t = child.tokens[0]
     n = firsts.get(t, 0) + sign
@@ -152,6 +155,16 @@ def _count_first(node: Node, child: Block, sign: int) -> None:
         firsts[t] = n
     else:
         del firsts[t]
+
+
+def _partials_starting(node: Node, first: int) -> Collection[Block]:
+    """``node``'s partial children to scan for one whose tokens begin with ``first`` (none when
+    the counts say no partial child does)."""
+    partials = node.partials
+    if not partials:
+        return ()
+    firsts = node.partial_firsts
+    return partials.values() if firsts is not None and firsts.get(first) else ()
 
 
 def has_children(node: Node) -> bool:
@@ -244,9 +257,13 @@ class RadixTree:
         # A child whose first token differs shares nothing: one int comparison rules out most
         # of the scanned children before any slice is made (most siblings differ from the
         # first token on). Children past ``max_scan`` are never looked at.
+        # Every partial child counts towards ``max_scan`` (they come first), skipped or not.
         first = rest[0]
-        left = max_scan
-        for table in (node.partials.values() if node.partials else (), _starting(node, first)):
+        scans = (
+            (_partials_starting(node, first), max_scan),
+            (_starting(node, first), max_scan - len(node.partials or ())),
+        )
+        for table, left in scans:
             if not table or left <= 0:
                 continue
             for child in islice(table, left):
@@ -258,7 +275,6 @@ class RadixTree:
                     best, best_len = child, n
                     if n == limit:
                         return best, best_len
-            left -= len(table)
         return best, best_len
 
     @staticmethod
@@ -270,7 +286,7 @@ class RadixTree:
         # A tree block holds at least one token (verify checks it), so its first token rules
         # it out before a slice is made.
         first = tokens[0]
-        for table in (node.partials.values() if node.partials else (), _starting(node, first)):
+        for table in (_partials_starting(node, first), _starting(node, first)):
             for sib in table:
                 t = sib.tokens
                 if t[0] == first and t[:n] == tokens:
@@ -286,7 +302,7 @@ class RadixTree:
         if not size:
             return None
         first = tokens[0]
-        for sib in node.partials.values():
+        for sib in _partials_starting(node, first):
             t = sib.tokens
             if t[0] == first and len(t) < size and tokens[: len(t)] == t:
                 return sib
@@ -332,15 +348,14 @@ class RadixTree:
             children = prev.children
             if children is not None:
                 children[key] = b
-                _count_first(prev, b, 1)
+                _count(prev.firsts, b, 1)
             elif prev.child is None:
                 prev.child = b
             else:  # a second full child: both go into a dict, the first one first
                 first = prev.child
                 prev.children = {first.key: first, key: b}
-                prev.firsts = {}
-                _count_first(prev, first, 1)
-                _count_first(prev, b, 1)
+                prev.firsts = {first.tokens[0]: 1}
+                _count(prev.firsts, b, 1)
                 prev.child = None
             prev = parent = b
             pos += tpb
@@ -356,7 +371,9 @@ class RadixTree:
         block.in_tree = True
         if node.partials is None:
             node.partials = {}
+            node.partial_firsts = {}
         node.partials[key] = block
+        _count(node.partial_firsts, block, 1)
         self.num_blocks += 1
 
     def detach(self, block: Block) -> None:
@@ -371,8 +388,7 @@ class RadixTree:
             table = node.children if block.is_full else node.partials
             assert table is not None
             del table[block.key]
-            if block.is_full:
-                _count_first(node, block, -1)
+            _count(node.firsts if block.is_full else node.partial_firsts, block, -1)
         block.in_tree = False
         self.num_blocks -= 1
         if isinstance(node, ScopeRoot) and not has_children(node):

@@ -90,6 +90,7 @@ def verify(
     nodes: list[Node] = [*tree.roots.values(), *tree_blocks]
     for node in nodes:
         _check_full_children(node)
+        _check_partial_children(node)
 
 
 def _check_full_children(node: Node) -> None:
@@ -106,3 +107,14 @@ def _check_full_children(node: Node) -> None:
     firsts = Counter(c.tokens[0] for c in node.children.values())
     if node.firsts != dict(firsts):
         _fail(f"{node}: first-token counts {node.firsts}, children say {dict(firsts)}")
+
+
+def _check_partial_children(node: Node) -> None:
+    """The per-first-token counts beside ``partials`` (None without the dict)."""
+    if node.partials is None:
+        if node.partial_firsts is not None:
+            _fail(f"{node} counts partial first tokens without a partials dict")
+        return
+    firsts = Counter(c.tokens[0] for c in node.partials.values())
+    if node.partial_firsts != dict(firsts):
+        _fail(f"{node}: partial first-token counts {node.partial_firsts}, partials say {firsts}")

@@ -20,6 +20,7 @@ OWNERS = {
         "children",
         "firsts",
         "partials",
+        "partial_firsts",
         "in_tree",
     },
     "block_pool.py": {"tier", "page", "priority", "refs", "susp", "tick", "here", "gen", "uid"},

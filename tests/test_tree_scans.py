@@ -97,7 +97,7 @@ def _build(
     under_block=st.booleans(),
     query=st.lists(TOKENS, min_size=1, max_size=TPB),
     limit=st.integers(0, TPB),
-    max_scan=st.integers(0, 14),
+    max_scan=st.one_of(st.integers(0, 3), st.integers(0, 14)),
 )
 def test_scans_agree_with_the_reading_of_their_rules(
     children: list[list[int]],
@@ -125,6 +125,20 @@ def test_scans_agree_with_the_reading_of_their_rules(
         for c in full:
             counts[c.tokens[0]] = counts.get(c.tokens[0], 0) + 1
         assert node.firsts == counts
+    partial_counts: dict[int, int] = {}
+    for c in node.partials.values() if node.partials else ():
+        partial_counts[c.tokens[0]] = partial_counts.get(c.tokens[0], 0) + 1
+    assert node.partial_firsts == (None if node.partials is None else partial_counts)
+
+
+def test_partial_children_count_towards_the_scan_limit_even_when_skipped() -> None:
+    """Two partial children that cannot match use up a scan limit of 2: the full child that
+    would match is past the limit (the partial ones are scanned first)."""
+    _tree, root = _build([[2], [2, 2], [1, 1, 1, 1]], [], False)
+    query = array("i", [1, 1, 1])
+    assert RadixTree.match_partial(root, query, 3, 2) == (None, 0)
+    full = next(iter(full_children(root)))
+    assert RadixTree.match_partial(root, query, 3, 3) == (full, 3)
 
 
 def test_a_second_full_child_keeps_the_first_one_first() -> None:
