@@ -402,7 +402,8 @@ def decode_batch(
     beyond ``limits``. Unknown fields and event types are skipped.
     """
     lim = DEFAULT_LIMITS if limits is None else limits
-    if _typed_ok(lim) and type(payload) in (bytes, bytearray, memoryview):
+    typed = lim is DEFAULT_LIMITS or _typed_ok(lim)
+    if typed and type(payload) in (bytes, bytearray, memoryview):
         size = memoryview(payload).nbytes
         if 0 < size <= lim.max_payload_bytes:
             batch = decode_typed(payload)

@@ -15,7 +15,10 @@ anywhere; ``extra_keys`` items are scalars or lists of scalars), every list, str
 capped at the default :class:`~events.wire_decode.DecodeLimits` (strings at a quarter of
 ``max_str_len`` in characters, so their UTF-8 bytes fit it too), a map holds only known
 fields, and the path runs only under limits at least as loose as the defaults. msgspec checks
-each declared length against the bytes left before it allocates.
+each declared length against the bytes left before it allocates. One bound it cannot see: a
+map that repeats known keys past ``max_fields`` (msgspec keeps the last value, as the general
+path does below the bound); it costs no memory beyond its bytes, since each repeat replaces
+the one before.
 """
 
 from __future__ import annotations
