@@ -27,7 +27,7 @@ import asyncio
 import json
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import aiohttp
@@ -49,6 +49,7 @@ from router_sim.service.protocol import (
     RouteBody,
     RouteQuery,
     error_response,
+    json_answer,
     json_errors,
     packed_tokens,
     parse_body,
@@ -64,21 +65,30 @@ def _no_workers(exc: NoWorkersError) -> web.Response:
 
 
 async def route(request: web.Request) -> web.Response:
+    """``POST /route``: the request path that runs at high rates, so it does the least it
+    can: one read of the body, the query validated only when there is one, the answer
+    encoded by msgspec (see :func:`~router_sim.service.protocol.json_answer`)."""
     svc = request.app[SERVICE]
-    raw = await read_body(request)
+    raw = await request.read()
     prompt: Sequence[int]
+    lora_id: int | None = None
+    lora_name: str | None = None
+    salt: str | None = None
     if request.content_type == PACKED_TOKENS:
         prompt = packed_tokens(raw)
-        body: RouteBody | RouteQuery = parse_query(RouteQuery, request.query)
+        if request.query_string:
+            query = parse_query(RouteQuery, request.query)
+            lora_id, lora_name, salt = query.lora_id, query.lora_name, query.cache_salt
     else:
         body = parse_body(RouteBody, raw)
         prompt = body.prompt
-    lora = svc.resolve_lora(body.lora_id, body.lora_name)
+        lora_id, lora_name, salt = body.lora_id, body.lora_name, body.cache_salt
+    lora = lora_id if lora_name is None else svc.resolve_lora(lora_id, lora_name)
     try:
-        decision = svc.decide(prompt, lora, body.cache_salt)
+        decision = svc.decide(prompt, lora, salt)
     except NoWorkersError as exc:
         return _no_workers(exc)
-    return web.json_response(svc.explain(decision))
+    return json_answer(svc.explain(decision))
 
 
 MAX_ATTEMPTS = 3
@@ -165,7 +175,7 @@ async def _forward(
 
 async def list_workers(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
-    return web.json_response({"workers": [svc.worker_report(w) for w in sorted(svc.workers)]})
+    return json_answer({"workers": [svc.worker_report(w) for w in sorted(svc.workers)]})
 
 
 async def add_worker(request: web.Request) -> web.Response:
@@ -177,7 +187,7 @@ async def add_worker(request: web.Request) -> web.Response:
         return error_response(409, str(exc))
     except (FleetError, EndpointError) as exc:
         return error_response(400, str(exc))
-    return web.json_response(svc.worker_report(entry.id), status=201)
+    return json_answer(svc.worker_report(entry.id), status=201)
 
 
 async def remove_worker(request: web.Request) -> web.Response:
@@ -189,7 +199,7 @@ async def remove_worker(request: web.Request) -> web.Response:
         await svc.remove_worker(int(text))
     except FleetConflict as exc:
         return error_response(404, str(exc))
-    return web.json_response({"removed": int(text)})
+    return json_answer({"removed": int(text)})
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -198,7 +208,7 @@ async def healthz(request: web.Request) -> web.Response:
     # without its event pump the index goes stale: a load balancer should stop using this one
     ok = svc.pump.alive
     body = {"status": "ok" if ok else "events_stopped", "workers": len(svc.workers)}
-    return web.json_response({**body, "workers_up": up}, status=200 if ok else 503)
+    return json_answer({**body, "workers_up": up}, status=200 if ok else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -208,7 +218,10 @@ async def metrics(request: web.Request) -> web.Response:
 
 @web.middleware
 async def count_refusals(request: web.Request, handler: Handler) -> web.StreamResponse:
-    resp = await handler(request)
+    """:func:`~router_sim.service.protocol.json_errors`, and a count of the 4xx answers. One
+    middleware calling the other: aiohttp wraps each middleware around the handler on every
+    request, which costs a few microseconds apiece."""
+    resp = await json_errors(request, handler)
     if 400 <= resp.status < 500:
         request.app[SERVICE].metrics.bad_requests.inc()
     return resp
@@ -216,7 +229,7 @@ async def count_refusals(request: web.Request, handler: Handler) -> web.StreamRe
 
 def build_app(service: RouterService) -> web.Application:
     """The aiohttp application; ``service`` is started on startup and closed on cleanup."""
-    app = web.Application(middlewares=[count_refusals, json_errors], client_max_size=MAX_BODY_BYTES)
+    app = web.Application(middlewares=[count_refusals], client_max_size=MAX_BODY_BYTES)
     app[SERVICE] = service
 
     async def lifecycle(app: web.Application) -> Any:
@@ -260,6 +273,18 @@ def add_parser(sub: Any) -> None:
         "--curve-server-key, every worker's event stream is read encrypted and authenticated",
     )
     p.add_argument("--curve-server-key", help="the workers' CURVE public key (.key)")
+    p.add_argument(
+        "--reuse-port",
+        action="store_true",
+        help="bind with SO_REUSEPORT, so that several serve processes (replicas, each "
+        "subscribed to the whole fleet) share one port and the kernel spreads connections",
+    )
+    p.add_argument(
+        "--event-loop",
+        choices=("auto", "asyncio", "uvloop"),
+        default="auto",
+        help="auto: uvloop when it is installed, else asyncio's own",
+    )
 
 
 def _config(args: argparse.Namespace) -> tuple[FleetFile, dict[str, Any]]:
@@ -296,7 +321,7 @@ async def serve(args: argparse.Namespace) -> None:
     runner = web.AppRunner(build_app(service), access_log=None)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, args.host, args.port)
+        site = web.TCPSite(runner, args.host, args.port, reuse_port=args.reuse_port or None)
         await site.start()
         host, port = runner.addresses[0][:2]
         print(
@@ -312,11 +337,25 @@ async def serve(args: argparse.Namespace) -> None:
         await runner.cleanup()
 
 
+def _runner(name: str) -> Callable[[Coroutine[Any, Any, None]], None]:
+    """uvloop's ``run`` (libuv; its transports cut the per-request cost of the event loop and
+    the socket calls), or asyncio's own. ``auto`` takes uvloop when it is installed."""
+    if name == "asyncio":
+        return asyncio.run
+    try:
+        import uvloop
+    except ImportError:
+        if name == "uvloop":
+            raise ValueError("--event-loop uvloop: uvloop is not installed") from None
+        return asyncio.run
+    return uvloop.run
+
+
 def main(args: argparse.Namespace) -> int:
     """Entry point of ``router-sim serve``."""
     prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
     try:
-        asyncio.run(serve(args))
+        _runner(args.event_loop)(serve(args))
     except (FleetError, EndpointError, TypeError, ValueError, OSError) as exc:
         sys.stderr.write(f"router-sim serve: {exc}\n")
         return 2

@@ -119,6 +119,7 @@ class RouterService:
             self._apply,
             replay_timeout_ms=self._replay_timeout_ms,
             curve=self._curve,
+            on_slice=self.metrics.event_apply_seconds.observe,
         )
         self._pump.start()
         for entry in self.fleet.workers:

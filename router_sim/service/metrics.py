@@ -127,10 +127,22 @@ class ServiceMetrics:
         self.bad_requests = Counter(
             "router_bad_requests", "requests refused with a 4xx", registry=r
         )
+        self.event_apply_seconds = Histogram(
+            "router_event_apply_seconds",
+            "time the event loop spent applying one slice of received events (requests wait "
+            "meanwhile)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         r.register(_IndexCollector(view))
+        # labels() takes a lock and builds a key on every call: one child per worker, once
+        self._decisions_of: dict[int, Counter] = {}
 
     def decided(self, worker: int, seconds: float, chosen: int, num_blocks: int) -> None:
-        self.decisions.labels(str(worker)).inc()
+        child = self._decisions_of.get(worker)
+        if child is None:
+            child = self._decisions_of[worker] = self.decisions.labels(str(worker))
+        child.inc()
         self.decision_seconds.observe(seconds)
         self.overlap_blocks.inc(chosen)
         self.overlap_fraction.observe(chosen / num_blocks if num_blocks else 0.0)

@@ -25,6 +25,7 @@ from array import array
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Annotated, Any, Final, TypeVar
 
+import msgspec
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -126,12 +127,21 @@ def _bad(exc: ValidationError) -> BadRequest:
     return BadRequest("; ".join(parts) + suffix)
 
 
+_ENCODE = msgspec.json.Encoder().encode
+
+
+def json_answer(body: Any, status: int = 200) -> web.Response:
+    """``body`` as a JSON answer. msgspec's encoder (int dict keys become strings, as with
+    ``json.dumps``) takes ~5 us for a decision's explanation where ``json.dumps`` and
+    ``web.json_response`` take ~25; a non-finite float becomes ``null`` (valid JSON)."""
+    return web.Response(body=_ENCODE(body), status=status, content_type="application/json")
+
+
 def error_response(status: int, message: str, kind: str | None = None) -> web.Response:
     """An OpenAI-shaped JSON error."""
     if kind is None:
         kind = "invalid_request_error" if status < 500 else "server_error"
-    body = {"error": {"message": message, "type": kind, "code": status}}
-    return web.json_response(body, status=status)
+    return json_answer({"error": {"message": message, "type": kind, "code": status}}, status)
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -9,6 +9,12 @@ lock. The pump waits until the loop has applied a round before polling again: wh
 busy, frames queue in ZeroMQ (bounded by the subscriber's HWM; a loss is replayed) rather than
 in Python memory.
 
+A round can be large (a late subscriber's replay, a burst of long prompts: a 512-block Stored
+batch takes ~0.3 ms to apply), and requests wait while the loop applies it. So the loop applies
+a round in slices of at most ``slice_s`` (one message at least), and between two slices goes
+back to its sockets, so a request that arrived meanwhile waits for one slice, not the round.
+Messages stay in order; the next round is polled once the whole round is applied.
+
 Fleet changes (add, remove, resubscribe after a worker restart) are commands run on the pump's
 thread, in order with the messages: a removal or a restart reaches the loop as a message placed
 after every batch of the old subscription.
@@ -21,6 +27,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeAlias
@@ -58,10 +65,14 @@ class EventPump:
         replay_timeout_ms: int = 1000,
         poll_ms: int = 20,
         curve: CurveClient | None = None,
+        slice_s: float = 0.001,
+        on_slice: Callable[[float], None] | None = None,
     ) -> None:
         self._loop = loop
         self._apply = apply
         self._poll_ms = poll_ms
+        self._slice_s = slice_s
+        self._on_slice = on_slice  # told how long each slice held the loop
         self._sub = ZmqEventSubscriber(replay_timeout_ms=replay_timeout_ms, curve=curve)
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -157,15 +168,31 @@ class EventPump:
 
     def _hand_over(self, items: list[PumpItem]) -> None:
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        applied = 0
 
-        def apply() -> None:
+        def apply_slice() -> None:
+            """Apply messages until the slice's time is spent, then let the loop serve its
+            sockets and continue (see the module docstring)."""
+            nonlocal applied
+            start = time.perf_counter()
             try:
-                self._apply(items)
-            finally:
+                while applied < len(items):
+                    item = items[applied]
+                    applied += 1
+                    self._apply([item])
+                    if applied < len(items) and time.perf_counter() - start >= self._slice_s:
+                        self._loop.call_soon(apply_slice)
+                        return
+            except BaseException:
                 done.set_result(None)
+                raise
+            finally:
+                if self._on_slice is not None:
+                    self._on_slice(time.perf_counter() - start)
+            done.set_result(None)
 
         try:
-            self._loop.call_soon_threadsafe(apply)
+            self._loop.call_soon_threadsafe(apply_slice)
         except RuntimeError:
             self._stop.set()  # the loop is closed: the service is shutting down
             return

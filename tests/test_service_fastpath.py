@@ -1,0 +1,120 @@
+"""The router service's request path under load: event rounds applied in slices, the event
+loop it runs on, and several serve processes sharing one port."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from service_procs import Proc, _start, get_json, request
+
+from router_sim.service.app import _runner
+from router_sim.service.protocol import json_answer
+from router_sim.service.pump import EventPump, PumpItem, WorkerRemoved
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _spin(seconds: float) -> None:
+    """Hold the loop (and the GIL) for ``seconds`` of work, as applying a batch does."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_a_large_round_is_applied_in_slices_and_requests_run_between_them() -> None:
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        timeline: list[str] = []
+        slices: list[float] = []
+
+        def apply(items: list[PumpItem]) -> None:
+            for item in items:
+                assert isinstance(item, WorkerRemoved)
+                _spin(0.0004)
+                timeline.append(f"item {item.worker}")
+
+        pump = EventPump(loop, apply, slice_s=0.001, on_slice=slices.append)
+        items: list[PumpItem] = [WorkerRemoved(w) for w in range(20)]
+        handed = threading.Event()
+
+        def pump_thread() -> None:
+            pump._hand_over(items)  # returns once the whole round is applied
+            handed.set()
+
+        # a request that arrives once the round started must not wait for the whole round
+        def request_arrives() -> None:
+            timeline.append("request")
+
+        def on_first_item() -> None:
+            if not timeline:
+                loop.call_soon(on_first_item)
+                return
+            loop.call_soon(request_arrives)
+
+        loop.call_soon(on_first_item)
+        thread = threading.Thread(target=pump_thread)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while not handed.is_set():
+            assert time.monotonic() < deadline, "the round was never applied"
+            await asyncio.sleep(0.001)  # let the loop run the slices
+        thread.join(5)
+        applied = [t for t in timeline if t != "request"]
+        assert applied == [f"item {w}" for w in range(20)]  # every message, in order
+        assert 3 <= len(slices) <= 20  # 20 x 0.4 ms in slices of ~1 ms
+        assert max(slices) < 0.5  # each slice stops soon after its budget (loose: CI noise)
+        position = timeline.index("request")
+        assert 0 < position < len(timeline) - 1  # it ran between two slices, not after all
+
+        pump.stop()
+        pump._sub.close()  # the pump's thread, which closes it, never ran
+
+    asyncio.run(scenario())
+
+
+def test_json_answers_encode_like_the_standard_library() -> None:
+    body = {"worker": 3, "costs": {0: 1.5, 2: 2.0}, "reason": "lowest cost", "none": None}
+    resp = json_answer(body, status=201)
+    assert resp.status == 201 and resp.content_type == "application/json"
+    assert isinstance(resp.body, bytes)
+    assert json.loads(resp.body) == json.loads(json.dumps(body))
+
+
+def test_the_event_loop_choice() -> None:
+    assert _runner("asyncio") is asyncio.run
+    uvloop = pytest.importorskip("uvloop")
+    assert _runner("auto") is uvloop.run
+    assert _runner("uvloop") is uvloop.run
+
+
+def _serve(tmp_path: Path, *extra: str) -> Proc:
+    fleet = tmp_path / "fleet.json"
+    fleet.write_text(json.dumps({"tokens_per_block": 16, "workers": []}))
+    return _start(["serve", "--fleet", str(fleet), *extra])
+
+
+def test_serve_processes_share_a_port_with_reuse_port(tmp_path: Path) -> None:
+    procs: list[Proc] = []
+    try:
+        first = _serve(tmp_path, "--port", "0", "--reuse-port", "--event-loop", "asyncio")
+        procs.append(first)
+        port = first.http.rsplit(":", 1)[1]
+        second = _serve(tmp_path, "--port", port, "--reuse-port")
+        procs.append(second)
+        assert second.http == first.http
+        assert get_json(first.http + "/healthz")["status"] == "ok"
+        # a third without the option is refused the port, with a one-line error
+        fleet = tmp_path / "fleet.json"
+        with pytest.raises(RuntimeError, match="did not start"):
+            procs.append(_start(["serve", "--fleet", str(fleet), "--port", port], 10.0))
+        first.stop()  # the other one keeps serving the port
+        status, _, data = request("GET", second.http + "/healthz")
+        assert status == 200, data
+    finally:
+        for p in procs:
+            p.stop()
