@@ -266,18 +266,17 @@ class BlockPool:
         tokens: array[int],
         data: bytes | None = None,
     ) -> None:
-        """Blocks ``first..last-1`` of a sequence (private pages holding ``tokens``'s blocks)
-        join the tree. Where the same block is cached already the sequence switches to it
-        (its own page is given back, or handed to the cached block when that one sits on a
-        slower tier: the page holds the same KV). After the first block that is not cached,
-        none is (a new block has no children), so the rest joins as one chain.
-
-        ``data``: the 4-byte LE encoding of ``tokens`` from block ``first`` on, when the caller
-        has it (it may run longer)."""
+        """Blocks ``first..last-1`` of a sequence (private pages) join the tree, holding
+        ``tokens``'s blocks: ``tokens[0]`` is the first token of block ``first`` (it may run
+        past block ``last - 1``); ``data``, when the caller has it, is their 4-byte LE
+        encoding. Where the same block is cached already the sequence switches to it (its own
+        page is given back, or handed to the cached block when that one sits on a slower tier:
+        the page holds the same KV). After the first block that is not cached, none is (a new
+        block has no children), so the rest joins as one chain."""
         tpb = self.tokens_per_block
         step = 4 * tpb
         if data is None:
-            data = tokens_to_bytes(tokens[first * tpb : last * tpb])
+            data = tokens_to_bytes(tokens[: (last - first) * tpb])
         node = self._parent_node(scope, blocks, first)
         i = first
         found, next_key = self.tree.match_full_key(node, data, last - first, step)
@@ -296,16 +295,17 @@ class BlockPool:
             i += 1
         if i == last:
             return
+        at = (i - first) * tpb  # where block i's tokens begin
         if node.partials:
-            old = self.tree.extended_partial(node, tokens[i * tpb : (i + 1) * tpb])
+            old = self.tree.extended_partial(node, tokens[at : at + tpb])
             if old is not None:
                 self._replace_partial(old)
                 node = self._parent_node(scope, blocks, i)  # the root may have gone with it
         new = blocks[i:last]
         # next_key chains from node's key: a root that went with the partial comes back with
         # the same key (the scope's)
-        rest = data if i == first else data[(i - first) * step :]
-        self.tree.attach_chain(node, new, tokens, tpb, start=i * tpb, data=rest, first_key=next_key)
+        rest = data if i == first else data[4 * at :]
+        self.tree.attach_chain(node, new, tokens, tpb, start=at, data=rest, first_key=next_key)
         self._linked(new[0])
         for j in range(i, last - 1):  # each one's child is on its tier (the device tier, pinned)
             b = blocks[j]

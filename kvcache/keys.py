@@ -98,6 +98,15 @@ def tokens_to_bytes(tokens: array[int]) -> bytes:
     return tokens.tobytes()
 
 
+def tokens_from_bytes(data: bytes) -> array[int]:
+    """The token array of a :func:`tokens_to_bytes` encoding."""
+    arr = array("i")
+    arr.frombytes(data)
+    if _BIG_ENDIAN:
+        arr.byteswap()
+    return arr
+
+
 def root_key(scope: ReuseScope) -> BlockKey:
     """The key of a scope's root: ``sha256(scope.to_bytes())``."""
     return BlockKey(sha256(scope.to_bytes()).digest())

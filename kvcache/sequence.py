@@ -18,7 +18,7 @@ from types import TracebackType
 
 from kvcache.block_pool import BlockPool
 from kvcache.errors import CacheStateError, ClosedCacheError
-from kvcache.keys import token_array_bytes, tokens_to_bytes
+from kvcache.keys import token_array_bytes, tokens_from_bytes, tokens_to_bytes
 from kvcache.owner import ThreadOwner
 from kvcache.scope import ReuseScope
 from kvcache.tree import Block
@@ -29,13 +29,15 @@ class KVCache:
 
     __slots__ = (
         "_blocks",
+        "_chunks",
         "_closed",
+        "_n",
         "_on_close",
         "_owner",
         "_pool",
         "_stopped",
         "_suspended",
-        "_tokens",
+        "_tail",
         "num_reused_tokens",
         "priority",
         "scope",
@@ -56,9 +58,15 @@ class KVCache:
         self._on_close = on_close
         self.scope = scope
         self.priority = priority
-        self._tokens = tokens
+        # The tokens as committed, in LE-packed chunks (joined only when ``tokens`` is read):
+        # appending to one growing array re-copied a long prompt on every block of decode.
+        # ``_tail`` holds the tokens after the last full block (``_n % tokens_per_block``).
+        n = len(tokens)
+        self._chunks: list[bytes] = [tokens_to_bytes(tokens)] if n else []
+        self._n = n
+        self._tail: array[int] = tokens[n - n % pool.tokens_per_block :]
         self._blocks = blocks
-        self.num_reused_tokens = len(tokens)
+        self.num_reused_tokens = n
         self._closed = False
         self._stopped = False
         self._suspended = False
@@ -68,7 +76,7 @@ class KVCache:
     @property
     def num_tokens(self) -> int:
         """Tokens whose KV is in the cache: the reused prefix plus everything committed."""
-        return len(self._tokens)
+        return self._n
 
     @property
     def capacity(self) -> int:
@@ -88,7 +96,9 @@ class KVCache:
     @property
     def tokens(self) -> list[int]:
         """Every token in the cache, in order."""
-        return self._tokens.tolist()
+        if len(self._chunks) > 1:
+            self._chunks = [b"".join(self._chunks)]
+        return tokens_from_bytes(self._chunks[0]).tolist() if self._chunks else []
 
     def page_indices(self) -> list[int]:
         """Device-tier block table: the page of block ``i``, for every allocated block."""
@@ -130,7 +140,7 @@ class KVCache:
         if capacity_tokens < 0:
             raise ValueError(f"capacity_tokens must be >= 0, got {capacity_tokens}")
         tpb = self._pool.tokens_per_block
-        want = -(-max(capacity_tokens, len(self._tokens)) // tpb)
+        want = -(-max(capacity_tokens, self._n) // tpb)
         pool = self._pool
         if want > len(self._blocks):
             self._blocks += pool.grow(want - len(self._blocks), self.scope, self.priority)
@@ -153,18 +163,25 @@ class KVCache:
             return
         pool = self._pool
         tpb = pool.tokens_per_block
-        old_n = len(self._tokens)
+        old_n = self._n
         new_n = old_n + len(arr)
         extra = -(-new_n // tpb) - len(self._blocks)
         if extra > 0:
             self._blocks += pool.grow(extra, self.scope, self.priority)
-        self._tokens.extend(arr)
+        self._chunks.append(data)  # immutable: the caller may change its array afterwards
+        self._n = new_n
         first, last = old_n // tpb, new_n // tpb
-        if last > first:
-            head = first * tpb
-            if head < old_n:  # the block being filled began in an earlier commit
-                data = tokens_to_bytes(self._tokens[head:old_n]) + data
-            pool.store_full(self.scope, self._blocks, first, last, self._tokens, data)
+        tail = self._tail
+        if last == first:
+            self._tail = tail + arr
+        else:
+            # block ``first`` on: the tokens of the block being filled, then the new ones
+            if tail:
+                seg, seg_data = tail + arr, tokens_to_bytes(tail) + data
+            else:
+                seg, seg_data = arr, data
+            self._tail = seg[(last - first) * tpb :]
+            pool.store_full(self.scope, self._blocks, first, last, seg, seg_data)
         pool.finish()
 
     def stop_committing(self) -> None:
@@ -177,12 +194,12 @@ class KVCache:
             raise CacheStateError("stop_committing(): the sequence is suspended; resume() it first")
         pool = self._pool
         tpb = pool.tokens_per_block
-        n = len(self._tokens)
+        n = self._n
         keep = -(-n // tpb)
         while len(self._blocks) > keep:
             pool.free(self._blocks.pop())
         if n % tpb:
-            pool.store_partial(self.scope, self._blocks, self._tokens[n - n % tpb :])
+            pool.store_partial(self.scope, self._blocks, self._tail)  # never changed in place
         self._stopped = True
         pool.finish()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from array import array
 
 import pytest
 from kv_helpers import manager, run, seen
@@ -192,3 +193,32 @@ def test_one_commit_that_replaces_a_partial_midway_announces_in_order() -> None:
     seq.close()
     assert m.num_cached_blocks == 6
     m.verify()
+
+
+def test_the_sequence_keeps_its_own_record_of_every_token() -> None:
+    """A copy-on-write prefix, commits that split blocks every way, the caller's arrays changed
+    afterwards: ``tokens`` and ``num_tokens`` still say what was committed, the blocks that
+    joined the tree hold their own tokens, and the trailing partial block holds the tail."""
+    m, sink = manager(3, 32)
+    run(m, [1, 2, 3, 4, 5], stop=True)  # [1 2 3] full, [4 5] partial
+    sink.clear()
+    prompt = array("i", [1, 2, 3, 4, 5, 6, 7])
+    seq = m.create_kv_cache(prompt)
+    assert seq.num_reused_tokens == 5 and seq.tokens == [1, 2, 3, 4, 5]  # 2 by copy-on-write
+    prompt[3] = 99  # the caller's array is not the sequence's
+    pieces = [array("i", [6]), array("i", [7, 8, 9, 10, 11]), array("i", [12, 13])]
+    for piece in pieces:
+        seq.commit(piece)
+        piece[0] = -1
+    assert seq.num_tokens == 13 and seq.tokens == list(range(1, 14))
+    seq.stop_committing()
+    seq.close()
+    assert seq.tokens == list(range(1, 14))  # still readable once closed
+    assert seen(sink) == [
+        ("removed", [[4, 5]], [0]),  # [4 5 6] extends the cached partial block
+        ("stored", [[4, 5, 6]], [0]),
+        ("stored", [[7, 8, 9]], [0]),  # [10 11] waits for the next commit
+        ("stored", [[10, 11, 12]], [0]),
+        ("stored", [[13]], [0]),
+    ]
+    assert m.probe_reuse([*range(1, 14), 0]) == 13
