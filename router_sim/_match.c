@@ -26,7 +26,8 @@
  *
  * Linear probing, splitmix64-scrambled keys (so sequential or crafted hashes spread out),
  * load <= 3/4, deletion by backward shift (no tombstones), memory from PyMem_Raw* (traced).
- * A slot is 1 + words uint64s: the key, then the mask; a slot is empty iff its mask is 0.
+ * A slot: the key, the any-tier mask, the device mask (each `words` uint64s), padded to a
+ * power of two words; a slot is empty iff both masks are 0.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -39,8 +40,11 @@
 
 typedef struct {
     PyObject_HEAD
-    uint64_t *slots; /* cap * (1 + words) */
-    size_t cap;      /* a power of two */
+    uint64_t *slots; /* cap * stride_of(words): key, any-tier mask; cache-line aligned */
+    uint64_t *dev;   /* cap * words: the device mask of the key in the same slot */
+    void *raw;       /* the allocations holding slots and dev */
+    void *raw_dev;
+    size_t cap; /* a power of two */
     size_t count;
     size_t words;    /* mask words per slot */
     PyObject *other; /* key -> device mask for keys that are not ints in [0, 2**64) */
@@ -62,24 +66,49 @@ static inline uint64_t scramble(uint64_t x) {
     return x ^ (x >> 31);
 }
 
-/* a slot: the key, the any-tier mask (words), the device-tier mask (words) */
-static inline size_t stride_of(size_t words) { return 1 + 2 * words; }
+/* A slot: the key and the any-tier mask, padded to a power of two words, so that in a table
+   aligned to cache lines a lookup reads one line (up to 448 workers); the device masks lie in
+   a parallel array that only updates and device reads touch. A device bit is never set
+   without the key's any-tier bit (a worker holding a block on the device tier holds it), so
+   a slot is empty iff its any-tier mask is 0. */
+static inline size_t stride_of(size_t words) {
+    size_t n = 2;
+    while (n < 1 + words)
+        n *= 2;
+    return n;
+}
+
+/* `n_words` zeroed words aligned to a cache line; *raw receives what to free */
+static uint64_t *alloc_words(size_t n_words, void **raw) {
+    void *r = PyMem_RawCalloc(n_words * sizeof(uint64_t) + 64, 1);
+    if (r == NULL)
+        return NULL;
+    *raw = r;
+    return (uint64_t *)(((uintptr_t)r + 63) & ~(uintptr_t)63);
+}
 
 static inline uint64_t *slot_at(const MaskTable *t, size_t j) {
     return t->slots + j * stride_of(t->words);
 }
 
+static inline size_t index_of(const MaskTable *t, const uint64_t *s) {
+    return (size_t)(s - t->slots) / stride_of(t->words);
+}
+
+static inline uint64_t *dev_at(const MaskTable *t, size_t j) { return t->dev + j * t->words; }
+
 static inline int slot_empty(const uint64_t *s, size_t words) {
-    for (size_t w = 1; w <= 2 * words; w++)
+    for (size_t w = 1; w <= words; w++)
         if (s[w])
             return 0;
     return 1;
 }
 
-static inline void prefetch_key(const MaskTable *t, uint64_t key) {
-    const char *p = (const char *)slot_at(t, scramble(key) & (t->cap - 1));
-    __builtin_prefetch(p);
-    __builtin_prefetch(p + 8 * stride_of(t->words) - 1); /* a slot may straddle two lines */
+static inline void prefetch_key(const MaskTable *t, uint64_t key, int with_dev) {
+    size_t j = scramble(key) & (t->cap - 1);
+    __builtin_prefetch(slot_at(t, j));
+    if (with_dev)
+        __builtin_prefetch(dev_at(t, j));
 }
 
 /* A large table is read at random: ask for huge pages (where the kernel leaves it to
@@ -100,20 +129,24 @@ static void advise_huge(void *p, size_t bytes) {
 
 /* rebuild into `cap` slots of `words` mask words (words >= the current width) */
 static int table_rebuild(MaskTable *t, size_t cap, size_t words) {
-    const size_t stride = stride_of(words), old_words = t->words, old_stride = stride_of(old_words);
-    if (cap > PY_SSIZE_T_MAX / 8 / stride) {
+    const size_t stride = stride_of(words), old_words = t->words;
+    if (cap > (PY_SSIZE_T_MAX - 64) / 8 / (stride + words)) {
         PyErr_NoMemory();
         return -1;
     }
-    uint64_t *fresh = PyMem_RawCalloc(cap * stride, sizeof(uint64_t));
-    if (fresh == NULL) {
+    void *raw = NULL, *raw_dev = NULL;
+    uint64_t *fresh = alloc_words(cap * stride, &raw);
+    uint64_t *fresh_dev = fresh == NULL ? NULL : alloc_words(cap * words, &raw_dev);
+    if (fresh_dev == NULL) {
+        PyMem_RawFree(raw);
         PyErr_NoMemory();
         return -1;
     }
     advise_huge(fresh, cap * stride * sizeof(uint64_t));
+    advise_huge(fresh_dev, cap * words * sizeof(uint64_t));
     for (size_t i = 0; i < t->cap; i++) {
-        const uint64_t *s = t->slots + i * old_stride;
-        if (slot_empty(s, t->words))
+        const uint64_t *s = slot_at(t, i);
+        if (slot_empty(s, old_words))
             continue;
         size_t j = scramble(s[0]) & (cap - 1);
         while (!slot_empty(fresh + j * stride, words))
@@ -121,10 +154,14 @@ static int table_rebuild(MaskTable *t, size_t cap, size_t words) {
         uint64_t *d = fresh + j * stride;
         d[0] = s[0];
         memcpy(d + 1, s + 1, old_words * sizeof(uint64_t));
-        memcpy(d + 1 + words, s + 1 + old_words, old_words * sizeof(uint64_t));
+        memcpy(fresh_dev + j * words, dev_at(t, i), old_words * sizeof(uint64_t));
     }
-    PyMem_RawFree(t->slots);
+    PyMem_RawFree(t->raw);
+    PyMem_RawFree(t->raw_dev);
+    t->raw = raw;
+    t->raw_dev = raw_dev;
     t->slots = fresh;
+    t->dev = fresh_dev;
     t->cap = cap;
     t->words = words;
     return 0;
@@ -144,7 +181,7 @@ static inline uint64_t *table_find(const MaskTable *t, uint64_t key) {
 
 static void table_delete(MaskTable *t, uint64_t *hole_slot) {
     const size_t cap_mask = t->cap - 1, words = t->words, stride = stride_of(words);
-    size_t hole = (size_t)(hole_slot - t->slots) / stride;
+    size_t hole = index_of(t, hole_slot);
     size_t j = hole;
     for (;;) {
         j = (j + 1) & cap_mask;
@@ -155,15 +192,18 @@ static void table_delete(MaskTable *t, uint64_t *hole_slot) {
         /* the entry at j may move into the hole unless its home lies in (hole, j] */
         if (((j - home) & cap_mask) >= ((j - hole) & cap_mask)) {
             memcpy(slot_at(t, hole), s, stride * sizeof(uint64_t));
+            memcpy(dev_at(t, hole), dev_at(t, j), words * sizeof(uint64_t));
             hole = j;
         }
     }
     memset(slot_at(t, hole), 0, stride * sizeof(uint64_t));
+    memset(dev_at(t, hole), 0, words * sizeof(uint64_t));
     t->count--;
 }
 
 /* set (on) or clear bit `bit` of key's any-tier mask (tier 0) or device mask (tier 1); the
-   table is widened first where the bit needs it */
+   table is widened first where the bit needs it. Setting a device bit sets the any-tier bit
+   too, clearing an any-tier bit clears the device bit too (device holders are holders). */
 static int table_put(MaskTable *t, uint64_t key, long bit, int on, int tier) {
     const size_t word = (size_t)bit >> 6;
     const uint64_t b = UINT64_C(1) << (bit & 63);
@@ -174,18 +214,23 @@ static int table_put(MaskTable *t, uint64_t key, long bit, int on, int tier) {
             return -1;
     }
     uint64_t *s = table_find(t, key);
-    const size_t at = 1 + (size_t)tier * t->words + word;
+    uint64_t *d = dev_at(t, index_of(t, s));
     if (on) {
+        if (tier)
+            d[word] |= b;
         if (!slot_empty(s, t->words)) {
-            s[at] |= b;
+            s[1 + word] |= b;
             return 0;
         }
         s[0] = key;
-        s[at] = b;
+        s[1 + word] = b;
         if (++t->count * 4 > t->cap * 3)
             return table_rebuild(t, t->cap * 2, t->words);
-    } else if (s[at] & b) {
-        s[at] &= ~b;
+    } else if (tier) {
+        d[word] &= ~b;
+    } else if (s[1 + word] & b) {
+        s[1 + word] &= ~b;
+        d[word] &= ~b;
         if (slot_empty(s, t->words)) {
             table_delete(t, s);
             if (t->cap > MIN_CAP && t->count * 8 < t->cap)
@@ -211,8 +256,9 @@ static PyObject *MaskTable_new(PyTypeObject *type, PyObject *args, PyObject *kwd
         return NULL;
     }
     t->other = other;
-    t->slots = PyMem_RawCalloc(MIN_CAP * stride_of(1), sizeof(uint64_t));
-    if (t->slots == NULL) {
+    t->slots = alloc_words(MIN_CAP * stride_of(1), &t->raw);
+    t->dev = t->slots == NULL ? NULL : alloc_words(MIN_CAP, &t->raw_dev);
+    if (t->dev == NULL) {
         Py_DECREF(t);
         return PyErr_NoMemory();
     }
@@ -223,7 +269,8 @@ static PyObject *MaskTable_new(PyTypeObject *type, PyObject *args, PyObject *kwd
 }
 
 static void MaskTable_dealloc(MaskTable *t) {
-    PyMem_RawFree(t->slots);
+    PyMem_RawFree(t->raw);
+    PyMem_RawFree(t->raw_dev);
     Py_XDECREF(t->other);
     Py_TYPE(t)->tp_free((PyObject *)t);
 }
@@ -285,11 +332,11 @@ static PyObject *update(MaskTable *t, PyObject *keys_arg, PyObject *bit_arg, PyO
             goto fail_keys;
         is_key[i] = (int8_t)ok;
         if (ok && i < AHEAD)
-            prefetch_key(t, keys[i]);
+            prefetch_key(t, keys[i], 0);
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i + AHEAD < n && is_key[i + AHEAD])
-            prefetch_key(t, keys[i + AHEAD]);
+            prefetch_key(t, keys[i + AHEAD], 0);
         if (!is_key[i])
             continue;
         int present = by_dict ? PyDict_Contains(held, items[i]) : held == Py_True;
@@ -403,7 +450,7 @@ static PyObject *MaskTable_runs(MaskTable *t, PyObject *const *args, Py_ssize_t 
                 goto out;
             }
             ring[ahead % (AHEAD + 1)] = key;
-            prefetch_key(t, key);
+            prefetch_key(t, key, 0);
         }
         if (i < 0)
             continue;
@@ -461,7 +508,7 @@ static void warm(const MaskTable *t, PyObject *const *items, Py_ssize_t from, Py
         uint64_t key;
         int ok = as_key(h, &key);
         if (ok > 0)
-            prefetch_key(t, key);
+            prefetch_key(t, key, 1);
         /* the device dict holds only keys the table does not */
         if (ok < 0 || PyDict_GetItemWithError(d1, h) == NULL ||
             (!ok && PyDict_GetItemWithError(d2, h) == NULL)) {
@@ -696,11 +743,14 @@ fail:
 static PyObject *device_mask(const MaskTable *t, uint64_t key) {
     const uint64_t *s = table_find(t, key);
     const size_t words = t->words;
+    if (slot_empty(s, words))
+        return PyLong_FromLong(0);
+    const uint64_t *d = dev_at(t, index_of(t, s));
     if (words == 1)
-        return PyLong_FromUnsignedLongLong(s[2]);
+        return PyLong_FromUnsignedLongLong(d[0]);
     PyObject *r = PyLong_FromLong(0);
     for (size_t w = words; w-- > 0 && r != NULL;) {
-        PyObject *sixty_four = PyLong_FromLong(64), *word = PyLong_FromUnsignedLongLong(s[1 + words + w]);
+        PyObject *sixty_four = PyLong_FromLong(64), *word = PyLong_FromUnsignedLongLong(d[w]);
         PyObject *shifted = sixty_four == NULL ? NULL : PyNumber_Lshift(r, sixty_four);
         PyObject *next = shifted == NULL || word == NULL ? NULL : PyNumber_Or(shifted, word);
         Py_XDECREF(sixty_four);
