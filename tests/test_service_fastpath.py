@@ -13,7 +13,13 @@ import pytest
 from service_procs import Proc, _start, get_json, request
 
 from router_sim.service.app import _runner
-from router_sim.service.protocol import json_answer
+from router_sim.service.protocol import (
+    BadRequest,
+    RouteBody,
+    json_answer,
+    parse_body,
+    parse_route_body,
+)
 from router_sim.service.pump import EventPump, PumpItem, WorkerRemoved
 
 pytestmark = pytest.mark.timeout(60)
@@ -75,6 +81,51 @@ def test_a_large_round_is_applied_in_slices_and_requests_run_between_them() -> N
         pump._sub.close()  # the pump's thread, which closes it, never ran
 
     asyncio.run(scenario())
+
+
+ROUTE_BODIES = [
+    b'{"prompt": [1, 2, 3]}',
+    b'{"prompt": [0, 2147483647], "lora_id": 18446744073709551615, "cache_salt": "t"}',
+    b'{"prompt": [5], "lora_name": "a", "temperature": 0.5, "extra": {"x": [1]}}',
+    b'{"prompt": [5], "lora_id": null, "lora_name": null, "cache_salt": null}',
+    b'{"prompt": [1, true]}',
+    b'{"prompt": [1, 2.0]}',
+    b'{"prompt": [1, "2"]}',
+    b'{"prompt": [-1]}',
+    b'{"prompt": [2147483648]}',
+    b'{"prompt": []}',
+    b'{"prompt": 7}',
+    b"{}",
+    b"[1, 2]",
+    b'{"prompt": [1], "lora_id": -1}',
+    b'{"prompt": [1], "lora_id": 18446744073709551616}',
+    b'{"prompt": [1], "lora_id": 1.5}',
+    b'{"prompt": [1], "lora_name": 3}',
+    b'{"prompt": [1], "cache_salt": "' + b"s" * 4097 + b'"}',
+    b'{"prompt": [1]',
+    b"",
+]
+
+
+@pytest.mark.parametrize("raw", ROUTE_BODIES)
+def test_route_json_bodies_are_read_like_the_pydantic_model(raw: bytes) -> None:
+    """``POST /route`` reads JSON with msgspec; it accepts and refuses what ``RouteBody``
+    (the model the worker and the completions proxy use) does, with the same values."""
+    try:
+        want: RouteBody | None = parse_body(RouteBody, raw)
+    except BadRequest:
+        want = None
+    if want is None:
+        with pytest.raises(BadRequest):
+            parse_route_body(raw)
+        return
+    got = parse_route_body(raw)
+    assert (got.prompt, got.lora_id, got.lora_name, got.cache_salt) == (
+        want.prompt,
+        want.lora_id,
+        want.lora_name,
+        want.cache_salt,
+    )
 
 
 def test_json_answers_encode_like_the_standard_library() -> None:

@@ -46,7 +46,6 @@ from router_sim.service.protocol import (
     PACKED_TOKENS,
     CompletionBody,
     Handler,
-    RouteBody,
     RouteQuery,
     error_response,
     json_answer,
@@ -54,6 +53,7 @@ from router_sim.service.protocol import (
     packed_tokens,
     parse_body,
     parse_query,
+    parse_route_body,
     read_body,
 )
 
@@ -80,7 +80,7 @@ async def route(request: web.Request) -> web.Response:
             query = parse_query(RouteQuery, request.query)
             lora_id, lora_name, salt = query.lora_id, query.lora_name, query.cache_salt
     else:
-        body = parse_body(RouteBody, raw)
+        body = parse_route_body(raw)
         prompt = body.prompt
         lora_id, lora_name, salt = body.lora_id, body.lora_name, body.cache_salt
     lora = lora_id if lora_name is None else svc.resolve_lora(lora_id, lora_name)
