@@ -21,7 +21,7 @@ optional extension ``router_sim._match`` is built: ``_table`` holds, for every i
 mask of workers holding it on any tier (bit w set iff the key is in ``_held`` of the worker
 whose bit is w) and its device mask, one slot per key in an open-addressing table whose
 masks are as many 64-bit words as the fleet's highest bit needs (24 bytes a slot up to 64
-workers, 40 up to 128, ...), and a request's slots are fetched ahead so their misses overlap
+workers, 48 up to 128, ...), and a request's slots are fetched ahead so their misses overlap
 (89 -> 14 us p50 over distinct 256-block requests at 1M entries, bench_router.py). The pure
 matching loop (``find_matches_py``) is the reference and the fallback: without the
 extension, and for requests naming keys the table does not hold (strings, ints outside
