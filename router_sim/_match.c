@@ -487,6 +487,120 @@ fail:
     goto out;
 }
 
+/* result[worker_of_bit[b]] = make(run, drun, on_device, run - on_device) */
+static int emit_detail(PyObject *result, PyObject *worker_of_bit, PyObject *make, long b,
+                       Py_ssize_t run, Py_ssize_t drun, Py_ssize_t on_device) {
+    PyObject *bo = PyLong_FromLong(b);
+    if (bo == NULL)
+        return -1;
+    PyObject *w = PyDict_GetItemWithError(worker_of_bit, bo);
+    Py_DECREF(bo);
+    if (w == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_KeyError, "no worker for bit %ld", b);
+        return -1;
+    }
+    PyObject *v = PyObject_CallFunction(make, "nnnn", run, drun, on_device, run - on_device);
+    if (v == NULL)
+        return -1;
+    int err = PyDict_SetItem(result, w, v);
+    Py_DECREF(v);
+    return err;
+}
+
+/* detailed(keys, worker_of_bit, make) -> {worker: make(run, device_run, on_device,
+   run - on_device)} as KvIndexer.find_matches_detailed, or None when a key before the cut is
+   not an int in [0, 2**64). One pass: the prefix-AND of the any-tier masks cuts each
+   worker's run, that of the device masks its device run, and within its run each worker's
+   device copies are counted; a worker is emitted when its run ends (low bits first, as
+   runs() and the Python loop order them). */
+static PyObject *MaskTable_detailed(MaskTable *t, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyDict_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "detailed(keys, worker_of_bit: dict, make)");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[0], "keys must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    const size_t words = t->words, bits = 64 * words;
+    /* acc, dacc: words each; counts, druns: one per bit */
+    uint64_t *acc = PyMem_Calloc(2 * words, sizeof(uint64_t));
+    Py_ssize_t *counts = PyMem_Calloc(2 * bits, sizeof(Py_ssize_t));
+    PyObject *result = acc == NULL || counts == NULL ? PyErr_NoMemory() : PyDict_New();
+    if (result == NULL)
+        goto out;
+    uint64_t *dacc = acc + words;
+    Py_ssize_t *druns = counts + bits;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    const size_t cap_mask = t->cap - 1;
+    uint64_t ring[AHEAD + 1];
+    Py_ssize_t i;
+    for (i = -AHEAD; i < n; i++) {
+        Py_ssize_t ahead = i + AHEAD;
+        if (ahead < n) {
+            uint64_t key;
+            int ok = as_key(items[ahead], &key);
+            if (ok <= 0) {
+                Py_DECREF(result);
+                result = ok < 0 ? NULL : Py_NewRef(Py_None);
+                goto out;
+            }
+            ring[ahead % (AHEAD + 1)] = key;
+            prefetch_key(t, key, 1);
+        }
+        if (i < 0)
+            continue;
+        uint64_t key = ring[i % (AHEAD + 1)];
+        size_t j = scramble(key) & cap_mask;
+        const uint64_t *s = slot_at(t, j);
+        while (!slot_empty(s, words) && s[0] != key) {
+            j = (j + 1) & cap_mask;
+            s = slot_at(t, j);
+        }
+        const int empty = slot_empty(s, words);
+        const uint64_t *d = dev_at(t, j);
+        uint64_t any_left = 0;
+        for (size_t w = 0; w < words; w++) {
+            uint64_t m = s[1 + w], dm = empty ? 0 : d[w];
+            uint64_t next = i == 0 ? m : acc[w] & m;
+            uint64_t dnext = i == 0 ? dm : dacc[w] & dm;
+            for (uint64_t lost = dacc[w] & ~dnext; lost; lost &= lost - 1)
+                druns[64 * w + __builtin_ctzll(lost)] = i;
+            dacc[w] = dnext;
+            for (uint64_t c = next & dm; c; c &= c - 1)
+                counts[64 * w + __builtin_ctzll(c)]++;
+            uint64_t lost = i == 0 ? 0 : acc[w] & ~next;
+            acc[w] = next;
+            any_left |= next;
+            for (; lost; lost &= lost - 1) {
+                size_t b = 64 * w + __builtin_ctzll(lost);
+                if (emit_detail(result, args[1], args[2], (long)b, i, druns[b], counts[b]) < 0)
+                    goto fail;
+            }
+        }
+        if (!any_left)
+            goto out;
+    }
+    for (size_t w = 0; w < words; w++) {
+        for (uint64_t left = dacc[w]; left; left &= left - 1)
+            druns[64 * w + __builtin_ctzll(left)] = n;
+        for (uint64_t left = acc[w]; left; left &= left - 1) {
+            size_t b = 64 * w + __builtin_ctzll(left);
+            if (emit_detail(result, args[1], args[2], (long)b, n, druns[b], counts[b]) < 0)
+                goto fail;
+        }
+    }
+out:
+    PyMem_Free(acc);
+    PyMem_Free(counts);
+    Py_DECREF(seq);
+    return result;
+fail:
+    Py_CLEAR(result);
+    goto out;
+}
+
 /* ------------------------------------------------ the indexer's per-block update loops */
 
 static PyObject *str_cache_level, *str_block_hash, *one;
@@ -872,6 +986,9 @@ static PyMethodDef MaskTable_methods[] = {
      "device_get(key) -> mask of the workers holding key on the device tier (0: none)."},
     {"device_bit", (PyCFunction)(void (*)(void))MaskTable_device_bit, METH_FASTCALL,
      "device_bit(keys, bit, on): set or clear bit `bit` of each key's device mask."},
+    {"detailed", (PyCFunction)(void (*)(void))MaskTable_detailed, METH_FASTCALL,
+     "detailed(keys, worker_of_bit, make) -> {worker: make(run, device run, on device, "
+     "slower)}, or None (reference path needed)."},
     {"store", (PyCFunction)(void (*)(void))MaskTable_store, METH_FASTCALL,
      "store(blocks, keys, start, bit, bitobj, held, device) -> index of the first block not "
      "on the device tier."},

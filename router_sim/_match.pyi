@@ -1,7 +1,9 @@
 """Type stub of the native match loop of router_sim.indexer (built from _match.c)."""
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 class MaskTable:
     """Key -> masks of the workers holding the block on any tier and on the device tier (as
@@ -33,6 +35,15 @@ class MaskTable:
     def runs(self, keys: Sequence[object], worker_of_bit: dict[int, int]) -> dict[int, int] | None:
         """{worker: run length} as ``KvIndexer.find_matches``, or None when a key is not an
         int in [0, 2**64) (the caller takes the reference path)."""
+
+    def detailed(
+        self,
+        keys: Sequence[object],
+        worker_of_bit: dict[int, int],
+        make: Callable[[int, int, int, int], T],
+    ) -> dict[int, T] | None:
+        """{worker: make(run, device run, device copies, slower copies)} as
+        ``KvIndexer.find_matches_detailed``, or None when a key is not an int in [0, 2**64)."""
 
     def store(
         self,

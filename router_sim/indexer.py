@@ -969,6 +969,17 @@ class KvIndexer:
         """Like :meth:`find_matches` with the device-tier run and per-tier counts."""
         if not block_hashes:
             return {}
+        if self._table is not None:
+            details = self._table.detailed(block_hashes, self._worker_of_bit, MatchDetail)
+            if details is not None:
+                return details
+        return self.find_matches_detailed_py(block_hashes)
+
+    def find_matches_detailed_py(self, block_hashes: Sequence[BlockHash]) -> dict[int, MatchDetail]:
+        """The readable reference of :meth:`find_matches_detailed` (its fallback, as
+        :meth:`find_matches_py` is :meth:`find_matches`')."""
+        if not block_hashes:
+            return {}
         any_runs = self._run_lengths(self._prefix_masks(block_hashes, device_only=False))
         if not self._slower:
             return {w: MatchDetail(n, n, n, 0) for w, n in any_runs.items()}

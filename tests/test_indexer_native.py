@@ -24,7 +24,7 @@ from events.model import (
     StoredBlock,
     Updated,
 )
-from router_sim.indexer import RECENT_KEYS, KvIndexer
+from router_sim.indexer import RECENT_KEYS, KvIndexer, MatchDetail
 
 try:
     from router_sim import _match as native
@@ -224,7 +224,8 @@ def test_native_updates_and_matches_equal_the_pure_ones(
     for q in [*queries, [0, 1, 2, 3, 5, 8], [2**63, 2**64 - 1]]:
         expected = pure.find_matches_py(q)
         assert fast.find_matches(q) == expected == fast.find_matches_py(q)
-        assert fast.find_matches_detailed(q) == pure.find_matches_detailed(q)
+        detail = pure.find_matches_detailed(q)
+        assert fast.find_matches_detailed(q) == detail == fast.find_matches_detailed_py(q)
         ints = [h for h in q if isinstance(h, int) and 0 <= h < 2**64]
         assert fast._table is not None
         assert fast._table.runs(ints, fast._worker_of_bit) == pure.find_matches_py(ints)
@@ -259,6 +260,25 @@ def test_recent_key_memory_trimmed_as_the_pure_loop_trims_it() -> None:
         ix.apply_batch(0, batch(store([20_000], tokens=None)))
         assert ix.find_matches([last_key]) == {0: 1}
     assert state(fast) == state(pure)
+
+
+def test_tiers_of_a_worker_past_bit_64() -> None:
+    """Hand-derived details for workers on the second mask word: worker 170 holds blocks
+    11 (device), 12 (slower tier only), 13 (both), 14 (device); worker 171 holds 11 and 12 on
+    the device tier; 70 fillers hold block 99 only."""
+    for native_loops in (True, False):
+        ix = KvIndexer(TPB, native=native_loops)
+        for w in range(70):
+            ix.apply_batch(w, batch(store([99])))
+        ix.apply_batch(170, batch(store([11]), store([12, 13], parent=11, level=1)))
+        ix.apply_batch(170, batch(store([13, 14], parent=12)))
+        ix.apply_batch(171, batch(store([11, 12])))
+        assert ix._bit_of[170] == 70 and ix._bit_of[171] == 71
+        chain: list[BlockHash] = [11, 12, 13, 14, 15]
+        expected = {170: MatchDetail(4, 1, 3, 1), 171: MatchDetail(2, 2, 2, 0)}
+        assert ix.find_matches_detailed(chain) == expected
+        assert list(ix.find_matches_detailed(chain)) == [171, 170]  # in the order runs end
+        assert ix.find_matches(chain) == {170: 4, 171: 2}
 
 
 def test_a_removal_naming_a_block_twice_and_a_block_kept_elsewhere() -> None:
