@@ -247,8 +247,13 @@ class Router:
         matches: dict[int, MatchDetail] = self.indexer.find_matches_detailed(hashes)
         request = RouteRequest(hashes, len(tokens), self.tokens_per_block, matches, loads, now_ms)
         choice = self.policy.choose(request)
-        overlaps = {w: (matches[w].matched_blocks if w in matches else 0) for w in loads}
-        device = {w: (matches[w].device_run if w in matches else 0) for w in loads}
+        # every candidate at 0, then the few the index matched (no lookup per candidate)
+        overlaps = dict.fromkeys(loads, 0)
+        device = dict.fromkeys(loads, 0)
+        for w, detail in matches.items():
+            if w in overlaps:
+                overlaps[w] = detail.matched_blocks
+                device[w] = detail.device_run
         best = max(overlaps.values(), default=0)
         chosen_overlap = overlaps.get(choice.worker, 0)
         elapsed_us = (time.perf_counter() - start) * 1e6
