@@ -272,6 +272,13 @@ def main() -> None:
     )
     ap.add_argument("--event-loop", default="auto", help="serve's --event-loop")
     ap.add_argument(
+        "--router-nice",
+        type=int,
+        default=0,
+        help="diagnosis only: the routers' scheduling priority (negative needs root), to see "
+        "how much of the tail is the router waiting for a core the other processes hold",
+    )
+    ap.add_argument(
         "--encodings", default="json,packed", help="comma-separated /route bodies to measure"
     )
     ap.add_argument(
@@ -306,6 +313,10 @@ def main() -> None:
             port = serve.rsplit(":", 1)[1]
             routers.append(start([*serve_args, "--port", port])[0])
             procs.append(routers[-1])
+
+        for p in routers:
+            if args.router_nice:
+                os.setpriority(os.PRIO_PROCESS, p.pid, args.router_nice)
 
         def router_cpu_s() -> float:
             return sum(cpu_s(p.pid) for p in routers)
@@ -351,6 +362,7 @@ def main() -> None:
             f"workers fed {args.event_rps:g} fresh {tokens}-token prompts/s "
             f"({args.event_rps * tokens / TPB:.0f} new blocks/s), concurrency {args.concurrency}, "
             f"{args.seconds:g} s per encoding"
+            + (f", routers at nice {args.router_nice}" if args.router_nice else "")
         )
         for name in args.encodings.split(","):
             ctype, bodies = encodings[name]
