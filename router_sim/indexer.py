@@ -226,8 +226,8 @@ class KvIndexer:
         self._refs: dict[int, dict[tuple[IndexKey, int], int]] = {}
         # worker -> [blocks keyed by tokens, by engine hash, blocks whose key equals the hash]
         self._keying: dict[int, list[int]] = {}
-        # the native mirror of which workers hold each int key (None: the pure-Python match
-        # loop and update loops, without the extension or with native=False)
+        # the native table of which workers hold each int key, on any tier and on the device
+        # tier (None: the pure-Python loops, without the extension or with native=False)
         self._table: MaskTable | None = (
             MaskTable(self._device) if native and MaskTable is not None else None
         )
@@ -408,7 +408,7 @@ class KvIndexer:
     def _retire(recent: dict[IndexKey, int], ek: IndexKey, key: int) -> None:
         """Remember the key of a block a worker no longer holds, for a while: the newest
         RECENT_KEYS to RECENT_KEYS * 2 memories are kept (the oldest half goes at once, so each
-        removal costs one insertion plus an amortized copy)."""
+        removal costs one insertion plus an amortized deletion)."""
         recent[ek] = key
         if len(recent) > 2 * RECENT_KEYS:
             KvIndexer._trim(recent)
