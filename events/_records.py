@@ -9,7 +9,8 @@ dataclass not hashable, its tokens being a list), tested against the regular con
 
 Each builder has a readable pure-Python form (the ``*_py`` functions, the reference) and, when
 the optional extension ``events._v1hash`` is built, a native form that does the same work in one
-call per event (``stored_blocks``) or per block (``v1_stored_block``, which also hashes).
+call per event (``stored_blocks``; ``v1_stored_chain``, which also hashes) or per block
+(``v1_stored_block``).
 The native forms leave the token lists they make (ints only), and records whose fields are
 all such values, out of the cyclic garbage collector, which would otherwise walk every token
 of every young record at each collection; a cycle cannot run through them, so nothing is
@@ -106,6 +107,25 @@ def v1_stored_block_py(
     return stored_block(h, tokens.tolist(), lora_id, cache_level, priority, salt_id)
 
 
+def v1_stored_chain_py(
+    token_arrays: list[array[int]],
+    parent_hash: int,
+    lora_id: int | None,
+    salt_id: int | None,
+    cache_level: int,
+    priority: int,
+) -> list[StoredBlock]:
+    """The records of a chain of blocks, one per ``array('i')`` of tokens, each hashed under
+    the previous block's V1 hash (the first under ``parent_hash``, 0 for a first block): the
+    reference form of :func:`v1_stored_chain`."""
+    records: list[StoredBlock] = []
+    for tokens in token_arrays:
+        sb = v1_stored_block_py(tokens, parent_hash, lora_id, salt_id, cache_level, priority)
+        records.append(sb)
+        parent_hash = int(sb.block_hash)
+    return records
+
+
 def _stored_blocks_native(
     hashes: list[BlockHash],
     tokens: list[int],
@@ -141,3 +161,15 @@ v1_stored_block: Callable[[array[int], int, int | None, int | None, int, int], S
 )
 """Hash and record of one block (see :func:`v1_stored_block_py`); ``tokens`` must be an
 ``array('i')``."""
+
+NATIVE_CHAIN: Final[bool] = NATIVE and hasattr(_native, "v1_stored_chain")
+"""True when the native chain builder is loaded (an extension built before it lacks it)."""
+
+v1_stored_chain: Callable[
+    [list[array[int]], int, int | None, int | None, int, int], list[StoredBlock]
+] = (
+    partial(_native.v1_stored_chain, StoredBlock, _DESCRIPTORS)
+    if NATIVE_CHAIN
+    else v1_stored_chain_py
+)
+"""Hashes and records of a chain of blocks in one call (see :func:`v1_stored_chain_py`)."""

@@ -538,6 +538,114 @@ done:
     return result;
 }
 
+/* The record of one block of packed int32 tokens hashed under parent: values[] holds the
+ * record's other fields (lora_id, cache_level, priority, cache_salt_id) and *hash_out gets the
+ * block's hash. A new reference, or NULL with an exception set. */
+static PyObject *v1_record(PyObject *cls, PyObject *setters, PyObject *tokens_obj,
+                           uint64_t parent, const scope_t *scope, PyObject *const *attrs,
+                           uint64_t *hash_out) {
+    Py_buffer buf;
+    if (PyObject_GetBuffer(tokens_obj, &buf, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    PyObject *result = NULL, *list = NULL, *hash = NULL;
+    if (buf.len % 4 != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "packed tokens must be whole 4-byte int32s, got %zd bytes", buf.len);
+        goto done;
+    }
+    Py_ssize_t n = buf.len / 4;
+    const unsigned char *p = (const unsigned char *)buf.buf;
+    uint32_t sign = 0;
+    uint64_t h = hash_block(p, n, parent, scope, &sign);
+    if (sign & UINT32_C(0x80000000)) {
+        negative_token_error();
+        goto done;
+    }
+    list = PyList_New(n);
+    if (list == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t tok;
+        memcpy(&tok, p + 4 * i, 4);
+        PyObject *v = PyLong_FromLong(tok);
+        if (v == NULL) {
+            goto done;
+        }
+        PyList_SET_ITEM(list, i, v);
+    }
+    untrack_token_list(list); /* ints made just above */
+    hash = PyLong_FromUnsignedLongLong(h);
+    if (hash == NULL) {
+        goto done;
+    }
+    PyObject *values[RECORD_FIELDS] = {hash, list, attrs[0], attrs[1], attrs[2], attrs[3]};
+    result = new_record(cls, setters, values);
+    *hash_out = h;
+done:
+    Py_XDECREF(hash);
+    Py_XDECREF(list);
+    PyBuffer_Release(&buf);
+    return result;
+}
+
+/* v1_stored_chain(cls, setters, token_arrays, parent_hash, lora_id, salt_id, cache_level,
+ * priority) -> list: the records of a chain of blocks, one per packed int32 token array, each
+ * hashed under the previous one's hash (the first under parent_hash, 0 for a first block):
+ * what v1_stored_block does block by block, in one call per chain. */
+static PyObject *v1_stored_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 8) {
+        PyErr_Format(PyExc_TypeError, "v1_stored_chain takes 8 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *cls = args[0], *setters = args[1], *arrays = args[2];
+    if (check_record_type(cls, setters) < 0) {
+        return NULL;
+    }
+    if (!PyList_Check(arrays)) {
+        PyErr_SetString(PyExc_TypeError, "v1_stored_chain needs a list of token arrays");
+        return NULL;
+    }
+    scope_t scope;
+    int has_parent;
+    uint64_t parent;
+    if (parse_optional_u64(args[3], "parent_hash", &has_parent, &parent) < 0 ||
+        parse_scope(args[4], args[5], &scope) < 0) {
+        return NULL;
+    }
+    if (!has_parent) {
+        PyErr_SetString(PyExc_TypeError, "parent_hash must be an int (0 for a first block)");
+        return NULL;
+    }
+    PyObject *attrs[4] = {args[4], args[6], args[7], args[5]};
+    Py_ssize_t n = PyList_GET_SIZE(arrays);
+    PyObject *out = PyList_New(n);
+    if (out == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        /* allocating may run finalizers that change the list: read it again, hold the item */
+        if (PyList_GET_SIZE(arrays) != n) {
+            PyErr_SetString(PyExc_RuntimeError, "v1_stored_chain: the list changed while in use");
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyObject *tokens = Py_NewRef(PyList_GET_ITEM(arrays, i));
+        uint64_t h = 0;
+        PyObject *rec = v1_record(cls, setters, tokens, parent, &scope, attrs, &h);
+        Py_DECREF(tokens);
+        if (rec == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, rec);
+        parent = h;
+    }
+    return out;
+}
+
 /* ---- wire encoder ---------------------------------------------------------------------
  *
  * stored_runs(blocks, block_size) -> list[(end, token_ids, hashes)]: the runs of a Stored
@@ -709,6 +817,10 @@ static PyMethodDef methods[] = {
     {"v1_stored_block", (PyCFunction)(void (*)(void))v1_stored_block, METH_FASTCALL,
      "v1_stored_block(cls, setters, tokens, parent_hash, lora_id, salt_id, cache_level, "
      "priority) -> record: V1 hash and record of one block of packed int32 token ids."},
+    {"v1_stored_chain", (PyCFunction)(void (*)(void))v1_stored_chain, METH_FASTCALL,
+     "v1_stored_chain(cls, setters, token_arrays, parent_hash, lora_id, salt_id, cache_level, "
+     "priority) -> list: the records of a chain of blocks of packed int32 token ids, each "
+     "hashed under the previous one's hash."},
     {"stored_runs", stored_runs, METH_VARARGS,
      "stored_runs(blocks, block_size) -> list[(end, token_ids, hashes)]: the wire events of a "
      "Stored event's blocks."},

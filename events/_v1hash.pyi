@@ -43,3 +43,16 @@ def v1_stored_block(
 
 def stored_runs(blocks: object, block_size: int) -> list[tuple[int, list[int], list[Any]]]:
     """The wire events of a Stored event's blocks: ``(end, token_ids, hashes)`` per run."""
+
+def v1_stored_chain(
+    cls: type[Any],
+    setters: tuple[Any, ...],
+    token_arrays: list[Any],
+    parent_hash: int,
+    lora_id: int | None,
+    salt_id: int | None,
+    cache_level: int,
+    priority: int,
+) -> list[Any]:
+    """The records of a chain of blocks of packed int32 token ids, each hashed under the
+    previous one's hash (the first under ``parent_hash``)."""

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Final, Literal
 
 from events._records import stored_block as _stored_block
-from events._records import v1_stored_block
+from events._records import v1_stored_block, v1_stored_chain
 from events.hashing import KEY_HASHES, HashAlgo, v1_block_hash
 from events.model import (
     AllBlocksCleared,
@@ -262,17 +262,22 @@ class KVCacheEventManager:
 
     def on_stored(self, blocks: Sequence[BlockView]) -> None:
         """Announce blocks that joined the tree (partial ones only with ``announce_partial``)."""
+        if not self._v1:
+            self._stored_one_by_one(blocks)
+            return
         with self._lock:
             hashes = self._hashes
             pending = self._pending
-            v1 = self._v1
             # The open chain: the last pending Stored's blocks, which a block extends when it
             # is the next link with the same attributes (the rule of _append_stored, inline
             # because it decides every block of a commit).
             last = pending[-1] if pending else None
             run = last.blocks if isinstance(last, _PendingStored) else None
             tail = run[-1] if run else None
-            for block in blocks:
+            i, count = 0, len(blocks)
+            while i < count:
+                block = blocks[i]
+                i += 1
                 if not block.is_full:
                     if not self.announce_partial:
                         continue
@@ -288,18 +293,87 @@ class KVCacheEventManager:
                 if parent_hash is None and parent is not None:
                     parent_hash = self._parent_hash(block)
                 tokens = block.tokens
-                if v1 and type(tokens) is array and tokens.typecode == "i":
-                    # _record's fast path, inline
-                    scope = block.scope
+                records: list[StoredBlock] | None = None
+                if type(tokens) is array and tokens.typecode == "i":
+                    # A commit lists a chain: each next block is the previous one's child, in
+                    # the same scope, tier and priority. One native call hashes such a run of
+                    # blocks (packed int32 tokens, validated by kvcache on entry) and builds
+                    # its records, skipping v1_block_hash's per-call checks.
+                    scope, tier, priority = block.scope, block.tier, block.priority
+                    chain = [block]
+                    arrays: list[array[int]] = [tokens]
+                    while i < count:
+                        nxt = blocks[i]
+                        nxt_tokens = nxt.tokens
+                        if (
+                            type(nxt_tokens) is not array
+                            or nxt.parent is not chain[-1]
+                            or not nxt.is_full
+                            or nxt_tokens.typecode != "i"
+                            or nxt.tier != tier
+                            or nxt.priority != priority
+                            or (nxt.scope is not scope and nxt.scope != scope)
+                            or nxt.key in hashes
+                        ):
+                            break  # the outer loop takes it from here
+                        chain.append(nxt)
+                        arrays.append(nxt_tokens)
+                        i += 1
                     parent_int = 0 if parent_hash is None else int(parent_hash)
-                    sb = v1_stored_block(
-                        tokens, parent_int, scope.lora_id, scope.salt, block.tier, block.priority
+                    records = v1_stored_chain(
+                        arrays, parent_int, scope.lora_id, scope.salt, tier, priority
                     )
+                    for b, rec in zip(chain, records, strict=True):
+                        hashes[b.key] = rec.block_hash
+                    sb = records[0]
                 else:
                     sb = self._record(block, parent_hash)
-                hashes[key] = sb.block_hash
-                # _continues, inline: this runs once per stored block (a call costs ~8 %)
+                    hashes[key] = sb.block_hash
+                # _continues, inline (a call per record costs ~8 %); the records of one chain
+                # continue each other, so only its first one is checked
                 if (
+                    tail is not None
+                    and run is not None
+                    and tail.block_hash == parent_hash
+                    and tail.cache_level == sb.cache_level
+                    and tail.lora_id == sb.lora_id
+                    and tail.cache_salt_id == sb.cache_salt_id
+                    and tail.priority == sb.priority
+                ):
+                    if records is None:
+                        run.append(sb)
+                    else:
+                        run.extend(records)
+                else:
+                    run = [sb] if records is None else records
+                    pending.append(_PendingStored(parent_hash, run))
+                tail = sb if records is None else records[-1]
+
+    def _stored_one_by_one(self, blocks: Sequence[BlockView]) -> None:
+        """:meth:`on_stored` for the hashes of block keys (``v2_*``): one record per block."""
+        with self._lock:
+            hashes = self._hashes
+            pending = self._pending
+            last = pending[-1] if pending else None
+            run = last.blocks if isinstance(last, _PendingStored) else None
+            tail = run[-1] if run else None
+            for block in blocks:
+                if not block.is_full:
+                    if not self.announce_partial:
+                        continue
+                elif self._block_size is None:
+                    self._block_size = len(block.tokens)
+                key = block.key
+                if key in hashes:
+                    self.duplicate_stores += 1
+                    continue
+                parent = block.parent
+                parent_hash = None if parent is None else hashes.get(parent.key)
+                if parent_hash is None and parent is not None:
+                    parent_hash = self._parent_hash(block)
+                sb = self._record(block, parent_hash)
+                hashes[key] = sb.block_hash
+                if (  # _continues, inline
                     tail is not None
                     and run is not None
                     and tail.block_hash == parent_hash

@@ -1,0 +1,163 @@
+"""The event manager hashes and records a committed chain of blocks in one native call.
+
+Checked against the block-by-block form: a manager that is handed each ``on_stored`` call whole
+must produce exactly the events of one handed the same blocks one call per block (which builds
+each record alone), through evictions, tier moves, partial blocks, scopes and priorities; and
+the chain builder must equal its pure-Python reference.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from events._records import NATIVE_CHAIN, v1_stored_chain, v1_stored_chain_py
+from events.hashing import v1_block_hash
+from events.manager import KVCacheEventManager, MovesAs
+from events.model import KVCacheEvent
+from kvcache.config import KVCacheManagerConfig, TierConfig
+from kvcache.errors import OutOfPagesError
+from kvcache.manager import KVCacheManager
+from kvcache.scope import ReuseScope
+from kvcache.sink import BlockView
+
+TPB = 4
+SCOPES = [ReuseScope(), ReuseScope(lora_id=3), ReuseScope(salt=7), ReuseScope(lora_id=1, salt=2)]
+
+
+class Fanout:
+    """A sink handing every call to two managers: ``whole`` gets each stored list as is,
+    ``single`` one block per call."""
+
+    def __init__(self, whole: KVCacheEventManager, single: KVCacheEventManager) -> None:
+        self.whole = whole
+        self.single = single
+
+    def on_stored(self, blocks: Sequence[BlockView]) -> None:
+        self.whole.on_stored(blocks)
+        for block in blocks:
+            self.single.on_stored([block])
+
+    def on_removed(self, blocks: Sequence[BlockView]) -> None:
+        self.whole.on_removed(blocks)
+        self.single.on_removed(blocks)
+
+    def on_moved(self, blocks: Sequence[BlockView], old_tier: int, new_tier: int) -> None:
+        self.whole.on_moved(blocks, old_tier, new_tier)
+        self.single.on_moved(blocks, old_tier, new_tier)
+
+    def on_cleared(self) -> None:
+        self.whole.on_cleared()
+        self.single.on_cleared()
+
+
+def _drain(mgr: KVCacheEventManager) -> list[KVCacheEvent]:
+    mgr.flush()
+    return mgr.get_latest_events()
+
+
+_request = st.tuples(
+    st.lists(st.integers(0, 3), min_size=1, max_size=6),  # segments: shared prefixes
+    st.integers(0, 2),  # extra tokens past the segments (a partial last block)
+    st.sampled_from(SCOPES),
+    st.integers(0, 2),  # priority
+    st.booleans(),  # stop committing at the end (the partial block joins the tree)
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(_request, min_size=1, max_size=25),
+    st.sampled_from(["updated", "removed_stored"]),
+    st.booleans(),
+    st.integers(13, 40),  # room for the longest prompt; little more, so blocks move and go
+)
+def test_whole_calls_and_block_by_block_calls_give_the_same_events(
+    requests: list[tuple[list[int], int, ReuseScope, int, bool]],
+    moves_as: MovesAs,
+    announce_partial: bool,
+    device_blocks: int,
+) -> None:
+    options = {"moves_as": moves_as, "announce_partial": announce_partial, "max_entries": 10**6}
+    whole = KVCacheEventManager(**options)  # type: ignore[arg-type]
+    single = KVCacheEventManager(**options)  # type: ignore[arg-type]
+    config = KVCacheManagerConfig(
+        tokens_per_block=TPB,
+        tiers=[
+            TierConfig(name="device", num_blocks=device_blocks),
+            TierConfig(name="host", num_blocks=12),
+        ],
+    )
+    cache = KVCacheManager(config, event_sink=Fanout(whole, single))
+    stored = 0
+    for n, (segments, extra, scope, priority, stop) in enumerate(requests):
+        # each segment is two blocks of its own tokens, so prompts share block-aligned prefixes
+        tokens = [1000 * s + j for s in segments for j in range(2 * TPB)]
+        tokens += [90_000 + n * 10 + j for j in range(extra)]
+        try:
+            with cache.create_kv_cache(tokens, reuse_scope=scope, priority=priority) as seq:
+                seq.commit(tokens[seq.num_tokens :])
+                if stop:
+                    seq.stop_committing()
+        except OutOfPagesError:
+            pass
+        a, b = _drain(whole), _drain(single)
+        assert a == b
+        stored += sum(len(getattr(e.data, "blocks", ())) for e in a)
+    assert whole.num_announced == single.num_announced
+    assert whole.duplicate_stores == single.duplicate_stores
+    assert stored > 0
+
+
+def test_a_chain_continues_the_pending_chain_of_an_earlier_call() -> None:
+    mgr = KVCacheEventManager()
+    config = KVCacheManagerConfig(
+        tokens_per_block=TPB, tiers=[TierConfig(name="device", num_blocks=32)]
+    )
+    cache = KVCacheManager(config, event_sink=mgr)
+    tokens = list(range(6 * TPB))
+    with cache.create_kv_cache(tokens) as seq:
+        seq.commit(tokens[: 2 * TPB])  # two blocks, then four more in a second call
+        seq.commit(tokens[2 * TPB :])
+    (event,) = _drain(mgr)  # one Stored: the second call's chain extends the first's
+    hashes: list[int] = []
+    parent = 0
+    for i in range(6):
+        parent = v1_block_hash(tokens[i * TPB : (i + 1) * TPB], parent)
+        hashes.append(parent)
+    blocks = getattr(event.data, "blocks", [])
+    assert [b.block_hash for b in blocks] == hashes
+    assert [b.tokens for b in blocks] == [tokens[i * TPB : (i + 1) * TPB] for i in range(6)]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=9), max_size=6),
+    st.integers(0, 2**64 - 1),
+    st.sampled_from(SCOPES),
+    st.integers(0, 3),
+    st.integers(-5, 5),
+)
+def test_the_chain_builder_equals_its_reference(
+    blocks: list[list[int]], parent: int, scope: ReuseScope, level: int, priority: int
+) -> None:
+    arrays = [array("i", b) for b in blocks]
+    args = (parent, scope.lora_id, scope.salt, level, priority)
+    assert v1_stored_chain(arrays, *args) == v1_stored_chain_py(arrays, *args)
+
+
+@pytest.mark.skipif(not NATIVE_CHAIN, reason="the native extension is not built")
+def test_the_native_chain_builder_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="negative"):
+        v1_stored_chain([array("i", [1, -2])], 0, None, None, 0, 0)
+    with pytest.raises(ValueError, match="4-byte"):
+        v1_stored_chain([b"abc"], 0, None, None, 0, 0)  # type: ignore[list-item]
+    with pytest.raises(TypeError):
+        v1_stored_chain((array("i", [1]),), 0, None, None, 0, 0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="parent_hash"):
+        v1_stored_chain([array("i", [1])], None, None, None, 0, 0)  # type: ignore[arg-type]
+    assert v1_stored_chain([], 5, None, None, 0, 0) == []
