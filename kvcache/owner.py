@@ -19,6 +19,7 @@ from typing import Final
 from kvcache.errors import WrongThreadError
 
 _NOBODY: Final = -1
+_get_ident: Final = threading.get_ident  # bound once: the check runs on every call
 
 
 class ThreadOwner:
@@ -33,7 +34,7 @@ class ThreadOwner:
     def check(self, what: str) -> None:
         """Raise :class:`WrongThreadError` unless the calling thread owns the manager (the
         first caller becomes the owner)."""
-        ident = threading.get_ident()
+        ident = _get_ident()
         if ident == self._ident:
             return
         with self._lock:
