@@ -29,6 +29,20 @@ def stored_blocks(
 ) -> list[Any]:
     """One record of ``cls`` per hash, each with its ``block_size`` slice of ``tokens``."""
 
+def stored_blocks_moved(
+    cls: type[Any],
+    setters: tuple[Any, ...],
+    hashes: list[Any],
+    tokens: list[int],
+    block_size: int,
+    lora_id: int | None,
+    cache_level: int,
+    priority: int,
+    salt_id: int | None,
+) -> list[Any]:
+    """``stored_blocks``, moving the token ids out of ``tokens`` (left empty) instead of copying
+    them; only for a list of ints that nobody else holds."""
+
 def v1_stored_block(
     cls: type[Any],
     setters: tuple[Any, ...],

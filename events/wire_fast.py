@@ -71,11 +71,14 @@ _Scalar = Union[None, bool, int, float, Str]  # noqa: UP007
 _ExtraItem = Union[None, bool, int, float, Str, list[_Scalar]]  # noqa: UP007
 ExtraKeys = Union[list[Union[list[_ExtraItem], None]], None]  # noqa: UP007
 
-_MAP: Final = {"tag_field": "type", "forbid_unknown_fields": True}
-_ARRAY: Final = {"array_like": True, "forbid_unknown_fields": True}
+# gc=False: these structs live for one decode call and hold no cycles; left out of the cyclic
+# collector, they do not count toward its next collection (which, in a process holding a big
+# index, is what a decode's allocations mostly cost)
+_MAP: Final = {"tag_field": "type", "forbid_unknown_fields": True, "gc": False}
+_ARRAY: Final = {"array_like": True, "forbid_unknown_fields": True, "gc": False}
 
 
-class _Common(Struct, forbid_unknown_fields=True):
+class _Common(Struct, forbid_unknown_fields=True, gc=False):
     event_id: U64 | UnsetType = UNSET
     window_size: U64 = 0
     hash_algo: Str = _DEFAULT_ALGO
@@ -154,13 +157,13 @@ PosEvent = Union[PosStored, PosRemoved, PosCleared, PosUpdated, PosCreated]  # n
 AnyStored = Union[MapStored, PosStored]  # noqa: UP007
 
 
-class MapBatch(Struct, array_like=True, forbid_unknown_fields=True):
+class MapBatch(Struct, **_ARRAY):
     ts: float
     events: Annotated[list[MapEvent], Meta(max_length=MAX_EVENTS)]
     dp_rank: Small | None = None
 
 
-class PosBatch(Struct, array_like=True, forbid_unknown_fields=True):
+class PosBatch(Struct, **_ARRAY):
     ts: float
     events: Annotated[list[PosEvent], Meta(max_length=MAX_EVENTS)]
     dp_rank: Small | None = None
@@ -192,6 +195,7 @@ def _stored(e: MapStored | PosStored, where: str) -> EventData | None:
         None if parent is None else wire_hash(parent, where),
         (e.lora_id, level, salt_id, priority, e.lora_name, group, salt),
         where,
+        owned=True,  # msgspec's own list, read by nothing after this
     )
 
 

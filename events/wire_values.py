@@ -9,14 +9,49 @@ token ids are split into blocks (placeholders, masked stores, short last blocks)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import fields
 from typing import Any, Final
 
 from events._records import stored_blocks
 from events.json_codec import DecodeError, expect_list
-from events.model import BlockHash, Stored
+from events.model import BlockHash, Stored, StoredBlock
 from kvcache.scope import U64_LIMIT
 
+try:  # the optional extension's record builder that moves token ids instead of copying them
+    from events._v1hash import stored_blocks_moved as _native_moved
+except ImportError:  # pragma: no cover - depends on the install
+    _native_moved = None  # type: ignore[assignment]
+
 MAX_BIN_HASH: Final = 64
+# StoredBlock's slot descriptors in field order, what the native builders store through
+_DESCRIPTORS: Final = tuple(vars(StoredBlock)[f.name] for f in fields(StoredBlock))
+
+_Builder = Callable[
+    [list[BlockHash], list[int], int, int | None, int, int, int | None], list[StoredBlock]
+]
+
+
+def _moved(
+    hashes: list[BlockHash],
+    tokens: list[int],
+    block_size: int,
+    lora_id: int | None,
+    cache_level: int,
+    priority: int,
+    salt_id: int | None,
+) -> list[StoredBlock]:
+    records: list[StoredBlock] = _native_moved(
+        StoredBlock, _DESCRIPTORS, hashes, tokens, block_size, lora_id, cache_level, priority,
+        salt_id,
+    )  # fmt: skip
+    return records
+
+
+#: The typed path's builder: like ``stored_blocks``, but it moves the token ids out of a list
+#: msgspec just decoded (left empty) instead of copying them; it never reads them, which for a
+#: 512-token block costs less than reading it. None without the extension.
+stored_blocks_moved: _Builder | None = _moved if _native_moved is not None else None
 
 
 class LimitError(DecodeError):
@@ -71,14 +106,17 @@ def build_stored(
     tokens: list[Any],
     block_size: int,
     parent_hash: BlockHash | None,
-    fields: tuple[int | None, int, int | None, int, str | None, int | None, str | None],
+    values: tuple[int | None, int, int | None, int, str | None, int | None, str | None],
     where: str,
+    owned: bool = False,
 ) -> Stored | None:
     """The Stored event of checked values; None for an empty store (it changes nothing).
 
-    ``fields``: (lora_id, cache_level, cache_salt_id, priority, lora_name, group, salt).
-    Raises DecodeError when the token count does not fit the hashes and ``block_size``."""
-    lora_id, level, salt_id, priority, lora_name, group, salt = fields
+    ``values``: (lora_id, cache_level, cache_salt_id, priority, lora_name, group, salt).
+    ``owned``: ``tokens`` is a list of ints that nobody else holds, which the blocks may take
+    over (it is left empty). Raises DecodeError when the token count does not fit the hashes
+    and ``block_size``."""
+    lora_id, level, salt_id, priority, lora_name, group, salt = values
     n, count = len(hashes), len(tokens)
     if n == 0 and count == 0:
         return None
@@ -101,7 +139,8 @@ def build_stored(
             f"(expected {max(n - 1, 0) * block_size + 1}..{n * block_size}); the sender's "
             "block_size or token list is inconsistent"
         )
-    blocks = stored_blocks(hashes, tokens, tokens_per_block, lora_id, level, priority, salt_id)
+    build = stored_blocks_moved if owned and stored_blocks_moved is not None else stored_blocks
+    blocks = build(hashes, tokens, tokens_per_block, lora_id, level, priority, salt_id)
     return Stored(
         parent_hash=parent_hash,
         blocks=blocks,
