@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+from array import array
 from collections import Counter
 from collections.abc import Sequence
 
 import pytest
+import xxhash
 
 from events.model import BlockHash
 from router_sim.indexer import MatchDetail
@@ -23,7 +25,7 @@ from router_sim.policies import (
     RoutingError,
     make_policy,
 )
-from router_sim.policies.base import lowest_cost, mix64, tie_rank
+from router_sim.policies.base import CONTENT_TAIL, content_key, lowest_cost, mix64, tie_rank
 from router_sim.timing_model import PolynomialTiming
 
 TPB = 4
@@ -316,6 +318,24 @@ def test_tie_rank_depends_on_the_request_content_only() -> None:
     firsts = Counter(min(range(8), key=tie_rank(k)) for k in range(4000))
     assert set(firsts) == set(range(8)) and max(firsts.values()) < 600  # ~500 each
     assert len({rank(w) for w in range(64)}) == 64
+
+
+def test_content_key_reads_the_prompts_tail_and_length_in_any_form() -> None:
+    prompt = list(range(1000, 1100))
+    tail = prompt[-CONTENT_TAIL:]
+    le = b"".join(t.to_bytes(4, "little") for t in tail)
+    assert content_key(prompt) == xxhash.xxh64_intdigest(le, seed=len(prompt))
+    packed = array("i", prompt)
+    assert content_key(packed) == content_key(prompt) == content_key(packed.tobytes())
+    assert content_key(memoryview(packed.tobytes())) == content_key(prompt)
+    assert content_key([7, *prompt[1:]]) == content_key(prompt)  # only the tail is read
+    assert content_key(prompt[:-1]) != content_key(prompt)
+    assert content_key([5, *prompt]) != content_key(prompt)  # same tail, other length
+    assert content_key([3]) == xxhash.xxh64_intdigest((3).to_bytes(4, "little"), seed=1)
+    # with a content key the tie-break ignores the block hashes (engines name blocks apart)
+    a = RouteRequest([1, 2], 8, TPB, {}, {0: IDLE}, content_key=99)
+    assert a.tie_key() == RouteRequest([3, 4], 8, TPB, {}, {0: IDLE}, content_key=99).tie_key()
+    assert a.tie_key() != RouteRequest([1, 2], 8, TPB, {}, {0: IDLE}, content_key=98).tie_key()
 
 
 @pytest.mark.parametrize("name", ["kv_overlap", "predicted_ttft", "approximate", "oracle"])

@@ -7,14 +7,17 @@ candidate workers. Policies read no clock and no global random state: time comes
 request and randomness from a ``random.Random(seed)`` of their own.
 
 Exact ties are not broken with that randomness but with :func:`tie_rank`, a function of the
-request's content, the policy's seed and the worker ids (rendezvous hashing): two router
-replicas that see the same index and loads break every tie alike, whatever other requests
-each of them routed before, while different prompts still spread over the tied workers.
+request's content (:func:`content_key` of its token ids), the policy's seed and the worker ids
+(rendezvous hashing): two router replicas that see the same index and loads break every tie
+alike, whatever other requests each of them routed before, while different prompts still
+spread over the tied workers.
 """
 
 from __future__ import annotations
 
 import math
+import struct
+from array import array
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Protocol, runtime_checkable
@@ -42,6 +45,8 @@ class RouteRequest:
     ``num_tokens``: prompt length (the last partial block is not in ``block_hashes``).
     ``matches``: per worker what the event-fed index says it holds of the chain (absent: none).
     ``loads``: the candidate workers and their load. ``now_ms``: the injected current time.
+    ``content_key``: :func:`content_key` of the prompt's token ids, given by the router for
+    tie-breaks (None: they use the last block hash).
     """
 
     block_hashes: Sequence[BlockHash]
@@ -50,6 +55,7 @@ class RouteRequest:
     matches: Mapping[int, MatchDetail]
     loads: Mapping[int, WorkerLoad]
     now_ms: float = 0.0
+    content_key: int | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -57,13 +63,17 @@ class RouteRequest:
         return -(-self.num_tokens // self.tokens_per_block)
 
     def tie_key(self, seed: int = 0) -> int:
-        """A 64-bit key of this request's content for :func:`tie_rank`: the last full block's
-        hash (a chain hash, so it covers every full block and the reuse scope), the prompt's
-        length and ``seed``. The same on every replica; no clock, no per-router state."""
-        last = self.block_hashes[-1] if self.block_hashes else 0
-        if isinstance(last, str):  # engine-keyed hashes: Python's str hash differs per process
-            last = xxhash.xxh64_intdigest(last.encode())
-        return mix64(mix64(last ^ _GOLDEN * (self.num_tokens + 1)) ^ mix64(seed + _GOLDEN))
+        """A 64-bit key of this request's content for :func:`tie_rank`, mixed with ``seed``:
+        :attr:`content_key` when the router gave one, else the last full block's hash (a
+        chain hash: it covers every full block) and the prompt's length. The same on every
+        replica; no clock, no per-router state."""
+        key = self.content_key
+        if key is None:
+            last = self.block_hashes[-1] if self.block_hashes else 0
+            if isinstance(last, str):  # engine hashes as text: Python's str hash is per process
+                last = xxhash.xxh64_intdigest(last.encode())
+            key = mix64(last ^ _GOLDEN * (self.num_tokens + 1))
+        return mix64(key ^ mix64(seed + _GOLDEN))
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +118,29 @@ def credited_blocks(
     if detail is None:
         return 0.0
     return detail.device_blocks * device_credit + detail.slower_blocks * slower_credit
+
+
+CONTENT_TAIL: Final = 32
+"""Token ids at the end of a prompt that :func:`content_key` reads (with the length)."""
+
+
+def content_key(tokens: Sequence[int] | bytes | bytearray | memoryview) -> int:
+    """A 64-bit key of a prompt's token ids for tie-breaks: xxh64 of its last
+    :data:`CONTENT_TAIL` ids (little-endian int32s) seeded with its length. The ids alone,
+    not the reuse scope or the engine's hashes: prompts whose blocks an engine names
+    differently (an adapter by name or by id) tie alike, and it costs the same for any prompt
+    length. Packed input (bytes, ``array('i')``) is native int32s, as the router hashes it."""
+    if isinstance(tokens, (bytes, bytearray, memoryview)):
+        raw = memoryview(tokens).cast("B")
+        n = raw.nbytes // 4
+        ids: array[int] = array("i")
+        ids.frombytes(raw[4 * max(0, n - CONTENT_TAIL) : 4 * n])
+        return _tail_key(ids, n)
+    return _tail_key(tokens[-CONTENT_TAIL:], len(tokens))
+
+
+def _tail_key(tail: Sequence[int], length: int) -> int:
+    return xxhash.xxh64_intdigest(struct.pack(f"<{len(tail)}i", *tail), seed=length)
 
 
 _MASK64: Final = (1 << 64) - 1
