@@ -409,6 +409,53 @@ static int put_lost(PyObject *result, PyObject *worker_of_bit, uint64_t lost, lo
     return 0;
 }
 
+/* runs()'s loop; 0: done, 1: a key is not an int in range (None), -1: error. Inlined twice,
+   once with words == 1 (the compiler then keeps the mask in a register: fleets up to 64) */
+static inline __attribute__((always_inline)) int
+runs_loop(const MaskTable *t, PyObject **items, Py_ssize_t n, PyObject *result,
+          PyObject *worker_of_bit, const size_t words, uint64_t *acc) {
+    const size_t cap_mask = t->cap - 1, stride = stride_of(words);
+    /* key i + AHEAD is read and its slot fetched while key i is looked up, so the misses of
+       a request overlap; a ring of AHEAD + 1 keys */
+    uint64_t ring[AHEAD + 1];
+    for (Py_ssize_t i = -AHEAD; i < n; i++) {
+        Py_ssize_t ahead = i + AHEAD;
+        if (ahead < n) {
+            uint64_t key;
+            int ok = as_key(items[ahead], &key);
+            if (ok <= 0)
+                return ok < 0 ? -1 : 1;
+            ring[ahead % (AHEAD + 1)] = key;
+            __builtin_prefetch(t->slots + (scramble(key) & cap_mask) * stride);
+        }
+        if (i < 0)
+            continue;
+        uint64_t key = ring[i % (AHEAD + 1)];
+        size_t j = scramble(key) & cap_mask;
+        const uint64_t *s = t->slots + j * stride;
+        while (!slot_empty(s, words) && s[0] != key) {
+            j = (j + 1) & cap_mask;
+            s = t->slots + j * stride;
+        }
+        /* an empty slot's mask is 0: the key is absent */
+        uint64_t any = 0;
+        for (size_t w = 0; w < words; w++) {
+            uint64_t next = i == 0 ? s[1 + w] : acc[w] & s[1 + w];
+            uint64_t lost = acc[w] & ~next;
+            if (i > 0 && lost && put_lost(result, worker_of_bit, lost, (long)(64 * w), i) < 0)
+                return -1;
+            acc[w] = next;
+            any |= next;
+        }
+        if (!any)
+            return 0;
+    }
+    for (size_t w = 0; w < words && n > 0; w++)
+        if (put_lost(result, worker_of_bit, acc[w], (long)(64 * w), n) < 0)
+            return -1;
+    return 0;
+}
+
 static PyObject *MaskTable_runs(MaskTable *t, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2 || !PyDict_Check(args[1])) {
         PyErr_SetString(PyExc_TypeError, "runs(keys, worker_of_bit: dict) takes 2 arguments");
@@ -421,70 +468,21 @@ static PyObject *MaskTable_runs(MaskTable *t, PyObject *const *args, Py_ssize_t 
     uint64_t stack_acc[STACK_WORDS];
     uint64_t *acc = words <= STACK_WORDS ? stack_acc : PyMem_Malloc(words * sizeof(uint64_t));
     PyObject *result = acc == NULL ? PyErr_NoMemory() : PyDict_New();
-    if (result == NULL) {
-        if (acc != NULL && acc != stack_acc)
-            PyMem_Free(acc);
-        Py_DECREF(seq);
-        return NULL;
+    if (result != NULL) {
+        memset(acc, 0, words * sizeof(uint64_t));
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+        PyObject **items = PySequence_Fast_ITEMS(seq);
+        int rc = words == 1 ? runs_loop(t, items, n, result, args[1], 1, acc)
+                            : runs_loop(t, items, n, result, args[1], words, acc);
+        if (rc) {
+            Py_DECREF(result);
+            result = rc < 0 ? NULL : Py_NewRef(Py_None); /* None: the reference path */
+        }
     }
-    memset(acc, 0, words * sizeof(uint64_t));
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    const size_t cap_mask = t->cap - 1;
-    /* key i + AHEAD is read and its slot fetched while key i is looked up, so the misses of
-       a request overlap; a ring of AHEAD + 1 keys */
-    uint64_t ring[AHEAD + 1];
-    for (Py_ssize_t i = -AHEAD; i < n; i++) {
-        Py_ssize_t ahead = i + AHEAD;
-        if (ahead < n) {
-            uint64_t key;
-            int ok = as_key(items[ahead], &key);
-            if (ok <= 0) {
-                Py_DECREF(result);
-                if (ok < 0) {
-                    result = NULL;
-                    goto out;
-                }
-                result = Py_None; /* the caller takes the reference path */
-                Py_INCREF(result);
-                goto out;
-            }
-            ring[ahead % (AHEAD + 1)] = key;
-            prefetch_key(t, key, 0);
-        }
-        if (i < 0)
-            continue;
-        uint64_t key = ring[i % (AHEAD + 1)];
-        size_t j = scramble(key) & cap_mask;
-        const uint64_t *s = slot_at(t, j);
-        while (!slot_empty(s, words) && s[0] != key) {
-            j = (j + 1) & cap_mask;
-            s = slot_at(t, j);
-        }
-        /* an empty slot's mask is 0: the key is absent */
-        uint64_t any = 0;
-        for (size_t w = 0; w < words; w++) {
-            uint64_t next = i == 0 ? s[1 + w] : acc[w] & s[1 + w];
-            uint64_t lost = acc[w] & ~next;
-            if (i > 0 && lost && put_lost(result, args[1], lost, (long)(64 * w), i) < 0)
-                goto fail;
-            acc[w] = next;
-            any |= next;
-        }
-        if (!any)
-            goto out;
-    }
-    for (size_t w = 0; w < words && n > 0; w++)
-        if (put_lost(result, args[1], acc[w], (long)(64 * w), n) < 0)
-            goto fail;
-out:
-    if (acc != stack_acc)
+    if (acc != NULL && acc != stack_acc)
         PyMem_Free(acc);
     Py_DECREF(seq);
     return result;
-fail:
-    Py_CLEAR(result);
-    goto out;
 }
 
 /* result[worker_of_bit[b]] = make(run, drun, on_device, run - on_device) */
