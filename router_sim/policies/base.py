@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import struct
+import sys
 from array import array
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -140,7 +141,14 @@ def content_key(tokens: Sequence[int] | bytes | bytearray | memoryview) -> int:
 
 
 def _tail_key(tail: Sequence[int], length: int) -> int:
-    return xxhash.xxh64_intdigest(struct.pack(f"<{len(tail)}i", *tail), seed=length)
+    if _LITTLE and isinstance(tail, array) and tail.typecode == "i":
+        data = tail.tobytes()  # already little-endian int32s: no per-id packing
+    else:
+        data = struct.pack(f"<{len(tail)}i", *tail)
+    return xxhash.xxh64_intdigest(data, seed=length)
+
+
+_LITTLE: Final = sys.byteorder == "little"
 
 
 _MASK64: Final = (1 << 64) - 1
