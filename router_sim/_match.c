@@ -707,7 +707,7 @@ static PyObject *MaskTable_store(MaskTable *t, PyObject *const *args, Py_ssize_t
         if (ok < 0)
             goto fail_h;
         if (ok) { /* the table holds both masks */
-            if (table_put(t, key, bit, 1, 0) < 0 || table_put(t, key, bit, 1, 1) < 0)
+            if (table_put(t, key, bit, 1, 1) < 0) /* the any-tier bit with it */
                 goto fail_h;
             Py_DECREF(h);
             continue;
@@ -808,7 +808,7 @@ static PyObject *MaskTable_evict(MaskTable *t, PyObject *const *args, Py_ssize_t
             goto fail_h;
         PyObject *m = NULL;
         if (ok) { /* the table holds both masks */
-            if (table_put(t, key, bit, 0, 1) < 0 || table_put(t, key, bit, 0, 0) < 0)
+            if (table_put(t, key, bit, 0, 0) < 0) /* the device bit with it */
                 goto fail_h;
         } else {
             m = PyDict_GetItemWithError(device, h); /* borrowed */
@@ -959,6 +959,46 @@ fail:
     return NULL;
 }
 
+/* remember(blocks, keys, keys_map) -> bool
+
+   True when each block's block_hash equals its key (a worker hashing as the router does:
+   nothing to map); else keys_map[block_hash] = key for every block, and False. What
+   KvIndexer._stored_keys does with a store keyed from its tokens, one call per event. */
+static PyObject *MaskTable_remember(MaskTable *t, PyObject *const *args, Py_ssize_t nargs) {
+    (void)t;
+    if (nargs != 3 || !PyList_Check(args[0]) || !PyList_Check(args[1]) ||
+        !PyDict_Check(args[2]) || PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[1])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "remember(blocks: list, keys: list of the same length, keys_map: dict)");
+        return NULL;
+    }
+    PyObject *blocks = args[0], *keys = args[1], *map = args[2];
+    Py_ssize_t n = PyList_GET_SIZE(blocks), i;
+    for (i = 0; i < n; i++) {
+        PyObject *h = PyObject_GetAttr(PyList_GET_ITEM(blocks, i), str_block_hash);
+        if (h == NULL)
+            return NULL;
+        int eq = PyObject_RichCompareBool(h, PyList_GET_ITEM(keys, i), Py_EQ);
+        Py_DECREF(h);
+        if (eq < 0)
+            return NULL;
+        if (!eq)
+            break;
+    }
+    if (i == n)
+        Py_RETURN_TRUE;
+    for (i = 0; i < n; i++) {
+        PyObject *h = PyObject_GetAttr(PyList_GET_ITEM(blocks, i), str_block_hash);
+        if (h == NULL)
+            return NULL;
+        int err = PyDict_SetItem(map, h, PyList_GET_ITEM(keys, i));
+        Py_DECREF(h);
+        if (err < 0)
+            return NULL;
+    }
+    Py_RETURN_FALSE;
+}
+
 static Py_ssize_t MaskTable_len(MaskTable *t) { return (Py_ssize_t)t->count; }
 
 static PyObject *MaskTable_get_words(MaskTable *t, void *closure) {
@@ -987,6 +1027,9 @@ static PyMethodDef MaskTable_methods[] = {
     {"detailed", (PyCFunction)(void (*)(void))MaskTable_detailed, METH_FASTCALL,
      "detailed(keys, worker_of_bit, make) -> {worker: make(run, device run, on device, "
      "slower)}, or None (reference path needed)."},
+    {"remember", (PyCFunction)(void (*)(void))MaskTable_remember, METH_FASTCALL,
+     "remember(blocks, keys, keys_map) -> True when every block's hash is its key, else "
+     "maps each hash to its key."},
     {"store", (PyCFunction)(void (*)(void))MaskTable_store, METH_FASTCALL,
      "store(blocks, keys, start, bit, bitobj, held, device) -> index of the first block not "
      "on the device tier."},

@@ -45,6 +45,10 @@ class MaskTable:
         """{worker: make(run, device run, device copies, slower copies)} as
         ``KvIndexer.find_matches_detailed``, or None when a key is not an int in [0, 2**64)."""
 
+    def remember(self, blocks: list[Any], keys: list[Any], keys_map: dict[Any, int]) -> bool:
+        """True when each block's ``block_hash`` equals its key; else maps every block's hash
+        to its key in ``keys_map`` and returns False."""
+
     def store(
         self,
         blocks: list[Any],

@@ -514,6 +514,13 @@ class KvIndexer:
             except (TypeError, ValueError, OverflowError):
                 computed = []
         n = len(computed)
+        t = self._table
+        if n == len(blocks) and not gmask and t is not None and type(blocks) is list:
+            # the common case below, natively
+            counts[0] += n
+            if t.remember(blocks, computed, keys):  # the worker hashes as the router does
+                counts[2] += n
+            return computed  # type: ignore[return-value]
         if n == len(blocks):  # the common case: every block keyed from its tokens at once
             hashes = [b.block_hash for b in blocks]
             counts[0] += n
