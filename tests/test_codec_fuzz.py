@@ -114,8 +114,8 @@ def test_huge_limits_are_refused_or_harmless(
     request: pytest.FixtureRequest, decoder_build: str, tmp_path: Path
 ) -> None:
     """Limits far above any payload must not crash the decoder (run in a child process with
-    capped memory: a max_depth of 2**32 once made the native scan allocate a 2**32-entry
-    stack; the scan now sizes it by the payload)."""
+    capped memory: no limit may size an allocation; every bound is checked against what the
+    payload holds)."""
     paths = []
     for i, payload in enumerate(VALID):
         paths.append(tmp_path / f"{i}.msgpack")
