@@ -270,7 +270,7 @@ def main() -> None:
         default=1,
         help="serve processes sharing one port (--reuse-port), each subscribed to the fleet",
     )
-    ap.add_argument("--event-loop", default="auto", help="serve's --event-loop")
+    ap.add_argument("--event-loop", help="serve's --event-loop (asyncio or uvloop)")
     ap.add_argument(
         "--router-nice",
         type=int,
@@ -301,7 +301,7 @@ def main() -> None:
         fleet = Path(tempfile.mkdtemp()) / "fleet.json"
         fleet.write_text(json.dumps({"tokens_per_block": TPB, "workers": entries}))
         serve_args = ["serve", "--fleet", str(fleet)]
-        if args.event_loop != "auto":
+        if args.event_loop:
             serve_args += ["--event-loop", args.event_loop]
         if args.routers > 1:
             serve_args.append("--reuse-port")
