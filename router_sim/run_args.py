@@ -16,6 +16,7 @@ import inspect
 import math
 import os
 import tempfile
+import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -84,6 +85,16 @@ def check_run_args(args: argparse.Namespace) -> None:
         check_out_dir(args.out)
 
 
+def _optional_number(policy: Any, key: str) -> bool:
+    """Whether ``policy``'s option ``key`` is declared ``float | None`` (a number or off)."""
+    try:
+        hint = typing.get_type_hints(policy.__init__).get(key)
+    except (NameError, TypeError):  # pragma: no cover - an annotation that does not resolve
+        return False
+    args = set(typing.get_args(hint))
+    return type(None) in args and float in args
+
+
 def check_policy_options(name: str, options: dict[str, Any]) -> None:
     """Each option has the type of the policy's default for it, is finite, and the policy
     accepts the set (its constructor's own range checks run here, before any run)."""
@@ -102,6 +113,14 @@ def check_policy_options(name: str, options: dict[str, Any]) -> None:
             ok = ok and math.isfinite(value)
         elif isinstance(default, str):
             ok = isinstance(value, str)
+        elif default is None and _optional_number(POLICIES[name], key):
+            # an option that is off by default (``balance``): a finite number turns it on
+            ok = value is None or (
+                isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and math.isfinite(value)
+            )
+            default = 0.0  # for the message below: it wants a number
         else:
             raise ArgError(f"--policy-options: {name}.{key} cannot be set from the command line")
         if not ok:
