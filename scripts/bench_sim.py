@@ -1,8 +1,8 @@
 """Benchmark: the whole Mooncake conversation trace through the simulator.
 
 Prints, per (speed-up, policy, tokens per block, device blocks), the wall and CPU seconds of
-the run beside the quality figures (hit rate and its ratio to the compulsory-miss bound, TTFT p50/p99, load
-max/mean), all from one invocation. Not part of the test suite.
+the run beside the quality figures (hit rate and its ratio to the compulsory-miss bound, TTFT
+p50/p99, load max/mean), all from one invocation. Not part of the test suite.
 
     python scripts/bench_sim.py                                   # kv_overlap, 8 workers
     python scripts/bench_sim.py --policies round_robin random kv_overlap predicted_ttft
