@@ -412,6 +412,7 @@ class Simulation:
             self._restart_due(math.inf)
             for w in self.workers:
                 w.run_until(math.inf)
+                w.heartbeat_until_heard()  # a lost last frame shows as a gap
             self._drain()
             self._apply_due(math.inf)
             # After everything arrived, the index must equal the workers' caches (the event

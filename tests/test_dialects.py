@@ -199,8 +199,8 @@ def test_engine_streams_survive_loss_over_zeromq() -> None:
 def test_snapshots_key_every_block_of_an_engine(transport: str) -> None:
     # An overflowing event buffer is repaired by a snapshot. Memory transport: vLLM's
     # host-tier copies travel with their token ids there, not as keyless placeholders;
-    # ZeroMQ: the publisher's snapshot names the engine's hashes and media, so the removals
-    # that follow find their blocks (as many unknown removals as a native worker's).
+    # ZeroMQ: the publisher's snapshot names the engine's hashes and media, so the index
+    # ends equal to the caches, as a native worker's does.
     def run(engine: str) -> tuple[list[tuple[int, int]], int, dict[str, int]]:
         spec = SyntheticSpec()
         spec.num_requests = 60
@@ -225,8 +225,10 @@ def test_snapshots_key_every_block_of_an_engine(transport: str) -> None:
     for engine in ("vllm", "sglang"):
         records, mismatch, anomalies = run(engine)
         assert (records, mismatch) == native[:2], engine
-        assert anomalies.get("unknown_removal") == native[2].get("unknown_removal"), engine
         if transport == "memory":
+            # Over ZeroMQ the snapshot is taken whenever the publisher's thread serves the
+            # request, so how many removals name blocks the index lost before it varies from
+            # run to run (decisions and the final index do not); in memory it is exact.
             assert anomalies == native[2], engine
 
 
