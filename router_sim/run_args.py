@@ -104,6 +104,8 @@ def check_policy_options(name: str, options: dict[str, Any]) -> None:
         if param is None:
             raise ArgError(f"--policy-options: {name!r} takes no option {key!r}")
         default = param.default
+        if value is None and _optional_number(POLICIES[name], key):
+            continue  # an option declared ``float | None`` (balance): null turns it off
         if isinstance(default, bool):
             ok = isinstance(value, bool)
         elif isinstance(default, int):
@@ -114,8 +116,8 @@ def check_policy_options(name: str, options: dict[str, Any]) -> None:
         elif isinstance(default, str):
             ok = isinstance(value, str)
         elif default is None and _optional_number(POLICIES[name], key):
-            # an option that is off by default (``balance``): a finite number turns it on
-            ok = value is None or (
+            # an option that is off by default: a finite number turns it on
+            ok = (
                 isinstance(value, (int, float))
                 and not isinstance(value, bool)
                 and math.isfinite(value)

@@ -24,6 +24,7 @@ from router_sim.policies import (
     RouteRequest,
     RoutingError,
     make_policy,
+    without_history,
 )
 from router_sim.policies.base import CONTENT_TAIL, content_key, lowest_cost, mix64, tie_rank
 from router_sim.timing_model import PolynomialTiming
@@ -149,7 +150,7 @@ def test_kv_overlap_temperature_samples_softmax_of_normalized_costs() -> None:
     t = 0.2
     w0, w1 = math.exp(-(16 / 24) / t), math.exp(-1.0 / t)
     expected_p0 = w0 / (w0 + w1)
-    plain = {"overlap_weight": 1.0, "recompute_weight": 0.0}
+    plain = {"overlap_weight": 1.0, "recompute_weight": 0.0, "balance": None}
     policy = make_policy("kv_overlap", temperature=t, seed=123, **plain)
     n = 4000
     picks = Counter(policy.choose(req(loads, matches)).worker for _ in range(n))
@@ -364,7 +365,9 @@ def test_replicas_break_ties_alike_whatever_they_routed_before(name: str) -> Non
     loads = {w: IDLE for w in range(8)}
     extra = {"oracle": TableOracle({})} if name == "oracle" else {}
     requests = [req(loads, hashes=[7000 + 10 * i + k for k in range(5)]) for i in range(60)]
-    one, two = make_policy(name, **extra), make_policy(name, **extra)
+    # replicas leave balance off (its counts are each router's own decisions)
+    options = without_history(name, extra)
+    one, two = make_policy(name, **options), make_policy(name, **options)
     # the second replica routed other requests first (a load balancer splits traffic), and
     # sees the tied requests in another order: with a per-router random draw these differ
     for i in range(37):
@@ -377,7 +380,7 @@ def test_replicas_break_ties_alike_whatever_they_routed_before(name: str) -> Non
 
 def test_tie_breaks_survive_a_worker_leaving() -> None:
     # rendezvous ranks: a request whose tie went to a remaining worker still goes there
-    policy = KvOverlapPolicy()
+    policy = KvOverlapPolicy(balance=None)
     requests = [req({}, hashes=[5000 + i]) for i in range(200)]
     full = {w: IDLE for w in range(6)}
     without_3 = {w: IDLE for w in range(6) if w != 3}
@@ -441,7 +444,7 @@ def test_balance_sends_a_popular_prefix_to_a_second_worker(name: str) -> None:
     holder may take decision m + 1 only while it was sent fewer than ceil(1.5 (m + 1) / 2) + 2
     (the whole prompt cached outweighs the soft price of at most 7 excess requests here)."""
     loads = {0: IDLE, 1: IDLE}
-    sticky = make_policy(name, seed=1)
+    sticky = make_policy(name, seed=1, balance=None)
     assert {sticky.choose(req(loads, {0: on_device(8)})).worker for _ in range(6)} == {0}
     balanced = make_policy(name, seed=1, balance=0.5)
     picks = [balanced.choose(req(loads, {0: on_device(8)})).worker for _ in range(20)]
@@ -475,3 +478,24 @@ def test_balance_prices_requests_beyond_the_mean_so_short_overlaps_move_first() 
         ttft.bounded.record(0)
     assert ttft.choose(req(loads, {0: on_device(1)})).worker == 1
     assert ttft.choose(req(loads, {0: on_device(8)})).worker == 0
+
+
+def test_replica_options_turn_balance_off_unless_asked() -> None:
+    assert KvOverlapPolicy().bounded.epsilon == 0.1  # on by default where one router decides
+    assert without_history("kv_overlap", {}) == {"balance": None}
+    assert without_history("predicted_ttft", {"seed": 2}) == {"seed": 2, "balance": None}
+    assert without_history("oracle", {}) == {"balance": None}
+    assert without_history("kv_overlap", {"balance": 0.2}) == {"balance": 0.2}
+    assert without_history("round_robin", {}) == {}  # takes no balance
+    assert without_history("nope", {"x": 1}) == {"x": 1}  # make_policy reports the name
+
+
+def test_the_oracle_balances_as_kv_overlap_does() -> None:
+    """Same cost, same cap: with every request cached on worker 0 of two, the oracle and
+    kv_overlap (fed the same overlap) make the same balanced decisions."""
+    loads = {0: IDLE, 1: IDLE}
+    oracle = make_policy("oracle", oracle=TableOracle({0: 8}), seed=1)
+    overlap = make_policy("kv_overlap", seed=1)
+    a = [oracle.choose(req(loads, {0: on_device(8)})).worker for _ in range(30)]
+    b = [overlap.choose(req(loads, {0: on_device(8)})).worker for _ in range(30)]
+    assert a == b and 1 in a

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -55,6 +56,19 @@ def make_policy(name: str, **options: Any) -> RoutingPolicy:
         raise TypeError(f"bad options {sorted(options)} for policy {name!r}: {exc}") from exc
 
 
+def without_history(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with ``balance`` turned off where the policy takes it and ``options`` does
+    not set it: the options of a router replica. Balance counts the decisions this router
+    made; replicas behind a load balancer each see part of the traffic, so their counts, and
+    from then on their decisions, would differ (``router-sim serve`` uses this)."""
+    factory = POLICIES.get(name)
+    if factory is None or "balance" in options:
+        return dict(options)
+    if "balance" not in inspect.signature(factory).parameters:
+        return dict(options)
+    return {**options, "balance": None}
+
+
 __all__ = [
     "DEFAULT_OVERLAP_WEIGHT",
     "DEFAULT_RECOMPUTE_WEIGHT",
@@ -76,4 +90,5 @@ __all__ = [
     "RoutingPolicy",
     "make_policy",
     "overlap_cost",
+    "without_history",
 ]

@@ -28,7 +28,7 @@ import aiohttp
 
 from events.security import CurveClient
 from events.subscriber import BatchDelivery, ResyncRequired
-from router_sim.policies import NoWorkersError, make_policy
+from router_sim.policies import NoWorkersError, make_policy, without_history
 from router_sim.router import Router, RoutingDecision
 from router_sim.service.fleet import FleetFile, WorkerEntry
 from router_sim.service.inflight import InFlightLoad
@@ -75,7 +75,7 @@ class RouterService:
         self.load = InFlightLoad(fleet.tokens_per_block)
         self.router = Router(
             fleet.tokens_per_block,
-            make_policy(policy, **(policy_options or {})),
+            make_policy(policy, **without_history(policy, policy_options or {})),
             self.load,
             fleet.hash_algo,
             clock=lambda: time.monotonic() * 1000.0,
