@@ -262,9 +262,7 @@ class KVCacheEventManager:
 
     def on_stored(self, blocks: Sequence[BlockView]) -> None:
         """Announce blocks that joined the tree (partial ones only with ``announce_partial``)."""
-        if not self._v1:
-            self._stored_one_by_one(blocks)
-            return
+        chains = self._v1  # v2_* hash block keys: one record per block
         with self._lock:
             hashes = self._hashes
             pending = self._pending
@@ -294,7 +292,7 @@ class KVCacheEventManager:
                     parent_hash = self._parent_hash(block)
                 tokens = block.tokens
                 records: list[StoredBlock] | None = None
-                if type(tokens) is array and tokens.typecode == "i":
+                if chains and type(tokens) is array and tokens.typecode == "i":
                     # A commit lists a chain: each next block is the previous one's child, in
                     # the same scope, tier and priority. One native call hashes such a run of
                     # blocks (packed int32 tokens, validated by kvcache on entry) and builds
@@ -348,45 +346,6 @@ class KVCacheEventManager:
                     run = [sb] if records is None else records
                     pending.append(_PendingStored(parent_hash, run))
                 tail = sb if records is None else records[-1]
-
-    def _stored_one_by_one(self, blocks: Sequence[BlockView]) -> None:
-        """:meth:`on_stored` for the hashes of block keys (``v2_*``): one record per block."""
-        with self._lock:
-            hashes = self._hashes
-            pending = self._pending
-            last = pending[-1] if pending else None
-            run = last.blocks if isinstance(last, _PendingStored) else None
-            tail = run[-1] if run else None
-            for block in blocks:
-                if not block.is_full:
-                    if not self.announce_partial:
-                        continue
-                elif self._block_size is None:
-                    self._block_size = len(block.tokens)
-                key = block.key
-                if key in hashes:
-                    self.duplicate_stores += 1
-                    continue
-                parent = block.parent
-                parent_hash = None if parent is None else hashes.get(parent.key)
-                if parent_hash is None and parent is not None:
-                    parent_hash = self._parent_hash(block)
-                sb = self._record(block, parent_hash)
-                hashes[key] = sb.block_hash
-                if (  # _continues, inline
-                    tail is not None
-                    and run is not None
-                    and tail.block_hash == parent_hash
-                    and tail.cache_level == sb.cache_level
-                    and tail.lora_id == sb.lora_id
-                    and tail.cache_salt_id == sb.cache_salt_id
-                    and tail.priority == sb.priority
-                ):
-                    run.append(sb)
-                else:
-                    run = [sb]
-                    pending.append(_PendingStored(parent_hash, run))
-                tail = sb
 
     def on_removed(self, blocks: Sequence[BlockView]) -> None:
         """Announce blocks that left the tree; blocks never announced stay silent."""
