@@ -511,6 +511,10 @@ static PyObject *stored_blocks_moved(PyObject *self, PyObject *const *args, Py_s
     return build_blocks(args, nargs, 1);
 }
 
+static PyObject *v1_record(PyObject *cls, PyObject *setters, PyObject *tokens_obj,
+                           uint64_t parent, const scope_t *scope, PyObject *const *attrs,
+                           uint64_t *hash_out);
+
 /* v1_stored_block(cls, setters, tokens, parent_hash, lora_id, salt_id, cache_level, priority)
  * -> record: the V1 hash of packed int32 tokens chained to parent_hash (an int) and the record
  * announcing it, its token ids as a list of ints (one C pass for the hash and the list). */
@@ -535,49 +539,10 @@ static PyObject *v1_stored_block(PyObject *self, PyObject *const *args, Py_ssize
         PyErr_SetString(PyExc_TypeError, "parent_hash must be an int (0 for a first block)");
         return NULL;
     }
-    Py_buffer buf;
-    if (PyObject_GetBuffer(args[2], &buf, PyBUF_SIMPLE) < 0) {
-        return NULL;
-    }
-    PyObject *result = NULL, *list = NULL, *hash = NULL;
-    if (buf.len % 4 != 0) {
-        PyErr_Format(PyExc_ValueError,
-                     "packed tokens must be whole 4-byte int32s, got %zd bytes", buf.len);
-        goto done;
-    }
-    Py_ssize_t n = buf.len / 4;
-    const unsigned char *p = (const unsigned char *)buf.buf;
-    uint32_t sign = 0;
-    uint64_t h = hash_block(p, n, parent, &scope, &sign);
-    if (sign & UINT32_C(0x80000000)) {
-        negative_token_error();
-        goto done;
-    }
-    list = PyList_New(n);
-    if (list == NULL) {
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int32_t tok;
-        memcpy(&tok, p + 4 * i, 4);
-        PyObject *v = PyLong_FromLong(tok);
-        if (v == NULL) {
-            goto done;
-        }
-        PyList_SET_ITEM(list, i, v);
-    }
-    untrack_token_list(list); /* ints made just above */
-    hash = PyLong_FromUnsignedLongLong(h);
-    if (hash == NULL) {
-        goto done;
-    }
-    PyObject *values[RECORD_FIELDS] = {hash, list, args[4], args[6], args[7], args[5]};
-    result = new_record(cls, setters, values);
-done:
-    Py_XDECREF(hash);
-    Py_XDECREF(list);
-    PyBuffer_Release(&buf);
-    return result;
+    /* the record's other fields: lora_id, cache_level, priority, cache_salt_id */
+    PyObject *const attrs[4] = {args[4], args[6], args[7], args[5]};
+    uint64_t h;
+    return v1_record(cls, setters, args[2], parent, &scope, attrs, &h);
 }
 
 /* The record of one block of packed int32 tokens hashed under parent: values[] holds the
