@@ -68,8 +68,9 @@ the compulsory-miss bound with 65536-block tiers, and 4, 16 and 64 reach 92.7, 9
 DEFAULT_BALANCE: Final[float | None] = 0.1
 """Default ``balance`` (epsilon of :class:`~router_sim.policies.base.BoundedLoad`). On the whole
 conversation trace it costs no hit rate where it matters: at 32 workers kv_overlap goes from
-36.6 % hit and a busiest worker sent 1.79x the mean request count to 37.0 % and 1.01x, at 128
-workers to 37.0 % and 1.04x; at 8 workers 36.0 % -> 35.9 %, 1.04x -> 1.00x. Its state is the
+36.7 % hit and a busiest worker sent 1.87x the mean request count to 37.0 % and 1.01x, at 128
+workers from 36.7 % and 7.87x to 37.0 % and 1.04x; at 8 workers 36.0 % -> 35.9 %, 1.04x ->
+1.00x. Its state is the
 router's own decision history, so router replicas that each see part of the traffic cannot
 share it: ``router-sim serve`` turns it off unless asked (see
 :func:`~router_sim.policies.without_history`); ``None`` turns it off here."""
