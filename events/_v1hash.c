@@ -99,6 +99,22 @@ static int parse_scope(PyObject *lora, PyObject *salt, scope_t *scope) {
     return parse_optional_u64(salt, "salt_id", &scope->has_salt, &scope->salt);
 }
 
+/* A chain's start: parent_hash (an int, 0 for a first block: None is refused) and the scope.
+ * Returns 0, or -1 with an exception set. */
+static int parse_chain_start(PyObject *parent_obj, PyObject *lora, PyObject *salt,
+                             uint64_t *parent, scope_t *scope) {
+    int has_parent;
+    if (parse_optional_u64(parent_obj, "parent_hash", &has_parent, parent) < 0 ||
+        parse_scope(lora, salt, scope) < 0) {
+        return -1;
+    }
+    if (!has_parent) {
+        PyErr_SetString(PyExc_TypeError, "parent_hash must be an int (0 for a first block)");
+        return -1;
+    }
+    return 0;
+}
+
 /* Token ids as packed int32s: a list of ints is validated and packed here (one C pass instead
  * of array('i') plus a Python-level range check); anything else must be a contiguous buffer of
  * native-endian int32s, whose negative ids the hash loops reject as they go. */
@@ -187,15 +203,9 @@ static PyObject *v1_block_hash(PyObject *self, PyObject *args) {
         return NULL;
     }
     PyObject *result = NULL;
-    int has_parent;
     uint64_t parent;
     Py_ssize_t n = toks.n;
-    if (parse_optional_u64(parent_obj, "parent_hash", &has_parent, &parent) < 0 ||
-        parse_scope(lora, salt, &scope) < 0) {
-        goto done;
-    }
-    if (!has_parent) {
-        PyErr_SetString(PyExc_TypeError, "parent_hash must be an int (0 for a first block)");
+    if (parse_chain_start(parent_obj, lora, salt, &parent, &scope) < 0) {
         goto done;
     }
     uint32_t sign = 0;
@@ -224,14 +234,8 @@ static PyObject *v1_chain_lists(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_TypeError, "chain_lists: token_lists must be a list");
         return NULL;
     }
-    int has_parent;
     uint64_t parent;
-    if (parse_optional_u64(parent_obj, "parent_hash", &has_parent, &parent) < 0 ||
-        parse_scope(lora, salt, &scope) < 0) {
-        return NULL;
-    }
-    if (!has_parent) {
-        PyErr_SetString(PyExc_TypeError, "parent_hash must be an int (0 for a first block)");
+    if (parse_chain_start(parent_obj, lora, salt, &parent, &scope) < 0) {
         return NULL;
     }
     Py_ssize_t n = PyList_GET_SIZE(lists);
@@ -529,14 +533,8 @@ static PyObject *v1_stored_block(PyObject *self, PyObject *const *args, Py_ssize
         return NULL;
     }
     scope_t scope;
-    int has_parent;
     uint64_t parent;
-    if (parse_optional_u64(args[3], "parent_hash", &has_parent, &parent) < 0 ||
-        parse_scope(args[4], args[5], &scope) < 0) {
-        return NULL;
-    }
-    if (!has_parent) {
-        PyErr_SetString(PyExc_TypeError, "parent_hash must be an int (0 for a first block)");
+    if (parse_chain_start(args[3], args[4], args[5], &parent, &scope) < 0) {
         return NULL;
     }
     /* the record's other fields: lora_id, cache_level, priority, cache_salt_id */
@@ -616,14 +614,8 @@ static PyObject *v1_stored_chain(PyObject *self, PyObject *const *args, Py_ssize
         return NULL;
     }
     scope_t scope;
-    int has_parent;
     uint64_t parent;
-    if (parse_optional_u64(args[3], "parent_hash", &has_parent, &parent) < 0 ||
-        parse_scope(args[4], args[5], &scope) < 0) {
-        return NULL;
-    }
-    if (!has_parent) {
-        PyErr_SetString(PyExc_TypeError, "parent_hash must be an int (0 for a first block)");
+    if (parse_chain_start(args[3], args[4], args[5], &parent, &scope) < 0) {
         return NULL;
     }
     PyObject *attrs[4] = {args[4], args[6], args[7], args[5]};
