@@ -382,6 +382,18 @@ static PyObject *MaskTable_clear_bit(MaskTable *t, PyObject *const *args, Py_ssi
     return update(t, args[0], args[1], Py_False);
 }
 
+/* worker_of_bit[b] (borrowed), or NULL with an exception set (KeyError when absent) */
+static PyObject *worker_for_bit(PyObject *worker_of_bit, long b) {
+    PyObject *bo = PyLong_FromLong(b);
+    if (bo == NULL)
+        return NULL;
+    PyObject *w = PyDict_GetItemWithError(worker_of_bit, bo);
+    Py_DECREF(bo);
+    if (w == NULL && !PyErr_Occurred())
+        PyErr_Format(PyExc_KeyError, "no worker for bit %ld", b);
+    return w;
+}
+
 /* result[worker_of_bit[base + b]] = n for every bit b in lost, low bits first (as the Python
    loop) */
 static int put_lost(PyObject *result, PyObject *worker_of_bit, uint64_t lost, long base,
@@ -389,16 +401,9 @@ static int put_lost(PyObject *result, PyObject *worker_of_bit, uint64_t lost, lo
     while (lost) {
         long b = base + __builtin_ctzll(lost);
         lost &= lost - 1;
-        PyObject *bo = PyLong_FromLong(b);
-        if (bo == NULL)
+        PyObject *w = worker_for_bit(worker_of_bit, b);
+        if (w == NULL)
             return -1;
-        PyObject *w = PyDict_GetItemWithError(worker_of_bit, bo);
-        Py_DECREF(bo);
-        if (w == NULL) {
-            if (!PyErr_Occurred())
-                PyErr_Format(PyExc_KeyError, "no worker for bit %ld", b);
-            return -1;
-        }
         PyObject *v = PyLong_FromSsize_t(n);
         if (v == NULL || PyDict_SetItem(result, w, v) < 0) {
             Py_XDECREF(v);
@@ -488,16 +493,9 @@ static PyObject *MaskTable_runs(MaskTable *t, PyObject *const *args, Py_ssize_t 
 /* result[worker_of_bit[b]] = make(run, drun, on_device, run - on_device) */
 static int emit_detail(PyObject *result, PyObject *worker_of_bit, PyObject *make, long b,
                        Py_ssize_t run, Py_ssize_t drun, Py_ssize_t on_device) {
-    PyObject *bo = PyLong_FromLong(b);
-    if (bo == NULL)
+    PyObject *w = worker_for_bit(worker_of_bit, b);
+    if (w == NULL)
         return -1;
-    PyObject *w = PyDict_GetItemWithError(worker_of_bit, bo);
-    Py_DECREF(bo);
-    if (w == NULL) {
-        if (!PyErr_Occurred())
-            PyErr_Format(PyExc_KeyError, "no worker for bit %ld", b);
-        return -1;
-    }
     PyObject *v = PyObject_CallFunction(make, "nnnn", run, drun, on_device, run - on_device);
     if (v == NULL)
         return -1;
