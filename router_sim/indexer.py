@@ -371,10 +371,10 @@ class KvIndexer:
             elif isinstance(data, Removed):
                 # a worker with no mapped hashes, no counted copies and no groups (this
                 # project's, a V1 engine's) removes as by hash
-                if self.key_by_tokens and (data.group or self._keys[worker] or self._refs[worker]):
-                    self._removed_by_key(worker, bit, held, data)
-                else:
-                    self._removed_by_hash(worker, bit, held, data)
+                keyed = self.key_by_tokens and bool(
+                    data.group or self._keys[worker] or self._refs[worker]
+                )
+                self._removed(worker, bit, held, data, keyed)
             elif isinstance(data, Updated):
                 self._updated(worker, bit, held, data)
             elif isinstance(data, AllBlocksCleared):
@@ -722,22 +722,25 @@ class KvIndexer:
             else:
                 del self._slower[h]
 
-    def _removed_by_key(
-        self, worker: int, bit: int, held: dict[IndexKey, int], data: Removed
+    def _removed(
+        self, worker: int, bit: int, held: dict[IndexKey, int], data: Removed, keyed: bool
     ) -> None:
+        """A Removed event, by key (``keyed``: hashes through the worker's key map, groups
+        apart) or by hash (the worker's hashes are the keys)."""
         # A removal without a level drops every copy; with a level, only that tier's copy
         # (a GPU -> CPU offload travels as Removed(GPU) + Stored(CPU)).
         level = data.cache_level
         if level is not None and level > MAX_CACHE_LEVEL:
             self._anomaly(worker, LEVEL_OUT_OF_RANGE, len(data.block_hashes))
             return
-        mask = -1 if level is None else 1 << max(0, level)
         hashes = data.block_hashes
-        t = self._table
-        if t is None or data.group or not mask & 1:
-            unknown = self._remove_keys_py(worker, bit, held, hashes, level, data.group)
+        group = data.group if keyed else None
+        if self._table is None or group or not (level is None or level <= 0):
+            # the Python loops: no native table, a KV-cache group, or a slower tier only
+            remove_py = self._remove_keys_py if keyed else self._remove_hashes_py
+            unknown = remove_py(worker, bit, held, hashes, level, group)
         else:
-            unknown = self._evict(worker, bit, held, hashes, level, True)
+            unknown = self._evict(worker, bit, held, hashes, level, keyed)
         if unknown:
             self._anomaly(worker, UNKNOWN_REMOVAL, unknown)
 
@@ -836,23 +839,6 @@ class KvIndexer:
                 self._retire(recent, ek, h)  # type: ignore[arg-type]
         self._mirror(touched, bit, False if size - len(held) == len(touched) else held)
         return unknown
-
-    def _removed_by_hash(
-        self, worker: int, bit: int, held: dict[IndexKey, int], data: Removed
-    ) -> None:
-        # A removal without a level drops every copy; with a level, only that tier's copy
-        # (a GPU -> CPU offload travels as Removed(GPU) + Stored(CPU)).
-        level = data.cache_level
-        if level is not None and level > MAX_CACHE_LEVEL:
-            self._anomaly(worker, LEVEL_OUT_OF_RANGE, len(data.block_hashes))
-            return
-        hashes = data.block_hashes
-        if self._table is None or not (level is None or level <= 0):
-            unknown = self._remove_hashes_py(worker, bit, held, hashes, level, None)
-        else:
-            unknown = self._evict(worker, bit, held, hashes, level, False)
-        if unknown:
-            self._anomaly(worker, UNKNOWN_REMOVAL, unknown)
 
     def _remove_hashes_py(
         self,
