@@ -19,6 +19,7 @@ workload exactly.
 
 from __future__ import annotations
 
+import functools
 import random
 import sys
 from array import array
@@ -29,20 +30,27 @@ from typing import Any, Final
 from kvcache.scope import ReuseScope
 
 
+@functools.cache
 def _numpy() -> Any:
     """numpy, or None without it (optional: the plot and ray extras bring it); imported on
     first use, so that runs which build no tokens do not pay for the import."""
-    if not _NUMPY:
-        try:
-            import numpy
-        except ImportError:  # pragma: no cover - depends on the install
-            _NUMPY.append(None)
-        else:
-            _NUMPY.append(numpy)
-    return _NUMPY[0]
+    try:
+        import numpy
+    except ImportError:  # pragma: no cover - depends on the install
+        return None
+    return numpy
 
 
-_NUMPY: list[Any] = []
+def _hash_ids_needed(hash_ids: tuple[int, ...], input_length: int, n: int) -> int:
+    """How many of ``hash_ids`` (``n`` tokens each) a prompt of ``input_length`` tokens
+    spans; ``ValueError`` when they are too few."""
+    k = -(-input_length // n)
+    if k > len(hash_ids):
+        raise ValueError(
+            f"input_length {input_length} needs more than {len(hash_ids)} hash ids of {n} tokens"
+        )
+    return k
+
 
 VOCAB_SIZE: Final = 32_000
 """Synthetic token ids are drawn from [0, VOCAB_SIZE) (a Llama-2-sized vocabulary)."""
@@ -73,11 +81,7 @@ def expand_hash_ids(
     time); without it, :func:`expand_hash_ids_py` builds the same tokens.
     """
     n = tokens_per_hash_id
-    k = -(-input_length // n)
-    if k > len(hash_ids):
-        raise ValueError(
-            f"input_length {input_length} needs more than {len(hash_ids)} hash ids of {n} tokens"
-        )
+    k = _hash_ids_needed(hash_ids, input_length, n)
     np = _numpy()
     if np is None:
         return expand_hash_ids_py(hash_ids, input_length, n)
@@ -101,11 +105,7 @@ def expand_hash_ids_py(
     token) is one block's position lane with the id's byte OR-ed in: a table lookup
     (``bytes.translate``) per block and lane, and no per-token Python work."""
     n = tokens_per_hash_id
-    k = -(-input_length // n)
-    if k > len(hash_ids):
-        raise ValueError(
-            f"input_length {input_length} needs more than {len(hash_ids)} hash ids of {n} tokens"
-        )
+    k = _hash_ids_needed(hash_ids, input_length, n)
     _, mask = _layout(n)
     ids = [h & mask for h in hash_ids[:k]]
     raw = bytearray(4 * n * k)

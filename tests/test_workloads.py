@@ -146,7 +146,7 @@ def test_expansion_and_answers_without_numpy(monkeypatch: pytest.MonkeyPatch) ->
     with_numpy = expand_hash_ids(ids, 1300)
     req = Request(7, 0.0, 1300, 90, hash_ids=ids)
     answer = req.output_tokens()
-    monkeypatch.setattr(workloads, "_NUMPY", [None])
+    monkeypatch.setattr(workloads, "_numpy", lambda: None)
     assert expand_hash_ids(ids, 1300) == with_numpy
     assert req.output_tokens() == answer
     with pytest.raises(ValueError, match="hash ids"):
@@ -156,7 +156,7 @@ def test_expansion_and_answers_without_numpy(monkeypatch: pytest.MonkeyPatch) ->
 @pytest.mark.parametrize("numpy", [True, False])
 def test_answers_are_a_run_of_consecutive_ids(monkeypatch: pytest.MonkeyPatch, numpy: bool) -> None:
     if not numpy:
-        monkeypatch.setattr(workloads, "_NUMPY", [None])
+        monkeypatch.setattr(workloads, "_numpy", lambda: None)
     for rid, length in ((0, 1), (3, 40), (2**40 + 5, 700), (12345, 2**16 + 3)):
         out = Request(rid, 0.0, 1, length, prompt=array("i", [1])).output_tokens()
         base = 2**30 + (rid * 4099) % (2**30 - length)  # the formula, by hand
