@@ -268,13 +268,8 @@ class SimWorker:
         if self.publisher is None or self.drop_rate <= 0.0:
             return 0
         for sent in range(1, _MAX_HEARTBEATS + 1):
-            payload = self.dialect.encode([], self.clock_ms / 1000.0)
-            seq = self.publisher.publish_payload(payload)
-            self.bytes_published += len(payload) + len(self.publisher.topic) + 8
-            if not _frame_dropped(self.fault_seed, self.worker_id, seq, self.drop_rate):
-                self.sent_seqs.append(seq)
+            if self._publish_zmq(self.publisher, self.dialect.encode([], self.clock_ms / 1000.0)):
                 return sent
-            self.dropped_frames += 1
         raise WorkerError(
             f"worker {self.worker_id}: {_MAX_HEARTBEATS} heartbeats in a row were lost "
             f"(drop rate {self.drop_rate})"
@@ -370,12 +365,18 @@ class SimWorker:
             self._outbox.append((self._next_seq, payload, "batch"))
             self._next_seq += 1
             return
-        seq = self.publisher.publish_payload(payload)
-        self.bytes_published += len(payload) + len(self.publisher.topic) + 8
+        self._publish_zmq(self.publisher, payload)
+
+    def _publish_zmq(self, publisher: ZmqEventPublisher, payload: bytes) -> bool:
+        """Publish ``payload`` on ZeroMQ, counting its wire bytes; False when the injected
+        fault loses the frame (its seq is then never delivered live)."""
+        seq = publisher.publish_payload(payload)
+        self.bytes_published += len(payload) + len(publisher.topic) + 8
         if _frame_dropped(self.fault_seed, self.worker_id, seq, self.drop_rate):
             self.dropped_frames += 1
-        else:
-            self.sent_seqs.append(seq)
+            return False
+        self.sent_seqs.append(seq)
+        return True
 
     def _track(self, batch: Sequence[KVCacheEvent]) -> None:
         held = self.held
