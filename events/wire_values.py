@@ -9,49 +9,14 @@ token ids are split into blocks (placeholders, masked stores, short last blocks)
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import fields
 from typing import Any, Final
 
-from events._records import stored_blocks
+from events._records import stored_blocks, stored_blocks_moved
 from events.json_codec import DecodeError, expect_list
-from events.model import BlockHash, Stored, StoredBlock
+from events.model import BlockHash, Stored
 from kvcache.scope import U64_LIMIT
 
-try:  # the optional extension's record builder that moves token ids instead of copying them
-    from events._v1hash import stored_blocks_moved as _native_moved
-except ImportError:  # pragma: no cover - depends on the install
-    _native_moved = None  # type: ignore[assignment]
-
 MAX_BIN_HASH: Final = 64
-# StoredBlock's slot descriptors in field order, what the native builders store through
-_DESCRIPTORS: Final = tuple(vars(StoredBlock)[f.name] for f in fields(StoredBlock))
-
-_Builder = Callable[
-    [list[BlockHash], list[int], int, int | None, int, int, int | None], list[StoredBlock]
-]
-
-
-def _moved(
-    hashes: list[BlockHash],
-    tokens: list[int],
-    block_size: int,
-    lora_id: int | None,
-    cache_level: int,
-    priority: int,
-    salt_id: int | None,
-) -> list[StoredBlock]:
-    records: list[StoredBlock] = _native_moved(
-        StoredBlock, _DESCRIPTORS, hashes, tokens, block_size, lora_id, cache_level, priority,
-        salt_id,
-    )  # fmt: skip
-    return records
-
-
-#: The typed path's builder: like ``stored_blocks``, but it moves the token ids out of a list
-#: msgspec just decoded (left empty) instead of copying them; it never reads them, which for a
-#: 512-token block costs less than reading it. None without the extension.
-stored_blocks_moved: _Builder | None = _moved if _native_moved is not None else None
 
 
 class LimitError(DecodeError):
