@@ -224,21 +224,15 @@ class RadixTree:
         children = node.children
         child = node.child
         for start in range(0, max_blocks * step, step):
+            if child is None and not children:  # no full child (``child`` or the dict)
+                break
+            key = sha256(key + data[start : start + step]).digest()
             if children is None:
-                if child is None:
-                    break
-                key = sha256(key + data[start : start + step]).digest()
-                if child.key != key:
-                    return found, BlockKey(key)
-                block = child
+                block = child if child is not None and child.key == key else None
             else:
-                if not children:
-                    break
-                key = sha256(key + data[start : start + step]).digest()
-                found_block = children.get(key)
-                if found_block is None:
-                    return found, BlockKey(key)
-                block = found_block
+                block = children.get(key)
+            if block is None:
+                return found, BlockKey(key)
             found.append(block)
             children = block.children
             child = block.child
