@@ -104,25 +104,21 @@ def check_policy_options(name: str, options: dict[str, Any]) -> None:
         if param is None:
             raise ArgError(f"--policy-options: {name!r} takes no option {key!r}")
         default = param.default
-        if value is None and _optional_number(POLICIES[name], key):
-            continue  # an option declared ``float | None`` (balance): null turns it off
+        # an option declared ``float | None`` (balance): null turns it off, a number sets it,
+        # whether it is on or off by default
+        optional = _optional_number(POLICIES[name], key)
+        if value is None and optional:
+            continue
         if isinstance(default, bool):
             ok = isinstance(value, bool)
         elif isinstance(default, int):
             ok = isinstance(value, int) and not isinstance(value, bool)
-        elif isinstance(default, float):
+        elif optional or isinstance(default, float):
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
             ok = ok and math.isfinite(value)
+            default = 0.0 if default is None else default  # the message below wants a number
         elif isinstance(default, str):
             ok = isinstance(value, str)
-        elif default is None and _optional_number(POLICIES[name], key):
-            # an option that is off by default: a finite number turns it on
-            ok = (
-                isinstance(value, (int, float))
-                and not isinstance(value, bool)
-                and math.isfinite(value)
-            )
-            default = 0.0  # for the message below: it wants a number
         else:
             raise ArgError(f"--policy-options: {name}.{key} cannot be set from the command line")
         if not ok:
