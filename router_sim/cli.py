@@ -83,7 +83,9 @@ def _parse_policy_options(text: str) -> dict[str, dict[str, Any]]:
     return options
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(services: bool = True) -> argparse.ArgumentParser:
+    """The whole CLI; ``services=False`` leaves out ``serve`` and ``worker`` (their modules
+    load the HTTP stack, ~0.3 s of a short ``run``'s start-up)."""
     parser = OneLineParser(
         prog="router-sim", description="KV-aware routing simulator: policies vs the bound."
     )
@@ -141,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--out", type=Path, help="write report.json/csv/txt and plots here")
     run.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    _add_service_parsers(sub)
+    if services:
+        _add_service_parsers(sub)
     from router_sim.sweep import cli as sweep_cli  # imports this module: load it lazily
 
     sweep_cli.add_parsers(sub)
@@ -246,12 +249,16 @@ def run(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     return 0
 
 
+_LOCAL_COMMANDS = ("run", "sweep", "plan")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``router-sim`` (and ``python -m router_sim``)."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     if not args_list or (args_list[0].startswith("-") and args_list[0] not in ("-h", "--help")):
         args_list.insert(0, "run")  # bare ``router-sim`` means ``router-sim run``
-    parser = build_parser()
+    # a command that is not a service's parses without the service modules loaded
+    parser = build_parser(services=args_list[0] not in _LOCAL_COMMANDS)
     args = parser.parse_args(args_list)
     if args.command in ("sweep", "plan"):
         from router_sim.sweep import cli as sweep_cli

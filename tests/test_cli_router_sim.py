@@ -123,3 +123,22 @@ def test_python_dash_m_entry_point() -> None:
         check=True,
     )
     assert "--event-delay-ms" in done.stdout and "--trace" in done.stdout
+
+
+def test_run_starts_without_the_service_modules() -> None:
+    """``run`` parses and simulates without loading ``serve``'s HTTP stack (a third of a
+    short run's start-up); ``serve`` still parses with it."""
+    code = (
+        "import sys, io, contextlib\n"
+        "from router_sim.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    rc = main(['run', '--max-requests', '4', '--policies', 'round_robin',"
+        " '--no-progress'])\n"
+        "print(rc, 'aiohttp' in sys.modules)\n"
+        "from router_sim.cli import build_parser\n"
+        "print(build_parser().parse_args(['serve', '--fleet', 'f.json']).command)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.split() == ["0", "False", "serve"]
