@@ -290,6 +290,19 @@ static inline int as_key(PyObject *o, uint64_t *out) {
     return 1;
 }
 
+/* d.pop(key) with one lookup: a new reference, Py_None (new) when absent, NULL on error */
+static inline PyObject *dict_pop(PyObject *d, PyObject *key) {
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *v = NULL;
+    int found = PyDict_Pop(d, key, &v);
+    if (found < 0)
+        return NULL;
+    return found ? v : Py_NewRef(Py_None);
+#else
+    return _PyDict_Pop(d, key, Py_None);
+#endif
+}
+
 static long as_bit(PyObject *o) {
     long bit = PyLong_AsLong(o);
     if (bit == -1 && PyErr_Occurred())
@@ -770,36 +783,39 @@ static PyObject *MaskTable_evict(MaskTable *t, PyObject *const *args, Py_ssize_t
     for (; i < n; i++) {
         PyObject *eh = PyList_GET_ITEM(hashes, i);
         PyObject *h = NULL;
+        /* the mapping and the levels are popped (one lookup each) and put back in the rare
+           case that the general path must take the block */
         if (keys != Py_None) {
-            h = PyDict_GetItemWithError(keys, eh);
-            if (h == NULL && PyErr_Occurred())
+            h = dict_pop(keys, eh); /* keys map to ints, never None */
+            if (h == NULL)
                 goto fail;
+            if (h == Py_None) {
+                Py_DECREF(h);
+                h = NULL;
+            }
         }
         if (h == NULL) {
             h = eh;
             Py_INCREF(h);
-        } else {
-            Py_INCREF(h);
-            if (PyDict_DelItem(keys, eh) < 0)
-                goto fail_h;
         }
-        PyObject *old = PyDict_GetItemWithError(held, h); /* borrowed */
-        if (old == NULL && PyErr_Occurred())
+        PyObject *old = dict_pop(held, h); /* levels are ints, never None */
+        if (old == NULL)
             goto fail_h;
         int only_device = 0;
-        if (old != NULL && PyLong_CheckExact(old)) {
+        if (PyLong_CheckExact(old)) {
             int overflow;
             long v = PyLong_AsLongAndOverflow(old, &overflow);
             only_device = !overflow && v == 1;
         }
         if (!only_device) {
-            if (h != eh && PyDict_SetItem(keys, eh, h) < 0) /* put back */
+            int err = old == Py_None ? 0 : PyDict_SetItem(held, h, old); /* put back */
+            Py_DECREF(old);
+            if (err < 0 || (h != eh && PyDict_SetItem(keys, eh, h) < 0))
                 goto fail_h;
             Py_DECREF(h);
             break;
         }
-        if (PyDict_DelItem(held, h) < 0)
-            goto fail_h;
+        Py_DECREF(old);
         uint64_t key;
         int ok = as_key(h, &key);
         if (ok < 0)
