@@ -19,7 +19,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import IO, Final
+from typing import IO, Annotated, Final
+
+import msgspec
 
 from events.cli_args import ArgError, loads_json
 from router_sim.workloads import TOKENS_PER_HASH_ID, Request
@@ -35,6 +37,20 @@ zero inside it."""
 MAX_TIMESTAMP_MS: Final = 1e13
 """Largest |timestamp| (about 317 years in ms): later times only turn arithmetic into NaN."""
 MAX_HASH_ID: Final = 2**63 - 1
+
+
+class _Row(msgspec.Struct):
+    """A well-formed row, as msgspec reads it in one typed pass (exact JSON types: no bool for
+    an int, no string for a number; unknown fields ignored, as below). A line it refuses is
+    read again by the checks of :func:`_row`, which say what is wrong."""
+
+    timestamp: Annotated[float, msgspec.Meta(ge=-MAX_TIMESTAMP_MS, le=MAX_TIMESTAMP_MS)]
+    input_length: Annotated[int, msgspec.Meta(ge=1, le=MAX_TRACE_TOKENS)]
+    output_length: Annotated[int, msgspec.Meta(ge=0, le=MAX_TRACE_TOKENS)]
+    hash_ids: list[Annotated[int, msgspec.Meta(ge=0, le=MAX_HASH_ID)]]
+
+
+_ROW_DECODER: Final = msgspec.json.Decoder(_Row)
 
 
 class TraceError(ValueError):
@@ -92,7 +108,13 @@ def _row(obj: object, where: str, tokens_per_hash_id: int) -> TraceRow:
         raise TraceError(f"{where}: output_length must be an integer in [0, 2**20], got {out!r}")
     if not isinstance(ids, list) or not all(_is_int(h) and 0 <= h <= MAX_HASH_ID for h in ids):
         raise TraceError(f"{where}: hash_ids must be a list of non-negative integers below 2**63")
-    ts, ids = float(ts), tuple(ids)
+    return _checked_row(float(ts), inp, out, tuple(ids), where, tokens_per_hash_id)
+
+
+def _checked_row(
+    ts: float, inp: int, out: int, ids: tuple[int, ...], where: str, tokens_per_hash_id: int
+) -> TraceRow:
+    """A row of well-typed fields, once its hash ids are known to cover its prompt."""
     if len(ids) < math.ceil(inp / tokens_per_hash_id):
         raise TraceError(
             f"{where}: {len(ids)} hash ids cannot cover input_length {inp} "
@@ -119,6 +141,20 @@ def iter_trace(
         with _open(p) as fh:
             for lineno, line in enumerate(fh, 1):
                 if not line.strip():
+                    continue
+                try:  # the typed pass; anything it refuses takes the checks below
+                    fast = _ROW_DECODER.decode(line)
+                except msgspec.MsgspecError:
+                    pass
+                else:
+                    yield _checked_row(
+                        fast.timestamp,
+                        fast.input_length,
+                        fast.output_length,
+                        tuple(fast.hash_ids),
+                        f"{p}:{lineno}",
+                        tokens_per_hash_id,
+                    )
                     continue
                 try:  # standard JSON: NaN/Infinity and deep nesting are errors, not values
                     obj = loads_json(line, f"{p}:{lineno}")

@@ -7,9 +7,14 @@ import hashlib
 import json
 from pathlib import Path
 
-import pytest
+from typing import Any
 
-from router_sim.trace import TraceError, iter_trace, load_trace, resolve_trace
+import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from events.cli_args import ArgError, loads_json
+from router_sim.trace import TraceError, TraceRow, _row, iter_trace, load_trace, resolve_trace
 
 ROWS = [
     {"timestamp": 1000, "input_length": 600, "output_length": 10, "hash_ids": [0, 1]},
@@ -123,3 +128,80 @@ def test_bundled_copy_is_the_unchanged_trace() -> None:
     shared = next((p / "conversation_trace.jsonl" for p in SHARED if p.exists()), None)
     if shared is not None:
         assert hashlib.sha256(shared.read_bytes()).hexdigest() == BUNDLED_SHA256
+
+
+# What a trace line may hold: the four fields with values of every JSON type (and numbers at
+# and past each bound), present or missing, plus an unknown field.
+_VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**64), max_value=2**64),
+    st.sampled_from([0, 1, 2**20, 2**20 + 1, 2**63 - 1, 2**63, 1e13, -1e13, 1.5e13, 600.0]),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=3),
+    st.lists(st.integers(min_value=-2, max_value=2**63 + 2), max_size=4),
+    st.lists(st.one_of(st.booleans(), st.floats(allow_nan=False), st.text(max_size=2)), max_size=2),
+)
+_LINES = st.dictionaries(
+    st.sampled_from(["timestamp", "input_length", "output_length", "hash_ids", "extra"]),
+    _VALUES,
+)
+
+
+# rows of the right shape (the common case), and such rows with one field at or just past
+# one of its bounds or of another JSON type
+_EDGES = {
+    "timestamp": [10**13, -(10**13), 10**13 + 1, -1e13 - 1, 1e14, True, "1", None],
+    "input_length": [1, 2**20, 0, -1, 2**20 + 1, 1.0, True],
+    "output_length": [0, 2**20, -1, 2**20 + 1, 3.0, False],
+    "hash_ids": [[0], [2**63 - 1], [-1], [2**63], [True], [1.0], ["2"], [], 5],
+}
+_SHAPED = st.fixed_dictionaries(
+    {
+        "timestamp": st.one_of(st.integers(-(10**13), 10**13), st.floats(-1e13, 1e13)),
+        "input_length": st.integers(1, 512),
+        "output_length": st.integers(0, 2**20),
+        "hash_ids": st.lists(st.integers(0, 2**63 - 1), min_size=1, max_size=3),
+    }
+)
+
+
+@st.composite
+def _near_good(draw: st.DrawFn) -> dict[str, Any]:
+    row = draw(_SHAPED)
+    if draw(st.booleans()):
+        field = draw(st.sampled_from(sorted(_EDGES)))
+        row[field] = draw(st.sampled_from(_EDGES[field]))
+    return row
+
+
+_LINES = st.one_of(_LINES, _near_good()).map(json.dumps)
+
+
+def _general(line: str, where: str) -> TraceRow:
+    """The row as the checks alone read it (json + field checks, no typed pass)."""
+    try:
+        return _row(loads_json(line, where), where, 512)
+    except ArgError as exc:
+        raise TraceError(str(exc)) from None
+
+
+@settings(max_examples=400, deadline=None)
+@given(line=_LINES)
+def test_typed_pass_reads_exactly_what_the_checks_accept(tmp_path_factory: Any, line: str) -> None:
+    """The loader's typed pass (msgspec) and the field checks accept the same lines and read
+    them alike; what the checks refuse, the loader refuses with their message."""
+    path = tmp_path_factory.mktemp("t") / "t.jsonl"
+    path.write_text(line + "\n")
+    where = f"{path}:1"
+    try:
+        want: TraceRow | str = _general(line, where)
+    except TraceError as exc:
+        want = str(exc)
+    try:
+        got: TraceRow | str = next(iter_trace(path))
+    except TraceError as exc:
+        got = str(exc)
+    assert got == want
+    assert not isinstance(got, TraceRow) or type(got.timestamp) is float
+    event("read" if isinstance(got, TraceRow) else "refused")
