@@ -118,26 +118,26 @@ class _HashIdTrie:
         self.longest: list[int] = [0]  # node -> most tokens of its block ever seen
 
     def reusable_then_insert(self, hash_ids: Sequence[int], length: int, per_id: int) -> int:
-        node = 0
-        reused = 0
+        ids, longest = self.ids, self.longest
+        spans = min(-(-length // per_id), len(hash_ids)) if length > 0 else 0
+        node = reused = 0
         matching = True
-        remaining = length
-        for h in hash_ids:
-            if remaining <= 0:
-                break
-            take = min(per_id, remaining)
-            child = self.ids.get((node, h))
-            if child is None:
-                child = len(self.longest)
-                self.ids[(node, h)] = child
-                self.longest.append(0)
-            if matching:
-                seen = self.longest[child]
-                reused += min(take, seen)
-                matching = seen >= take
-            self.longest[child] = max(self.longest[child], take)
+        for i in range(spans):
+            take = per_id if i < spans - 1 else min(per_id, length - i * per_id)
+            key = (node, hash_ids[i])
+            child = ids.get(key)
+            if child is None:  # a block never seen: nothing from here on is reused
+                child = ids[key] = len(longest)
+                longest.append(take)
+                matching = False
+            else:
+                seen = longest[child]
+                if matching:
+                    reused += take if take < seen else seen
+                    matching = seen >= take
+                if take > seen:
+                    longest[child] = take
             node = child
-            remaining -= take
         return reused
 
 

@@ -77,6 +77,26 @@ def test_hash_id_requests_bound_is_exact() -> None:
     assert reusable_tokens(explicit) == [0, 6, 4, 8]
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.lists(st.integers(0, 3), min_size=1, max_size=5), st.integers(0, 4)),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_hash_id_path_equals_the_token_path(rows: list[tuple[list[int], int]]) -> None:
+    """Requests given by hash ids (4 tokens each, the last block cut short or whole) reuse what
+    the same prompts given as tokens reuse: the id trie against the token trie."""
+    reqs = [
+        Request(i, float(i), 4 * len(ids) - cut, 1, hash_ids=tuple(ids), tokens_per_hash_id=4)
+        for i, (ids, cut) in enumerate(rows)
+        if 4 * len(ids) - cut > 0
+    ]
+    explicit = [_req(q.request_id, list(q.tokens())) for q in reqs]
+    assert reusable_tokens(reqs) == reusable_tokens(explicit)
+
+
 def test_salts_separate_identical_prompts() -> None:
     prompt = list(range(100, 140))
     pooled = [_req(i, prompt) for i in range(4)]
