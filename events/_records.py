@@ -5,16 +5,22 @@ decoded block. A frozen dataclass's generated ``__init__`` stores every field th
 ``object.__setattr__``, about a microsecond per record; the builders here allocate the record
 with ``object.__new__`` and store each field through its slot descriptor, which is the same
 store without the detour. The result is the same object (equal, frozen, and like the
-dataclass not hashable, its tokens being a list), tested against the regular constructor.
+dataclass not hashable), tested against the regular constructor.
+
+Token ids stay packed where they come packed: the event manager's records hold the cache's own
+``array('i')`` of each block (the cache never changes a block's array in place; a record's
+tokens are data, not to be changed either), and a decoded store's ``array('i')`` gives each
+block an ``array('i')`` slice. Lists stay accepted everywhere, and records compare by their
+token ids whatever the container (:class:`~events.model.StoredBlock`).
 
 Each builder has a readable pure-Python form (the ``*_py`` functions, the reference) and, when
 the optional extension ``events._v1hash`` is built, a native form that does the same work in one
 call per event (``stored_blocks``; ``v1_stored_chain``, which also hashes) or per block
 (``v1_stored_block``).
 The native forms leave the token lists they make (ints only), and records whose fields are
-all such values, out of the cyclic garbage collector, which would otherwise walk every token
-of every young record at each collection; a cycle cannot run through them, so nothing is
-lost (see ``_v1hash.c``).
+all such values (arrays are never tracked), out of the cyclic garbage collector, which would
+otherwise walk every token of every young record at each collection; a cycle cannot run
+through them, so nothing is lost (see ``_v1hash.c``).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from functools import partial
 from typing import Any, Final
 
 from events.hashing import v1_block_hash
-from events.model import BlockHash, StoredBlock
+from events.model import BlockHash, StoredBlock, TokenIds
 
 try:  # the optional extension (see events.hashing); absent, the pure forms below are used
     from events import _v1hash as _native
@@ -51,7 +57,7 @@ _set_hash, _set_tokens, _set_lora, _set_level, _set_priority, _set_salt = map(_s
 
 def stored_block(
     block_hash: BlockHash,
-    tokens: list[int],
+    tokens: TokenIds,
     lora_id: int | None,
     cache_level: int,
     priority: int,
@@ -71,7 +77,7 @@ def stored_block(
 
 def stored_blocks_py(
     hashes: list[BlockHash],
-    tokens: list[int],
+    tokens: TokenIds,
     block_size: int,
     lora_id: int | None,
     cache_level: int,
@@ -79,7 +85,8 @@ def stored_blocks_py(
     cache_salt_id: int | None,
 ) -> list[StoredBlock]:
     """One record per hash; record ``i`` holds ``tokens[i * block_size : (i + 1) * block_size]``
-    (the reference form of :func:`stored_blocks`)."""
+    (the reference form of :func:`stored_blocks`): a list's slice is a list, an array's an
+    array."""
     return [
         stored_block(
             h,
@@ -102,9 +109,12 @@ def v1_stored_block_py(
     priority: int,
 ) -> StoredBlock:
     """The record announcing one block of packed int32 ``tokens`` under its V1 hash chained to
-    ``parent_hash`` (0 for a first block); the reference form of :func:`v1_stored_block`."""
+    ``parent_hash`` (0 for a first block), holding ``tokens`` themselves (an ``array('i')``; any
+    other packed buffer is copied into one); the reference form of :func:`v1_stored_block`."""
     h = v1_block_hash(tokens, parent_hash, lora_id=lora_id, salt_id=salt_id)
-    return stored_block(h, tokens.tolist(), lora_id, cache_level, priority, salt_id)
+    if type(tokens) is not array or tokens.typecode != "i":
+        tokens = array("i", bytes(tokens))
+    return stored_block(h, tokens, lora_id, cache_level, priority, salt_id)
 
 
 def v1_stored_chain_py(
@@ -128,7 +138,7 @@ def v1_stored_chain_py(
 
 def _stored_blocks_native(
     hashes: list[BlockHash],
-    tokens: list[int],
+    tokens: TokenIds,
     block_size: int,
     lora_id: int | None,
     cache_level: int,
@@ -150,7 +160,7 @@ def _stored_blocks_native(
 
 
 stored_blocks: Callable[
-    [list[BlockHash], list[int], int, int | None, int, int, int | None], list[StoredBlock]
+    [list[BlockHash], TokenIds, int, int | None, int, int, int | None], list[StoredBlock]
 ] = _stored_blocks_native if NATIVE else stored_blocks_py
 """Records for one decoded wire event (see :func:`stored_blocks_py`)."""
 

@@ -220,9 +220,10 @@ done:
     return result;
 }
 
-/* chain_lists(token_lists, parent, lora, salt): the V1 hash of each list of token ids in turn,
- * each chained to the previous one (the first to parent). Stops before the first empty list
- * (its block has no tokens to hash): the result may be shorter than the input. */
+/* chain_lists(token_lists, parent, lora, salt): the V1 hash of each block's token ids in turn
+ * (a list of ints or packed int32s, as get_tokens reads them), each chained to the previous one
+ * (the first to parent). Stops before the first empty block (it has no tokens to hash): the
+ * result may be shorter than the input. */
 static PyObject *v1_chain_lists(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *lists, *parent_obj, *lora, *salt;
@@ -252,6 +253,10 @@ static PyObject *v1_chain_lists(PyObject *self, PyObject *args) {
         if (get_tokens(item, &toks) < 0) {
             Py_DECREF(result);
             return NULL;
+        }
+        if (toks.n == 0) { /* an empty array('i'): a block without tokens, as an empty list */
+            release_tokens(&toks);
+            break;
         }
         uint32_t sign = 0;
         parent = hash_block(toks.data, toks.n, parent, &scope, &sign);
@@ -340,6 +345,281 @@ done:
     return result;
 }
 
+/* ---- packed token arrays ---------------------------------------------------------------
+ *
+ * The event path carries a block's token ids as an array('i') (native int32s) from the cache to
+ * the wire and back, instead of one Python int per token: the records keep the cache's arrays,
+ * the wire encoder writes a msgpack array straight from the int32s, and the typed wire decoder
+ * reads one straight into an array. */
+
+static PyObject *ARRAY_TYPE; /* array.array */
+static PyObject *ZERO_INT32; /* array('i', [0]): repeated to make an array of n zeros */
+
+/* 1 with *view held when obj is an array('i') of 4-byte ints; 0 (nothing held) when it is not
+ * one; -1 with an exception set. */
+static int int32_view(PyObject *obj, Py_buffer *view) {
+    if (!Py_IS_TYPE(obj, (PyTypeObject *)ARRAY_TYPE)) {
+        return 0;
+    }
+    if (PyObject_GetBuffer(obj, view, PyBUF_FORMAT) < 0) {
+        return -1;
+    }
+    if (view->itemsize == 4 && view->format != NULL && strcmp(view->format, "i") == 0) {
+        return 1;
+    }
+    PyBuffer_Release(view);
+    return 0;
+}
+
+/* A new array('i') of n zeros (n >= 0), *data its storage (valid while nothing resizes it). */
+static PyObject *new_int32_array(Py_ssize_t n, unsigned char **data) {
+    PyObject *arr = PySequence_Repeat(ZERO_INT32, n);
+    if (arr == NULL) {
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(arr, &view, PyBUF_WRITABLE) < 0) {
+        Py_DECREF(arr);
+        return NULL;
+    }
+    *data = (unsigned char *)view.buf;
+    PyBuffer_Release(&view); /* the array is ours alone: its storage stays where it is */
+    return arr;
+}
+
+/* An array('i') copy of packed int32s (bytes, a memoryview: any contiguous buffer). */
+static PyObject *int32_array_of(const unsigned char *p, Py_ssize_t n) {
+    unsigned char *data;
+    PyObject *arr = new_int32_array(n, &data);
+    if (arr != NULL && n > 0) {
+        memcpy(data, p, 4 * (size_t)n);
+    }
+    return arr;
+}
+
+static inline uint64_t load_be(const unsigned char *p, int width) {
+    uint64_t v = 0;
+    for (int k = 0; k < width; k++) {
+        v = (v << 8) | p[k];
+    }
+    return v;
+}
+
+/* tokens_from_msgpack(data, limit) -> array('i') | None: the token ids of one msgpack array of
+ * at most limit ints in [0, 2**31), in any msgpack int form, that is the whole of data; None for
+ * anything else (another type, a negative, too big or non-int item, a truncated array, bytes
+ * left over), which the caller's general path then reads and names. Every length is checked
+ * against the bytes left before anything is allocated or read (an item takes at least a byte),
+ * so hostile input costs at most its own size. */
+static PyObject *tokens_from_msgpack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "tokens_from_msgpack takes 2 arguments, got %zd", nargs);
+        return NULL;
+    }
+    Py_ssize_t limit = PyLong_AsSsize_t(args[1]);
+    if (limit == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_buffer buf;
+    if (PyObject_GetBuffer(args[0], &buf, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    const unsigned char *p = (const unsigned char *)buf.buf, *end = p + buf.len;
+    PyObject *arr = NULL;
+    uint64_t n;
+    if (p == end) {
+        goto refuse;
+    }
+    unsigned char head = *p++;
+    if ((head & 0xf0) == 0x90) {
+        n = head & 0x0f;
+    } else if (head == 0xdc || head == 0xdd) {
+        int width = head == 0xdc ? 2 : 4;
+        if (end - p < width) {
+            goto refuse;
+        }
+        n = load_be(p, width);
+        p += width;
+    } else {
+        goto refuse;
+    }
+    if (limit < 0 || n > (uint64_t)limit || n > (uint64_t)(end - p)) {
+        goto refuse;
+    }
+    unsigned char *out;
+    arr = new_int32_array((Py_ssize_t)n, &out);
+    if (arr == NULL) {
+        PyBuffer_Release(&buf);
+        return NULL;
+    }
+    for (uint64_t i = 0; i < n; i++) {
+        if (p == end) {
+            goto refuse;
+        }
+        unsigned char t = *p++;
+        uint64_t v;
+        if (t <= 0x7f) { /* positive fixint */
+            v = t;
+        } else if (t >= 0xcc && t <= 0xd3) {
+            /* uint8/16/32/64, then int8/16/32/64: 1, 2, 4, 8 bytes big-endian */
+            int width = 1 << ((t - 0xcc) & 3);
+            if (end - p < width) {
+                goto refuse;
+            }
+            if (t >= 0xd0 && (p[0] & 0x80)) {
+                goto refuse; /* a negative signed int */
+            }
+            v = load_be(p, width);
+            p += width;
+        } else {
+            goto refuse; /* a negative fixint, nil, bool, float, str, bin, array, map, ext */
+        }
+        if (v > (uint64_t)INT32_MAX) {
+            goto refuse;
+        }
+        int32_t tok = (int32_t)v;
+        memcpy(out + 4 * i, &tok, 4);
+    }
+    if (p != end) {
+        goto refuse;
+    }
+    PyBuffer_Release(&buf);
+    return arr;
+refuse:
+    Py_XDECREF(arr);
+    PyBuffer_Release(&buf);
+    Py_RETURN_NONE;
+}
+
+/* Writes x as msgspec (and msgpack-python) do: the smallest msgpack int form. Returns the
+ * bytes written (at most 9). */
+static inline Py_ssize_t put_int(unsigned char *o, int neg, uint64_t ux) {
+    unsigned char tag;
+    int width;
+    if (!neg) {
+        if (ux < 0x80) {
+            o[0] = (unsigned char)ux;
+            return 1;
+        }
+        if (ux <= 0xff) {
+            tag = 0xcc, width = 1;
+        } else if (ux <= 0xffff) {
+            tag = 0xcd, width = 2;
+        } else if (ux <= 0xffffffffu) {
+            tag = 0xce, width = 4;
+        } else {
+            tag = 0xcf, width = 8;
+        }
+    } else {
+        int64_t x = (int64_t)ux; /* two's complement of the negative value */
+        if (x >= -32) {
+            o[0] = (unsigned char)(x & 0xff);
+            return 1;
+        }
+        if (x >= -128) {
+            tag = 0xd0, width = 1;
+        } else if (x >= -32768) {
+            tag = 0xd1, width = 2;
+        } else if (x >= -2147483647LL - 1) {
+            tag = 0xd2, width = 4;
+        } else {
+            tag = 0xd3, width = 8;
+        }
+    }
+    o[0] = tag;
+    for (int k = 0; k < width; k++) {
+        o[1 + k] = (unsigned char)(ux >> (8 * (width - 1 - k)));
+    }
+    return 1 + width;
+}
+
+/* pack_tokens(tokens) -> bytes | None: the msgpack array of tokens (an array('i'), or a list of
+ * ints in [-2**63, 2**64)) byte for byte as msgspec writes the same ints as a list: the smallest
+ * array header and the smallest form of each int. None for anything else (a list holding
+ * another type, an int out of that range, another container), which the caller leaves to
+ * msgspec (and its errors). */
+static PyObject *pack_tokens(PyObject *self, PyObject *obj) {
+    (void)self;
+    Py_buffer view;
+    int packed = int32_view(obj, &view);
+    if (packed < 0) {
+        return NULL;
+    }
+    if (!packed && !PyList_CheckExact(obj)) {
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t n = packed ? view.len / 4 : PyList_GET_SIZE(obj);
+    if ((uint64_t)n > UINT64_C(0xffffffff)) {
+        if (packed) {
+            PyBuffer_Release(&view);
+        }
+        Py_RETURN_NONE; /* msgspec's "too long" error */
+    }
+    /* 5 bytes per int32 at most, 9 per int64 */
+    PyObject *out = PyBytes_FromStringAndSize(NULL, 5 + (packed ? 5 : 9) * n);
+    if (out == NULL) {
+        if (packed) {
+            PyBuffer_Release(&view);
+        }
+        return NULL;
+    }
+    unsigned char *o = (unsigned char *)PyBytes_AS_STRING(out), *start = o;
+    if (n < 16) {
+        *o++ = (unsigned char)(0x90 | n);
+    } else if (n <= 0xffff) {
+        *o++ = 0xdc;
+        *o++ = (unsigned char)(n >> 8);
+        *o++ = (unsigned char)n;
+    } else {
+        *o++ = 0xdd;
+        for (int k = 3; k >= 0; k--) {
+            *o++ = (unsigned char)((uint64_t)n >> (8 * k));
+        }
+    }
+    if (packed) {
+        const unsigned char *p = (const unsigned char *)view.buf;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int32_t tok;
+            memcpy(&tok, p + 4 * i, 4);
+            o += put_int(o, tok < 0, (uint64_t)(int64_t)tok);
+        }
+        PyBuffer_Release(&view);
+    } else {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *item = PyList_GET_ITEM(obj, i);
+            if (!PyLong_CheckExact(item)) {
+                Py_DECREF(out);
+                Py_RETURN_NONE;
+            }
+            int overflow = 0;
+            long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
+            if (v == -1 && PyErr_Occurred()) {
+                Py_DECREF(out);
+                return NULL;
+            }
+            uint64_t ux = (uint64_t)v;
+            if (overflow < 0) {
+                Py_DECREF(out);
+                Py_RETURN_NONE; /* below -2**63 */
+            }
+            if (overflow > 0) {
+                ux = PyLong_AsUnsignedLongLong(item);
+                if (ux == (uint64_t)-1 && PyErr_Occurred()) {
+                    PyErr_Clear();
+                    Py_DECREF(out);
+                    Py_RETURN_NONE; /* 2**64 or more */
+                }
+            }
+            o += put_int(o, overflow == 0 && v < 0, ux);
+        }
+    }
+    if (_PyBytes_Resize(&out, o - start) < 0) {
+        return NULL;
+    }
+    return out;
+}
+
 /* ---- record builders ------------------------------------------------------------------
  *
  * The event records are frozen slotted dataclasses; their generated __init__ stores each field
@@ -391,7 +671,10 @@ static int check_record_type(PyObject *cls, PyObject *setters) {
 
 /* A new record of cls with its fields set from values[0..RECORD_FIELDS); steals nothing.
  * Like its token list, a record none of whose fields the collector tracks (ints, strings,
- * None, an untracked token list) cannot be part of a cycle, and is left out of it too. */
+ * None, an untracked token list or array) cannot be part of a cycle, and is left out of it
+ * too. An array holds no reference but its type's, so no cycle can run through it either: the
+ * collector tracks arrays (their type is a heap type) and a token array is untracked here, the
+ * way untrack_token_list untracks a list of ints. */
 static PyObject *new_record(PyObject *cls, PyObject *setters, PyObject *const *values) {
     PyTypeObject *type = (PyTypeObject *)cls;
     PyObject *obj = type->tp_alloc(type, 0);
@@ -404,6 +687,10 @@ static PyObject *new_record(PyObject *cls, PyObject *setters, PyObject *const *v
         if (Py_TYPE(d)->tp_descr_set(d, obj, values[i]) < 0) {
             Py_DECREF(obj);
             return NULL;
+        }
+        if (Py_IS_TYPE(values[i], (PyTypeObject *)ARRAY_TYPE) &&
+            PyObject_GC_IsTracked(values[i])) {
+            PyObject_GC_UnTrack(values[i]);
         }
         atomic = atomic && !PyObject_GC_IsTracked(values[i]);
     }
@@ -441,10 +728,14 @@ static PyObject *build_blocks(PyObject *const *args, Py_ssize_t nargs, int move)
     if (check_record_type(cls, setters) < 0) {
         return NULL;
     }
-    if (!PyList_Check(hashes) || !PyList_Check(tokens)) {
-        PyErr_SetString(PyExc_TypeError, "stored_blocks needs lists of hashes and token ids");
+    /* token ids as a list, or packed: an array (each block gets its slice, an array too) */
+    int is_list = PyList_Check(tokens);
+    if (!PyList_Check(hashes) || !(is_list || Py_IS_TYPE(tokens, (PyTypeObject *)ARRAY_TYPE))) {
+        PyErr_SetString(PyExc_TypeError,
+                        "stored_blocks needs lists of hashes and token ids (a list or an array)");
         return NULL;
     }
+    move = move && is_list;
     Py_ssize_t bs = PyLong_AsSsize_t(args[4]);
     if (bs == -1 && PyErr_Occurred()) {
         return NULL;
@@ -453,7 +744,7 @@ static PyObject *build_blocks(PyObject *const *args, Py_ssize_t nargs, int move)
         PyErr_Format(PyExc_ValueError, "block_size must be >= 1, got %zd", bs);
         return NULL;
     }
-    Py_ssize_t n = PyList_GET_SIZE(hashes), count = PyList_GET_SIZE(tokens);
+    Py_ssize_t n = PyList_GET_SIZE(hashes), count = Py_SIZE(tokens);
     Py_ssize_t moved = 0; /* tokens[0, moved) belong to block lists (their slots hold NULL) */
     PyObject *out = PyList_New(n);
     if (out == NULL) {
@@ -462,7 +753,7 @@ static PyObject *build_blocks(PyObject *const *args, Py_ssize_t nargs, int move)
     for (Py_ssize_t i = 0; i < n; i++) {
         /* allocating may run a collection and with it arbitrary finalizers: the lists are read
          * again, and the hash held, as if any Python code could run between two blocks */
-        if (i >= PyList_GET_SIZE(hashes) || count != PyList_GET_SIZE(tokens)) {
+        if (i >= PyList_GET_SIZE(hashes) || count != Py_SIZE(tokens)) {
             PyErr_SetString(PyExc_RuntimeError, "stored_blocks: a list changed while in use");
             goto error;
         }
@@ -480,12 +771,17 @@ static PyObject *build_blocks(PyObject *const *args, Py_ssize_t nargs, int move)
             memset(src, 0, (size_t)(hi - lo) * sizeof(PyObject *)); /* the collector skips NULL */
             moved = hi;
             PyObject_GC_UnTrack(slice);
-        } else {
+        } else if (is_list) {
             slice = PyList_GetSlice(tokens, lo, hi);
             if (slice == NULL) {
                 goto error;
             }
             untrack_token_list(slice);
+        } else {
+            slice = PySequence_GetSlice(tokens, lo, hi); /* an array: not a GC object */
+            if (slice == NULL) {
+                goto error;
+            }
         }
         PyObject *hash = Py_NewRef(PyList_GET_ITEM(hashes, i));
         PyObject *values[RECORD_FIELDS] = {hash, slice, args[5], args[6], args[7], args[8]};
@@ -521,7 +817,8 @@ static PyObject *v1_record(PyObject *cls, PyObject *setters, PyObject *tokens_ob
 
 /* v1_stored_block(cls, setters, tokens, parent_hash, lora_id, salt_id, cache_level, priority)
  * -> record: the V1 hash of packed int32 tokens chained to parent_hash (an int) and the record
- * announcing it, its token ids as a list of ints (one C pass for the hash and the list). */
+ * announcing it, its token ids packed (an array('i') holds them as it is, any other buffer is
+ * copied into one). */
 static PyObject *v1_stored_block(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 8) {
@@ -550,7 +847,7 @@ static PyObject *v1_record(PyObject *cls, PyObject *setters, PyObject *tokens_ob
                            uint64_t parent, const scope_t *scope, PyObject *const *attrs,
                            uint64_t *hash_out) {
     Py_buffer buf;
-    if (PyObject_GetBuffer(tokens_obj, &buf, PyBUF_SIMPLE) < 0) {
+    if (PyObject_GetBuffer(tokens_obj, &buf, PyBUF_FORMAT) < 0) {
         return NULL;
     }
     PyObject *result = NULL, *list = NULL, *hash = NULL;
@@ -567,20 +864,15 @@ static PyObject *v1_record(PyObject *cls, PyObject *setters, PyObject *tokens_ob
         negative_token_error();
         goto done;
     }
-    list = PyList_New(n);
+    /* the record holds the tokens packed: the array itself when it is an array('i') (the
+     * cache's own, which it never changes in place), else a packed copy of the buffer */
+    list = Py_IS_TYPE(tokens_obj, (PyTypeObject *)ARRAY_TYPE) && buf.itemsize == 4 &&
+                   buf.format != NULL && strcmp(buf.format, "i") == 0
+               ? Py_NewRef(tokens_obj)
+               : int32_array_of(p, n);
     if (list == NULL) {
         goto done;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int32_t tok;
-        memcpy(&tok, p + 4 * i, 4);
-        PyObject *v = PyLong_FromLong(tok);
-        if (v == NULL) {
-            goto done;
-        }
-        PyList_SET_ITEM(list, i, v);
-    }
-    untrack_token_list(list); /* ints made just above */
     hash = PyLong_FromUnsignedLongLong(h);
     if (hash == NULL) {
         goto done;
@@ -650,7 +942,8 @@ static PyObject *v1_stored_chain(PyObject *self, PyObject *const *args, Py_ssize
  * stored_runs(blocks, block_size) -> list[(end, token_ids, hashes)]: the runs of a Stored
  * event's blocks that travel as one wire event each (same lora_id, cache_level, priority and
  * cache_salt_id; only a run's last block may be short), with each run's token ids concatenated
- * and its block hashes listed. events.codec keeps the readable reference (_stored_runs_py). */
+ * (an array('i') when every block of the run holds one, else a list) and its block hashes
+ * listed. events.codec keeps the readable reference (_stored_runs_py). */
 
 static PyObject *STR_BLOCK_HASH, *STR_TOKENS, *STR_LORA_ID, *STR_CACHE_LEVEL, *STR_PRIORITY,
     *STR_CACHE_SALT_ID;
@@ -659,7 +952,9 @@ static PyObject *STR_BLOCK_HASH, *STR_TOKENS, *STR_LORA_ID, *STR_CACHE_LEVEL, *S
 
 typedef struct {
     PyObject *hash;
-    PyObject *tokens; /* a list or tuple (PySequence_Fast) */
+    PyObject *tokens; /* an array('i'), or a list or tuple (PySequence_Fast) */
+    int packed;       /* tokens is an array('i') */
+    Py_ssize_t n;     /* how many token ids */
     PyObject *attrs[RUN_ATTRS];
 } wire_block_t;
 
@@ -679,8 +974,24 @@ static int read_wire_block(PyObject *block, wire_block_t *b) {
     if (tokens == NULL) {
         return -1;
     }
-    b->tokens = PySequence_Fast(tokens, "stored block tokens must be a sequence of ints");
-    Py_DECREF(tokens);
+    Py_buffer view;
+    int packed = int32_view(tokens, &view);
+    if (packed < 0) {
+        Py_DECREF(tokens);
+        return -1;
+    }
+    if (packed) {
+        b->packed = 1;
+        b->n = view.len / 4;
+        PyBuffer_Release(&view);
+        b->tokens = tokens;
+    } else {
+        b->tokens = PySequence_Fast(tokens, "stored block tokens must be a sequence of ints");
+        Py_DECREF(tokens);
+        if (b->tokens != NULL) {
+            b->n = PySequence_Fast_GET_SIZE(b->tokens);
+        }
+    }
     if (b->tokens == NULL || (b->hash = PyObject_GetAttr(block, STR_BLOCK_HASH)) == NULL) {
         clear_wire_block(b);
         return -1;
@@ -705,17 +1016,75 @@ static int same_run_attrs(const wire_block_t *a, const wire_block_t *b) {
     return 1;
 }
 
+/* The token ids of a run's blocks, concatenated: parts holds each block's tokens (an array('i')
+ * when packed is set for all, else arrays and lists or tuples), total the count. */
+static PyObject *join_tokens(PyObject *parts, int packed, Py_ssize_t total) {
+    Py_ssize_t count = PyList_GET_SIZE(parts);
+    if (packed) {
+        unsigned char *data;
+        PyObject *arr = new_int32_array(total, &data);
+        if (arr == NULL) {
+            return NULL;
+        }
+        Py_ssize_t at = 0;
+        for (Py_ssize_t i = 0; i < count; i++) {
+            Py_buffer view;
+            if (PyObject_GetBuffer(PyList_GET_ITEM(parts, i), &view, PyBUF_SIMPLE) < 0) {
+                Py_DECREF(arr);
+                return NULL;
+            }
+            /* the arrays' sizes were read with the blocks; one resized since is refused */
+            if (view.len > 4 * (total - at)) {
+                PyBuffer_Release(&view);
+                Py_DECREF(arr);
+                PyErr_SetString(PyExc_RuntimeError, "stored_runs: a block's tokens changed");
+                return NULL;
+            }
+            memcpy(data + 4 * at, view.buf, (size_t)view.len);
+            at += view.len / 4;
+            PyBuffer_Release(&view);
+        }
+        if (at != total) {
+            Py_DECREF(arr);
+            PyErr_SetString(PyExc_RuntimeError, "stored_runs: a block's tokens changed");
+            return NULL;
+        }
+        return arr;
+    }
+    PyObject *list = PyList_New(0);
+    if (list == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        /* an array's ints (a run that mixes arrays and lists); a list or tuple as it is */
+        PyObject *part = PySequence_Fast(PyList_GET_ITEM(parts, i), "token ids");
+        Py_ssize_t len = PyList_GET_SIZE(list);
+        int rc = part == NULL ? -1 : PyList_SetSlice(list, len, len, part);
+        Py_XDECREF(part);
+        if (rc < 0) {
+            Py_DECREF(list);
+            return NULL;
+        }
+    }
+    return list;
+}
+
 /* Appends (end, token_ids, hashes) to out and starts new run lists; 0 or -1. */
-static int emit_run(PyObject *out, Py_ssize_t end, PyObject **tokens, PyObject **hashes) {
-    PyObject *run = Py_BuildValue("(nOO)", end, *tokens, *hashes);
+static int emit_run(PyObject *out, Py_ssize_t end, PyObject **parts, int packed,
+                    Py_ssize_t total, PyObject **hashes) {
+    PyObject *tokens = join_tokens(*parts, packed, total);
+    if (tokens == NULL) {
+        return -1;
+    }
+    PyObject *run = Py_BuildValue("(nNO)", end, tokens, *hashes);
     if (run == NULL) {
         return -1;
     }
     int rc = PyList_Append(out, run);
     Py_DECREF(run);
-    Py_SETREF(*tokens, PyList_New(0));
+    Py_SETREF(*parts, PyList_New(0));
     Py_SETREF(*hashes, PyList_New(0));
-    return rc < 0 || *tokens == NULL || *hashes == NULL ? -1 : 0;
+    return rc < 0 || *parts == NULL || *hashes == NULL ? -1 : 0;
 }
 
 static PyObject *stored_runs(PyObject *self, PyObject *args) {
@@ -729,11 +1098,13 @@ static PyObject *stored_runs(PyObject *self, PyObject *args) {
     if (blocks == NULL) {
         return NULL;
     }
-    PyObject *out = PyList_New(0), *tokens = PyList_New(0), *hashes = PyList_New(0);
+    PyObject *out = PyList_New(0), *parts = PyList_New(0), *hashes = PyList_New(0);
     Py_ssize_t count = PySequence_Fast_GET_SIZE(blocks);
+    Py_ssize_t total = 0; /* token ids in the run so far */
+    int packed = 1;       /* every block of the run so far holds an array('i') */
     wire_block_t cur, nxt;
     int have_cur = 0;
-    if (out == NULL || tokens == NULL || hashes == NULL) {
+    if (out == NULL || parts == NULL || hashes == NULL) {
         goto fail;
     }
     if (count > 0) {
@@ -743,7 +1114,7 @@ static PyObject *stored_runs(PyObject *self, PyObject *args) {
         have_cur = 1;
     }
     for (Py_ssize_t i = 0; i < count; i++) {
-        Py_ssize_t n = PySequence_Fast_GET_SIZE(cur.tokens);
+        Py_ssize_t n = cur.n;
         if (!(0 < n && n <= bs)) {
             PyErr_Format(PyExc_ValueError,
                          "stored block %zd has %zd tokens; blocks must hold 1..block_size (%zd) "
@@ -751,11 +1122,11 @@ static PyObject *stored_runs(PyObject *self, PyObject *args) {
                          i, n, bs);
             goto fail;
         }
-        Py_ssize_t len = PyList_GET_SIZE(tokens);
-        if (PyList_SetSlice(tokens, len, len, cur.tokens) < 0 ||
-            PyList_Append(hashes, cur.hash) < 0) {
+        if (PyList_Append(parts, cur.tokens) < 0 || PyList_Append(hashes, cur.hash) < 0) {
             goto fail;
         }
+        total += n;
+        packed = packed && cur.packed;
         int boundary = i + 1 == count || n < bs;
         /* attribute reads and comparisons may run Python code that resizes the list */
         if (PySequence_Fast_GET_SIZE(blocks) != count) {
@@ -781,11 +1152,15 @@ static PyObject *stored_runs(PyObject *self, PyObject *args) {
             cur = nxt;
             have_cur = 1;
         }
-        if (boundary && emit_run(out, i + 1, &tokens, &hashes) < 0) {
-            goto fail;
+        if (boundary) {
+            if (emit_run(out, i + 1, &parts, packed, total, &hashes) < 0) {
+                goto fail;
+            }
+            total = 0;
+            packed = 1;
         }
     }
-    Py_DECREF(tokens);
+    Py_DECREF(parts);
     Py_DECREF(hashes);
     Py_DECREF(blocks);
     return out;
@@ -793,7 +1168,7 @@ fail:
     if (have_cur) {
         clear_wire_block(&cur);
     }
-    Py_XDECREF(tokens);
+    Py_XDECREF(parts);
     Py_XDECREF(hashes);
     Py_XDECREF(out);
     Py_DECREF(blocks);
@@ -823,6 +1198,12 @@ static PyMethodDef methods[] = {
      "v1_stored_chain(cls, setters, token_arrays, parent_hash, lora_id, salt_id, cache_level, "
      "priority) -> list: the records of a chain of blocks of packed int32 token ids, each "
      "hashed under the previous one's hash."},
+    {"tokens_from_msgpack", (PyCFunction)(void (*)(void))tokens_from_msgpack, METH_FASTCALL,
+     "tokens_from_msgpack(data, limit) -> array('i') | None: the token ids of one msgpack array "
+     "of at most limit ints in [0, 2**31); None for anything else."},
+    {"pack_tokens", pack_tokens, METH_O,
+     "pack_tokens(tokens) -> bytes | None: the msgpack array of an array('i') or a list of ints, "
+     "as msgspec writes it; None for what it leaves to msgspec."},
     {"stored_runs", stored_runs, METH_VARARGS,
      "stored_runs(blocks, block_size) -> list[(end, token_ids, hashes)]: the wire events of a "
      "Stored event's blocks."},
@@ -841,6 +1222,19 @@ PyMODINIT_FUNC PyInit__v1hash(void) {
         (STR_CACHE_LEVEL = PyUnicode_InternFromString("cache_level")) == NULL ||
         (STR_PRIORITY = PyUnicode_InternFromString("priority")) == NULL ||
         (STR_CACHE_SALT_ID = PyUnicode_InternFromString("cache_salt_id")) == NULL) {
+        return NULL;
+    }
+    PyObject *array_module = PyImport_ImportModule("array");
+    if (array_module == NULL) {
+        return NULL;
+    }
+    ARRAY_TYPE = PyObject_GetAttrString(array_module, "array");
+    Py_DECREF(array_module);
+    if (ARRAY_TYPE == NULL || !PyType_Check(ARRAY_TYPE)) {
+        return NULL;
+    }
+    ZERO_INT32 = PyObject_CallFunction(ARRAY_TYPE, "s(i)", "i", 0);
+    if (ZERO_INT32 == NULL) {
         return NULL;
     }
     return PyModule_Create(&module);

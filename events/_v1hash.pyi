@@ -1,5 +1,7 @@
 """Type stub of the native V1 block hash extension (built from _v1hash.c)."""
 
+from array import array
+from collections.abc import Sequence
 from typing import Any
 
 def block_hash(tokens: object, parent_hash: int, lora_id: int | None, salt_id: int | None) -> int:
@@ -20,20 +22,21 @@ def stored_blocks(
     cls: type[Any],
     setters: tuple[Any, ...],
     hashes: list[Any],
-    tokens: list[int],
+    tokens: Sequence[int],
     block_size: int,
     lora_id: int | None,
     cache_level: int,
     priority: int,
     salt_id: int | None,
 ) -> list[Any]:
-    """One record of ``cls`` per hash, each with its ``block_size`` slice of ``tokens``."""
+    """One record of ``cls`` per hash, each with its ``block_size`` slice of ``tokens`` (a list,
+    or an array whose slices are arrays)."""
 
 def stored_blocks_moved(
     cls: type[Any],
     setters: tuple[Any, ...],
     hashes: list[Any],
-    tokens: list[int],
+    tokens: Sequence[int],
     block_size: int,
     lora_id: int | None,
     cache_level: int,
@@ -55,8 +58,17 @@ def v1_stored_block(
 ) -> Any:
     """The V1 hash and record of one block of packed int32 token ids."""
 
-def stored_runs(blocks: object, block_size: int) -> list[tuple[int, list[int], list[Any]]]:
-    """The wire events of a Stored event's blocks: ``(end, token_ids, hashes)`` per run."""
+def stored_runs(blocks: Any, block_size: int) -> list[tuple[int, Sequence[int], list[Any]]]:
+    """The wire events of a Stored event's blocks: ``(end, token_ids, hashes)`` per run, the
+    token ids an ``array('i')`` when every block of the run holds one, else a list."""
+
+def tokens_from_msgpack(data: Any, limit: int) -> array[int] | None:
+    """The token ids of one msgpack array of at most ``limit`` ints in ``[0, 2**31)`` that is
+    the whole of ``data`` (a buffer), as an ``array('i')``; None for anything else."""
+
+def pack_tokens(tokens: object) -> bytes | None:
+    """The msgpack array of an ``array('i')`` or a list of ints in ``[-2**63, 2**64)``, byte for
+    byte as msgspec writes the same ints as a list; None for anything else."""
 
 def v1_stored_chain(
     cls: type[Any],

@@ -35,7 +35,10 @@ unknown fields and every field they require is present (``lora_id``, ``lora_name
 (``tests/data/engines/decoder_rules.json``).
 
 The payload is written by msgspec; with the optional extension, one C pass splits a Stored
-event's blocks into wire events (the pure form stays as the reference and the fallback).
+event's blocks into wire events (the pure form stays as the reference and the fallback), and
+token ids that come packed (``array('i')``, as the event manager's records hold them) are
+written as a msgpack array straight from the int32s, byte for byte what msgspec writes for the
+same ints as a list, and handed to msgspec as ``msgspec.Raw``: no Python int per token.
 
 Hashes travel as uint64. A ``v2_sha256`` hash (64 hex characters) travels as a 32-byte msgpack
 ``bin`` and decodes back to its hex string: an extension, since 64-bit integers cannot hold it.
@@ -48,6 +51,7 @@ event types skipped) and strict about everything else: any malformed payload rai
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Iterable
 from typing import Any, Final, cast
 
@@ -67,6 +71,7 @@ from events.model import (
     Removed,
     Stored,
     StoredBlock,
+    TokenIds,
     Updated,
     medium_of,
 )
@@ -77,6 +82,10 @@ try:  # one C pass splits a Stored event's blocks into wire events when the exte
     from events._v1hash import stored_runs as _native_stored_runs
 except ImportError:  # pragma: no cover - depends on the install
     _native_stored_runs = None  # type: ignore[assignment]
+try:  # and writes packed token ids as a msgpack array
+    from events._v1hash import pack_tokens as _native_pack_tokens
+except ImportError:  # pragma: no cover - depends on the install
+    _native_pack_tokens = None  # type: ignore[assignment]
 
 # msgspec writes the payload (the library vLLM and SGLang encode these events with): maps in
 # insertion order, each int in its smallest form, floats as float64, bytes as bin.
@@ -120,16 +129,31 @@ def _common(event: KVCacheEvent, out: dict[str, Any], dp_rank: int | None) -> di
     return out
 
 
-_Run = tuple[int, list[int], list[BlockHash]]
+_Run = tuple[int, TokenIds, list[BlockHash]]
+
+
+def _packed(tokens: TokenIds) -> bool:
+    return type(tokens) is array and tokens.typecode == "i"
+
+
+def _joined(parts: list[TokenIds]) -> TokenIds:
+    """A run's token ids in one container: an ``array('i')`` when every part is one, else a
+    list."""
+    if all(map(_packed, parts)):
+        joined = array("i")
+        for part in parts:
+            joined += cast("array[int]", part)
+        return joined
+    return [t for part in parts for t in part]
 
 
 def _stored_runs_py(blocks: list[StoredBlock], block_size: int) -> list[_Run]:
     """The wire events of a Stored event's blocks as ``(end, token_ids, hashes)`` runs: blocks
     ``[previous end, end)`` share one lora/medium/priority/salt, only a run's last block may be
-    short, and the run's token ids and hashes are concatenated in order (the readable reference
-    of the native ``stored_runs``)."""
+    short, and the run's token ids (packed when every block's are) and hashes are concatenated
+    in order (the readable reference of the native ``stored_runs``)."""
     runs: list[_Run] = []
-    token_ids: list[int] = []
+    parts: list[TokenIds] = []
     hashes: list[BlockHash] = []
     for i, block in enumerate(blocks):
         n = len(block.tokens)
@@ -138,7 +162,7 @@ def _stored_runs_py(blocks: list[StoredBlock], block_size: int) -> list[_Run]:
                 f"stored block {i} has {n} tokens; blocks must hold 1..block_size "
                 f"({block_size}) tokens"
             )
-        token_ids.extend(block.tokens)
+        parts.append(block.tokens)
         hashes.append(block.block_hash)
         nxt = blocks[i + 1] if i + 1 < len(blocks) else None
         # A wire event has one lora/medium/priority/salt and only its last block may be short.
@@ -150,14 +174,36 @@ def _stored_runs_py(blocks: list[StoredBlock], block_size: int) -> list[_Run]:
             or nxt.priority != block.priority
             or nxt.cache_salt_id != block.cache_salt_id
         ):
-            runs.append((i + 1, token_ids, hashes))
-            token_ids, hashes = [], []
+            runs.append((i + 1, _joined(parts), hashes))
+            parts, hashes = [], []
     return runs
 
 
 _stored_runs: Callable[[list[StoredBlock], int], list[_Run]] = (
     _native_stored_runs if _native_stored_runs is not None else _stored_runs_py
 )
+
+
+def pack_tokens_py(tokens: TokenIds) -> bytes | None:
+    """The msgpack array of an ``array('i')`` of token ids, as msgspec writes the same ints as
+    a list; None for any other container (the reference form of the native ``pack_tokens``,
+    which also packs a list of ints)."""
+    return _ENCODER.encode(tokens.tolist()) if type(tokens) is array else None
+
+
+_pack_tokens: Callable[[TokenIds], bytes | None] = (
+    _native_pack_tokens if _native_pack_tokens is not None else pack_tokens_py
+)
+
+
+def wire_tokens(tokens: TokenIds) -> TokenIds | msgspec.Raw:
+    """Token ids as msgspec should write them: packed ones (``array('i')``) already written as
+    their msgpack array (``msgspec.Raw``, the same bytes the ints as a list give), anything
+    else as it is."""
+    if type(tokens) is not array:
+        return tokens
+    packed = _pack_tokens(tokens)
+    return tokens.tolist() if packed is None else msgspec.Raw(packed)
 
 
 def _encode_stored(
@@ -177,7 +223,7 @@ def _encode_stored(
             "type": "BlockStored",
             "block_hashes": _wire_hashes(hashes),
             "parent_block_hash": None if parent is None else _wire_hash(parent),
-            "token_ids": token_ids,
+            "token_ids": wire_tokens(token_ids),
             "block_size": block_size,
             "lora_id": first.lora_id,
             "medium": medium_of(first.cache_level),

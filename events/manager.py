@@ -42,6 +42,7 @@ from events.model import (
     Removed,
     Stored,
     StoredBlock,
+    TokenIds,
     Updated,
 )
 from kvcache.keys import BlockKey
@@ -51,8 +52,11 @@ MovesAs = Literal["updated", "removed_stored"]
 _MOVES_AS: Final[tuple[str, ...]] = ("updated", "removed_stored")
 
 
-def _token_list(tokens: Sequence[int]) -> list[int]:
-    return tokens.tolist() if type(tokens) is array else list(tokens)
+def _token_ids(tokens: Sequence[int]) -> TokenIds:
+    """A block's token ids for its record: the cache's ``array('i')`` itself (it never changes a
+    block's array in place; records hold packed ids end to end, see ``events._records``), any
+    other sequence as a list."""
+    return tokens if type(tokens) is array and tokens.typecode == "i" else list(tokens)
 
 
 def _continues(tail: StoredBlock, parent_hash: BlockHash | None, sb: StoredBlock) -> bool:
@@ -199,7 +203,7 @@ class KVCacheEventManager:
             )
         h = self._hash_block(block, parent_hash)
         return _stored_block(
-            h, _token_list(tokens), scope.lora_id, block.tier, block.priority, scope.salt
+            h, _token_ids(tokens), scope.lora_id, block.tier, block.priority, scope.salt
         )
 
     def _parent_hash(self, block: BlockView) -> BlockHash | None:
@@ -376,7 +380,7 @@ class KVCacheEventManager:
                 scope = block.scope
                 sb = _stored_block(
                     h,
-                    _token_list(block.tokens),
+                    _token_ids(block.tokens),
                     scope.lora_id,
                     new_tier,
                     block.priority,
@@ -471,7 +475,6 @@ class KVCacheEventManager:
             if self._pending or self._buffer:
                 return None
             hashes = self._hashes
-            v1 = self._v1
             runs: list[tuple[BlockHash | None, list[StoredBlock]]] = []
             run: list[StoredBlock] = []
             tail: StoredBlock | None = None
@@ -484,28 +487,15 @@ class KVCacheEventManager:
                 if parent_hash is None and parent is not None:
                     parent_hash = self._parent_hash(block)
                 scope = block.scope
-                tokens = block.tokens
-                sb = None
-                if v1 and type(tokens) is array and tokens.typecode == "i":
-                    # the native record builder rehashes the block: cheaper than converting
-                    # its tokens to a list (half the cost of a snapshot otherwise)
-                    sb = v1_stored_block(
-                        tokens,
-                        0 if parent_hash is None else int(parent_hash),
-                        scope.lora_id,
-                        scope.salt,
-                        block.tier,
-                        block.priority,
-                    )
-                if sb is None or sb.block_hash != h:
-                    sb = _stored_block(
-                        h,
-                        tokens.tolist() if type(tokens) is array else list(tokens),
-                        scope.lora_id,
-                        block.tier,
-                        block.priority,
-                        scope.salt,
-                    )
+                # the block's hash is known and its packed tokens are shared, not converted
+                sb = _stored_block(
+                    h,
+                    _token_ids(block.tokens),
+                    scope.lora_id,
+                    block.tier,
+                    block.priority,
+                    scope.salt,
+                )
                 if tail is not None and _continues(tail, parent_hash, sb):
                     run.append(sb)
                 else:

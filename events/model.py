@@ -9,10 +9,17 @@ strings (``v2_sha256``).
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final, TypeAlias
 
 BlockHash: TypeAlias = int | str
+
+TokenIds: TypeAlias = Sequence[int]
+"""A block's token ids: a list of ints, or packed as an ``array('i')`` (what the event path
+carries from the cache to the wire and back, without a Python int per token). Which container
+holds them never changes what a record means: records compare by the ids alone."""
 
 #: cache_level <-> wire "medium"
 MEDIUMS: Final[tuple[str, ...]] = ("GPU", "CPU", "DISK")
@@ -78,14 +85,45 @@ class Created:
     num_blocks_per_cache_level: list[int]
 
 
-@dataclass(frozen=True, slots=True)
+def same_tokens(a: TokenIds, b: TokenIds) -> bool:
+    """Whether two blocks' token ids are the same ids, whatever their containers."""
+    if a is b:
+        return True
+    if type(a) is type(b):
+        return a == b
+    return len(a) == len(b) and _as_list(a) == _as_list(b)
+
+
+def _as_list(tokens: TokenIds) -> list[int]:
+    return tokens.tolist() if type(tokens) is array else list(tokens)
+
+
+# eq=False: the generated __eq__ would compare the token containers (a list never equals an
+# array), so equality is written out below; like the generated one's, a record is unhashable
+# (its tokens are a mutable list or array)
+@dataclass(frozen=True, slots=True, eq=False)
 class StoredBlock:
     block_hash: BlockHash
-    tokens: list[int]
+    tokens: TokenIds
     lora_id: int | None = None
     cache_level: int = 0
     priority: int = 35
     cache_salt_id: int | None = None
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        assert isinstance(other, StoredBlock)
+        return (
+            self.block_hash == other.block_hash
+            and same_tokens(self.tokens, other.tokens)
+            and self.lora_id == other.lora_id
+            and self.cache_level == other.cache_level
+            and self.priority == other.priority
+            and self.cache_salt_id == other.cache_salt_id
+        )
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,8 +10,17 @@ returns None, and ``events.wire_decode`` decodes the payload on its general path
 keeps every rule and error message. What the types accept is built into model objects by
 the rules both paths share (``events.wire_values``), so both paths give equal batches.
 
+A store's token ids are not built as Python ints: msgspec hands them over undecoded
+(``msgspec.Raw``, a view of the payload's bytes) and :func:`packed_tokens` reads them straight
+into an ``array('i')`` (natively, when the extension is built), which the blocks then share as
+array slices. What it does not accept (anything but a msgpack array of at most
+:data:`MAX_TOKENS` ints in ``[0, 2**31)``) sends the payload to the general path like any other
+refusal.
+
 Why the bounds hold here: every type is nested at most :data:`FAST_DEPTH` deep (no ``Any``
-anywhere; ``extra_keys`` items are scalars or lists of scalars), every list, string and bin is
+anywhere; ``extra_keys`` items are scalars or lists of scalars; the undecoded token ids are
+skipped by msgspec, which bounds their nesting by its recursion guard, and read by a parser
+that refuses any nesting), every list, string and bin is
 capped at the default :class:`~events.wire_decode.DecodeLimits` (strings at a quarter of
 ``max_str_len`` in characters, so their UTF-8 bytes fit it too), a map holds only known
 fields, and the path runs only under limits at least as loose as the defaults. msgspec checks
@@ -24,10 +33,12 @@ the one before.
 from __future__ import annotations
 
 import math
+from array import array
+from collections.abc import Callable
 from typing import Annotated, Final, TypeAlias, Union, cast
 
 import msgspec
-from msgspec import UNSET, Meta, Struct, UnsetType
+from msgspec import UNSET, Meta, Raw, Struct, UnsetType
 
 from events.json_codec import DecodeError
 from events.model import (
@@ -43,6 +54,11 @@ from events.model import (
 )
 from events.wire_values import build_stored, salt_from_extra_keys, wire_hash, wire_hashes
 from kvcache.keys import TOKEN_LIMIT
+
+try:  # the native parser of packed token ids, when the extension is built
+    from events._v1hash import tokens_from_msgpack as _native_tokens
+except ImportError:  # pragma: no cover - depends on the install
+    _native_tokens = None  # type: ignore[assignment]
 
 #: the default DecodeLimits, restated (wire_decode checks they agree)
 MAX_EVENTS: Final = 1 << 16
@@ -87,7 +103,7 @@ class _Common(Struct, forbid_unknown_fields=True, gc=False):
 
 class MapStored(_Common, tag="BlockStored", kw_only=True, **_MAP):
     block_hashes: Hashes
-    token_ids: Tokens
+    token_ids: Raw  # read by packed_tokens
     block_size: Small
     parent_block_hash: Hash | None = None
     lora_id: U64 | None = None
@@ -126,7 +142,7 @@ class MapCreated(_Common, tag="CacheCreated", kw_only=True, **_MAP):
 class PosStored(Struct, tag="BlockStored", **_ARRAY):
     block_hashes: Hashes
     parent_block_hash: Hash | None
-    token_ids: Tokens
+    token_ids: Raw  # read by packed_tokens
     block_size: Small
     lora_id: U64 | None = None
     medium: Str | None = None
@@ -171,6 +187,28 @@ class PosBatch(Struct, **_ARRAY):
 
 _MAP_DECODER: Final = msgspec.msgpack.Decoder(MapBatch)
 _POS_DECODER: Final = msgspec.msgpack.Decoder(PosBatch)
+_TOKENS_DECODER: Final = msgspec.msgpack.Decoder(Tokens)
+
+
+def packed_tokens_py(data: Raw | bytes) -> array[int] | None:
+    """The token ids of ``data``, one msgpack array of at most :data:`MAX_TOKENS` ints in
+    ``[0, 2**31)``, as an ``array('i')``; None for anything else (the reference form of the
+    native ``tokens_from_msgpack``)."""
+    try:
+        return array("i", _TOKENS_DECODER.decode(data))
+    except (msgspec.MsgspecError, RecursionError):
+        return None
+
+
+def _packed_tokens_native(data: Raw | bytes) -> array[int] | None:
+    tokens: array[int] | None = _native_tokens(data, MAX_TOKENS)
+    return tokens
+
+
+packed_tokens: Callable[[Raw | bytes], array[int] | None] = (
+    _packed_tokens_native if _native_tokens is not None else packed_tokens_py
+)
+"""A store's undecoded token ids as an ``array('i')``, or None (see :func:`packed_tokens_py`)."""
 
 
 def _diff(value: tuple[int, int] | None) -> EventDiff | None:
@@ -188,14 +226,16 @@ def _stored(e: MapStored | PosStored, where: str) -> EventData | None:
         group = salt = salt_id = None
         priority = _DEFAULT_PRIORITY
     level = 0 if e.medium is None else cache_level_of(e.medium)
+    tokens = packed_tokens(e.token_ids)
+    if tokens is None:
+        raise DecodeError(f"{where}.token_ids: left to the general path")
     return build_stored(
         wire_hashes(e.block_hashes, where, MAX_BLOCKS),
-        e.token_ids,
+        tokens,
         e.block_size,
         None if parent is None else wire_hash(parent, where),
         (e.lora_id, level, salt_id, priority, e.lora_name, group, salt),
         where,
-        owned=True,  # msgspec's own list, read by nothing after this
     )
 
 

@@ -9,6 +9,7 @@ token ids are split into blocks (placeholders, masked stores, short last blocks)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Final
 
 from events._records import stored_blocks, stored_blocks_moved
@@ -68,7 +69,7 @@ def salt_from_extra_keys(value: object, lora_name: str | None, where: str) -> st
 
 def build_stored(
     hashes: list[BlockHash],
-    tokens: list[Any],
+    tokens: Sequence[Any],
     block_size: int,
     parent_hash: BlockHash | None,
     values: tuple[int | None, int, int | None, int, str | None, int | None, str | None],
@@ -78,9 +79,10 @@ def build_stored(
     """The Stored event of checked values; None for an empty store (it changes nothing).
 
     ``values``: (lora_id, cache_level, cache_salt_id, priority, lora_name, group, salt).
-    ``owned``: ``tokens`` is a list of ints that nobody else holds, which the blocks may take
-    over (it is left empty). Raises DecodeError when the token count does not fit the hashes
-    and ``block_size``."""
+    ``tokens``: a list (each block gets a list slice) or a packed ``array('i')`` (each block
+    gets an array slice). ``owned``: ``tokens`` is a list of ints that nobody else holds, which
+    the blocks may take over (it is left empty). Raises DecodeError when the token count does
+    not fit the hashes and ``block_size``."""
     lora_id, level, salt_id, priority, lora_name, group, salt = values
     n, count = len(hashes), len(tokens)
     if n == 0 and count == 0:
@@ -104,8 +106,11 @@ def build_stored(
             f"(expected {max(n - 1, 0) * block_size + 1}..{n * block_size}); the sender's "
             "block_size or token list is inconsistent"
         )
-    build = stored_blocks_moved if owned and stored_blocks_moved is not None else stored_blocks
-    blocks = build(hashes, tokens, tokens_per_block, lora_id, level, priority, salt_id)
+    args = (tokens_per_block, lora_id, level, priority, salt_id)
+    if owned and stored_blocks_moved is not None and type(tokens) is list:
+        blocks = stored_blocks_moved(hashes, tokens, *args)
+    else:
+        blocks = stored_blocks(hashes, tokens, *args)
     return Stored(
         parent_hash=parent_hash,
         blocks=blocks,

@@ -39,13 +39,14 @@ block's token ids (vLLM's host copies included), so a router that resyncs keys e
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, Final
 
 import msgspec
 
-from events.codec import encode_batch
+from events.codec import encode_batch, wire_tokens
 from events.model import (
     AllBlocksCleared,
     BlockHash,
@@ -242,7 +243,15 @@ class _EngineDialect(Dialect):
     ) -> dict[str, Any]:
         raise NotImplementedError
 
-    def _tokens(self, run: list[StoredBlock]) -> list[int]:
+    def _tokens(self, run: list[StoredBlock]) -> Any:
+        """The run's token ids as msgspec writes them: blocks holding packed ids (the event
+        manager's ``array('i')``) are joined and written as one msgpack array at once
+        (``events.codec.wire_tokens``), the same bytes as the ints as a list."""
+        if all(type(b.tokens) is array and b.tokens.typecode == "i" for b in run):
+            joined = array("i")
+            for b in run:
+                joined += b.tokens  # type: ignore[arg-type]
+            return wire_tokens(joined)
         return [t for b in run for t in b.tokens]
 
 

@@ -131,7 +131,7 @@ def test_a_chain_continues_the_pending_chain_of_an_earlier_call() -> None:
         hashes.append(parent)
     blocks = getattr(event.data, "blocks", [])
     assert [b.block_hash for b in blocks] == hashes
-    assert [b.tokens for b in blocks] == [tokens[i * TPB : (i + 1) * TPB] for i in range(6)]
+    assert [list(b.tokens) for b in blocks] == [tokens[i * TPB : (i + 1) * TPB] for i in range(6)]
 
 
 @settings(max_examples=80, deadline=None)
