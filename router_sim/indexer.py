@@ -123,7 +123,7 @@ def _group_mask(group: int | None) -> int:
 
 
 def _chain_lists_py(
-    token_lists: list[list[int]], parent: int, lora: int | None, salt: int | None
+    token_lists: list[Sequence[int]], parent: int, lora: int | None, salt: int | None
 ) -> list[int]:
     """V1 key of each block's token ids in turn, chained from ``parent``; stops before the
     first block without tokens (the reference of the native ``chain_lists``)."""
@@ -146,7 +146,7 @@ try:  # the native match loop (see _match.c), when the extension is built
 except ImportError:  # pragma: no cover - depends on the install
     MaskTable = None  # type: ignore[assignment,misc]
 
-_chain_lists: Callable[[list[list[int]], int, int | None, int | None], list[int]] = (
+_chain_lists: Callable[[list[Sequence[int]], int, int | None, int | None], list[int]] = (
     _native_chain_lists if _native_chain_lists is not None else _chain_lists_py
 )
 
