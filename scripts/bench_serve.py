@@ -9,6 +9,12 @@ What it measures, all in one run on this machine:
    separate process keeps the workers busy with fresh prompts (each one 512 new blocks at 16
    tokens per block), so the router ingests live events during the whole measurement. The
    router's own decision time comes from its ``/metrics`` histogram.
+   That is a closed loop (each connection sends its next request when its answer is in): it
+   gives the saturation throughput, but its latency is queueing by construction (Little's
+   law: mean latency = concurrency / throughput). ``--rate R`` or ``--rates R1,R2,...``
+   measure open loop instead (:mod:`router_sim.service.openloop`): requests sent on a fixed
+   schedule at R/s whatever the answers, each latency charged from its scheduled send time,
+   one line per rate (the latency-vs-load curve), with the same live event load.
 2. The proxy's overhead: the same fully cached prompt sent alternately straight to a worker's
    ``/v1/completions`` and through the router's (which picks that worker), one at a time;
    the difference of the latencies is the price of the extra hop and the decision.
@@ -37,6 +43,8 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from router_sim.service.openloop import http_request, run_open_loop
+
 TPB = 16
 
 
@@ -55,6 +63,13 @@ def cpu_s(pid: int) -> float:
     """CPU seconds (user + system) a process has used so far (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy_s() -> float:
+    """CPU seconds all processes of the machine have used so far (Linux /proc/stat: every
+    field of the ``cpu`` line but idle and iowait)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -163,15 +178,6 @@ class _KeepAlive(asyncio.Protocol):
         self._finish(exc or ConnectionError("the router closed the connection"))
 
 
-def http_post(url: str, path_query: str, content_type: str, body: bytes) -> bytes:
-    host = url.split("//", 1)[1].split("/", 1)[0]
-    head = (
-        f"POST {path_query} HTTP/1.1\r\nHost: {host}\r\nContent-Type: {content_type}\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    )
-    return head.encode() + body
-
-
 async def route_load(
     url: str, bodies: list[bytes], seconds: float, concurrency: int, content_type: str
 ) -> tuple[int, list[float]]:
@@ -179,7 +185,7 @@ async def route_load(
     previous answer is complete (closed loop)."""
     base, path = url.split("//", 1)[1].split("/", 1)
     host, port = base.rsplit(":", 1)
-    requests = [http_post(url, "/" + path, content_type, b) for b in bodies]
+    requests = [http_request(host, int(port), "/" + path, content_type, b) for b in bodies]
     deadline = time.perf_counter() + seconds
     loop = asyncio.get_running_loop()
     conns = []
@@ -206,45 +212,51 @@ async def proxy_overhead(serve: str, worker: str, body: bytes, n: int) -> tuple[
                 async with session.post(base + "/v1/completions", data=body) as resp:
                     await resp.read()
                     assert resp.status == 200
-                    # the router must pick the worker that holds the prompt (worker 0)
-                    assert resp.headers.get("X-Router-Worker", "0") == "0"
+                    # the router must pick the worker that holds the prompt (worker 0); the
+                    # warm-up's direct requests cache it there again if the event load's
+                    # fresh prompts evicted it meanwhile
+                    assert i < 4 or resp.headers.get("X-Router-Worker", "0") == "0"
                 if i >= 4:  # warm-up
                     out.append(time.perf_counter() - t)
     return direct, routed
 
 
-def _histogram(metrics: str, name: str) -> tuple[list[tuple[float, float]], float]:
-    buckets: list[tuple[float, float]] = []
-    count = 0.0
-    for fam in text_string_to_metric_families(metrics):
-        for s in fam.samples:
-            if s.name == name + "_bucket":
-                buckets.append((float(s.labels["le"]), s.value))
-            elif s.name == name + "_count":
-                count = s.value
-    return sorted(buckets), count
-
-
-def _bound(buckets: list[tuple[float, float]], count: float, q: float) -> float:
-    """The histogram bucket bound under which a share ``q`` of the observations fall."""
-    return next((le for le, c in buckets if c >= q * count), float("inf"))
-
-
-def decision_quantiles(metrics: str) -> dict[str, float]:
-    events = 0.0
+def router_side(metrics: str) -> dict[str, Any]:
+    """What a run reads from the router's ``/metrics``: events applied, and the decision-time
+    and event-slice histograms (cumulative buckets), to be subtracted run by run."""
+    out: dict[str, Any] = {"events": 0.0, "decision": {}, "slice": {}}
+    names = {"router_decision_seconds": "decision", "router_event_apply_seconds": "slice"}
     for fam in text_string_to_metric_families(metrics):
         for s in fam.samples:
             if s.name == "router_events_applied_total":
-                events = s.value
-    buckets, count = _histogram(metrics, "router_decision_seconds")
-    out = {"events_applied": events, "decisions": count}
-    for q in (0.5, 0.99):
-        out[f"p{round(q * 100)}_le_ms"] = _bound(buckets, count, q) * 1e3
-    slices, n = _histogram(metrics, "router_event_apply_seconds")
-    out["slices"] = n
-    out["slice_p99_le_ms"] = _bound(slices, n, 0.99) * 1e3
-    out["slice_max_le_ms"] = _bound(slices, n, 1.0) * 1e3
+                out["events"] = s.value
+            elif s.name.endswith("_bucket") and s.name[: -len("_bucket")] in names:
+                out[names[s.name[: -len("_bucket")]]][float(s.labels["le"])] = s.value
     return out
+
+
+def side_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
+    """Between two snapshots: events applied, decisions and their p50/p99 bucket bounds,
+    event slices and their p99/max bucket bounds (upper bounds: histogram buckets)."""
+
+    def diff(name: str) -> tuple[list[tuple[float, float]], float]:
+        b = sorted((le, c - before[name].get(le, 0.0)) for le, c in after[name].items())
+        return b, (b[-1][1] if b else 0.0)
+
+    def bound(buckets: list[tuple[float, float]], count: float, q: float) -> float:
+        return next((le for le, c in buckets if c >= q * count), float("inf")) * 1e3
+
+    dec, n = diff("decision")
+    sl, m = diff("slice")
+    return {
+        "events": after["events"] - before["events"],
+        "decisions": n,
+        "p50_le_ms": bound(dec, n, 0.5),
+        "p99_le_ms": bound(dec, n, 0.99),
+        "slices": m,
+        "slice_p99_le_ms": bound(sl, m, 0.99),
+        "slice_max_le_ms": bound(sl, m, 1.0),
+    }
 
 
 async def fetch(url: str) -> str:
@@ -287,7 +299,27 @@ def main() -> None:
         help="record the router with py-spy during each /route run (DIR/route-ENC.txt, "
         "collapsed stacks)",
     )
+    ap.add_argument(
+        "--rate",
+        type=float,
+        help="open loop: POST /route at this many requests/s (latency from the scheduled "
+        "send time) instead of the closed loop",
+    )
+    ap.add_argument(
+        "--rates", default="", help="open loop at each of these rates (comma-separated), in turn"
+    )
+    ap.add_argument("--poisson", action="store_true", help="open loop: Poisson arrivals")
+    ap.add_argument(
+        "--connections",
+        type=int,
+        default=128,
+        help="open loop: keep-alive connections (one request in flight each)",
+    )
+    ap.add_argument("--warmup", type=float, default=0.5, help="open loop: unmeasured seconds")
+    ap.add_argument("-v", "--verbose", action="store_true", help="open loop: more per rate")
     args = ap.parse_args()
+    if args.rate is not None:
+        args.rates = f"{args.rate:g}" + ("," + args.rates if args.rates else "")
     if args.quick:
         args.seconds, args.proxy_requests = 3.0, 10
     procs: list[subprocess.Popen[str]] = []
@@ -345,85 +377,154 @@ def main() -> None:
                 [struct.pack(f"<{len(t)}i", *t) for t in tails],
             ),
         }
-        stop, ready = multiprocessing.Event(), multiprocessing.Event()
-        phases = len(args.encodings.split(","))
-        count = int(args.event_rps * (phases * (args.seconds + 3) + 10))
+        stop, loaded = multiprocessing.Event(), multiprocessing.Event()
+        phases = len(args.encodings.split(",")) * max(1, len(args.rates.split(",")))
+        count = int(args.event_rps * (phases * (args.seconds + args.warmup + 3) + 10))
         loader = multiprocessing.Process(
             target=event_load,
-            args=([e["http"] for e in entries], args.event_rps, tokens, count, ready, stop),
+            args=([e["http"] for e in entries], args.event_rps, tokens, count, loaded, stop),
         )
+
+        def fleet_cpu_s() -> float:
+            pids = [p.pid for p in procs if p not in routers]
+            if loader.pid is not None:
+                pids.append(loader.pid)
+            return sum(cpu_s(pid) for pid in pids)
+
         if args.event_rps > 0:
             loader.start()
-            if not ready.wait(300):
+            if not loaded.wait(300):
                 raise RuntimeError("the event load generator did not start")
             time.sleep(1.0)  # pacing: the event load runs at its rate before the measurement
+        rates = [float(r) for r in args.rates.split(",")] if args.rates else []
+        mode = (
+            f"open loop at {', '.join(f'{r:g}' for r in rates)} requests/s"
+            f"{' (Poisson arrivals)' if args.poisson else ''}, {args.connections} keep-alive "
+            f"connections, latency from the scheduled send time, {args.warmup:g} s warm-up"
+            if rates
+            else f"closed loop, concurrency {args.concurrency}"
+        )
         print(
             f"POST /route, {tokens}-token prompts sharing a cached prefix, {args.workers} "
             f"workers fed {args.event_rps:g} fresh {tokens}-token prompts/s "
-            f"({args.event_rps * tokens / TPB:.0f} new blocks/s), concurrency {args.concurrency}, "
-            f"{args.seconds:g} s per encoding"
+            f"({args.event_rps * tokens / TPB:.0f} new blocks/s), {mode}, "
+            f"{args.seconds:g} s per run"
             + (f", routers at nice {args.router_nice}" if args.router_nice else "")
         )
+        if rates:
+            print(
+                "  body    offered achieved | latency from schedule, ms: p50    p90    p99  "
+                "p99.9    max | errors late waited | router: CPU us/decision, route() p99 <= ms, "
+                "event slices (max <= ms), events applied"
+            )
+        host, port = serve.split("//", 1)[1].rsplit(":", 1)
         for name in args.encodings.split(","):
             ctype, bodies = encodings[name]
-            before = decision_quantiles(asyncio.run(fetch(serve + "/metrics")))
-            spy = None
-            if args.profile:
-                os.makedirs(args.profile, exist_ok=True)
-                spy = subprocess.Popen(
-                    [
-                        "py-spy",
-                        "record",
-                        "-p",
-                        str(serve_proc.pid),
-                        "-d",
-                        str(int(args.seconds)),
-                        "-f",
-                        "raw",
-                        "-o",
-                        os.path.join(args.profile, f"route-{name}.txt"),
-                        "-r",
-                        "200",
-                    ],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
-            c0 = router_cpu_s()
-            own0 = time.process_time()
-            t0 = time.perf_counter()
-            n, lat = asyncio.run(
-                route_load(serve + "/route", bodies, args.seconds, args.concurrency, ctype)
-            )
-            wall = time.perf_counter() - t0
-            cpu_us = (router_cpu_s() - c0) / n * 1e6
-            client_us = (time.process_time() - own0) / n * 1e6
-            if spy is not None:
-                spy.wait(30)
-            after = decision_quantiles(asyncio.run(fetch(serve + "/metrics")))
-            ingested = after["events_applied"] - before["events_applied"]
-            print(
-                f"  {name:6} {n / wall:6.0f} decisions/s   "
-                f"latency p50 {pct(lat, 0.5) * 1e3:5.2f} ms"
-                f"  p99 {pct(lat, 0.99) * 1e3:6.2f} ms (client side)   "
-                + (
-                    f"Stored events applied meanwhile {ingested:.0f}\n"
-                    if len(routers) == 1
-                    else f"({len(routers)} routers)\n"
-                )
-                + f"         service CPU {cpu_us:4.0f} us per decision "
-                f"(= {1e6 / cpu_us:.0f} decisions/s per core); load generator CPU "
-                f"{client_us:.0f} us per request"
-            )
+            runs: list[float | None] = [*rates] if rates else [None]
+            for rate in runs:
+                before = router_side(asyncio.run(fetch(serve + "/metrics")))
+                spy = None
+                if args.profile:
+                    os.makedirs(args.profile, exist_ok=True)
+                    tag = name if rate is None else f"{name}-{rate:g}"
+                    spy = subprocess.Popen(
+                        [
+                            "py-spy",
+                            "record",
+                            "-p",
+                            str(serve_proc.pid),
+                            "-d",
+                            str(int(args.seconds)),
+                            "-f",
+                            "raw",
+                            "-o",
+                            os.path.join(args.profile, f"route-{tag}.txt"),
+                            "-r",
+                            "200",
+                        ],
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                    )
+                c0 = router_cpu_s()
+                fleet0 = fleet_cpu_s()
+                busy0 = machine_busy_s()
+                own0 = time.process_time()
+                t0 = time.perf_counter()
+                if rate is None:
+                    n, lat = asyncio.run(
+                        route_load(serve + "/route", bodies, args.seconds, args.concurrency, ctype)
+                    )
+                else:
+                    requests = [http_request(host, int(port), "/route", ctype, b) for b in bodies]
+                    report = run_open_loop(
+                        host,
+                        int(port),
+                        requests,
+                        rate,
+                        args.seconds,
+                        warmup_s=args.warmup,
+                        connections=args.connections,
+                        poisson=args.poisson,
+                    )
+                wall = time.perf_counter() - t0
+                router_cpu = router_cpu_s() - c0
+                client_cpu = time.process_time() - own0
+                fleet_cpu = fleet_cpu_s() - fleet0
+                others = machine_busy_s() - busy0 - router_cpu - client_cpu - fleet_cpu
+                if spy is not None:
+                    spy.wait(30)
+                side = side_delta(before, router_side(asyncio.run(fetch(serve + "/metrics"))))
+                if rate is None:
+                    print(
+                        f"  {name:6} {n / wall:6.0f} decisions/s   "
+                        f"latency p50 {pct(lat, 0.5) * 1e3:5.2f} ms"
+                        f"  p99 {pct(lat, 0.99) * 1e3:6.2f} ms (client side)   "
+                        + (
+                            f"Stored events applied meanwhile {side['events']:.0f}\n"
+                            if len(routers) == 1
+                            else f"({len(routers)} routers)\n"
+                        )
+                        + f"         service CPU {router_cpu / n * 1e6:4.0f} us per decision "
+                        f"(= {n / router_cpu:.0f} decisions/s per core); load generator CPU "
+                        f"{client_cpu / n * 1e6:.0f} us per request"
+                    )
+                else:
+                    ms = {k: v * 1e3 for k, v in report.latency_s.items()}
+                    per = router_cpu / side["decisions"] * 1e6 if side["decisions"] else 0.0
+                    print(
+                        f"  {name:6} {report.offered_rate:7.0f} {report.achieved_rate:8.0f} | "
+                        f"{' ' * 25}{ms['p50']:6.2f} {ms['p90']:6.2f} {ms['p99']:6.2f} "
+                        f"{ms['p99.9']:6.2f} {ms['max']:6.2f} | "
+                        f"{report.errors + report.unanswered:6d} {report.late_sends:4d} "
+                        f"{report.waited_for_connection:6d} | {per:4.0f}, "
+                        f"{side['p99_le_ms']:.2f}, {side['slices']:.0f} "
+                        f"({side['slice_max_le_ms']:.1f}), {side['events']:.0f}"
+                    )
+                    if args.verbose:
+                        print(
+                            f"         client: lag p99 {report.send_lag_p99_s * 1e3:.2f} ms, "
+                            f"max {report.send_lag_max_s * 1e3:.2f} ms; p99 from the actual "
+                            f"send {report.service_p99_s * 1e3:.2f} ms; CPU "
+                            f"{client_cpu / max(1, side['decisions']) * 1e6:.0f} us/request; "
+                            f"route() p50 <= {side['p50_le_ms']:.2f} ms, slices p99 <= "
+                            f"{side['slice_p99_le_ms']:.2f} ms\n"
+                            f"         cores busy (of 2): router {router_cpu / wall:.2f}, "
+                            f"load generator {client_cpu / wall:.2f}, workers and event load "
+                            f"{fleet_cpu / wall:.2f}, other processes {others / wall:.2f}"
+                        )
         stop.set()
         if args.event_rps > 0:
             loader.join(30)
-        print(
-            f"  route() inside the service, all decisions: p50 <= {after['p50_le_ms']:.2f} ms, "
-            f"p99 <= {after['p99_le_ms']:.2f} ms; event application held the loop "
-            f"{after['slices']:.0f} times, p99 <= {after['slice_p99_le_ms']:.2f} ms, max <= "
-            f"{after['slice_max_le_ms']:.2f} ms (histogram bucket bounds"
-            + (")" if len(routers) == 1 else ", one of the routers)")
-        )
+        if not rates:
+            print(
+                f"  route() inside the service, last run: p50 <= {side['p50_le_ms']:.2f} ms, "
+                f"p99 <= {side['p99_le_ms']:.2f} ms; event application held the loop "
+                f"{side['slices']:.0f} times, p99 <= {side['slice_p99_le_ms']:.2f} ms, max <= "
+                f"{side['slice_max_le_ms']:.2f} ms (histogram bucket bounds"
+                + (")" if len(routers) == 1 else ", one of the routers)")
+            )
+        if args.proxy_requests < 1:
+            return
         pr = shared[0] + [1]
         body = json.dumps({"prompt": pr, "max_tokens": 1}).encode()
         c0 = router_cpu_s()

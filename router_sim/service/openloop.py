@@ -15,17 +15,16 @@ connection is part of the latency. It counts the sends that left late and the re
 waited for a connection, so a client that could not keep its schedule is visible.
 
 :class:`OpenLoop` is the pure part: a clock and a ``send(connection, index)`` are injected,
-so it runs the same on a fake clock (tests) and on asyncio (:func:`run_open_loop`, which uses
-a ``select()``-based loop: epoll's timeouts are whole milliseconds, select's microseconds, and
-a timer that fires up to 1 ms late would be charged to every request).
+so it runs the same on a fake clock (tests) and on real sockets (:func:`run_open_loop`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
 import random
-import selectors
+import select
+import socket
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -186,46 +185,42 @@ class OpenLoop:
         )
 
 
-class _Connection(asyncio.Protocol):
+class _Connection:
     """One keep-alive HTTP/1.1 connection: writes prebuilt requests, frames each answer by
     its status line and ``Content-Length`` (nothing else is parsed: the generator shares the
     cores with the server it measures)."""
 
-    def __init__(self, conn: int, driver: OpenLoop, closed: asyncio.Future[None]) -> None:
-        self.conn, self.driver, self.closed = conn, driver, closed
+    def __init__(self, conn: int, sock: socket.socket) -> None:
+        self.conn, self.sock = conn, sock
         self.buf = b""
-        self.transport: asyncio.Transport | None = None
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
+    def read(self) -> list[bool] | None:
+        """The answers completed by what arrived (True: status 200); None: the server closed
+        the connection or sent an answer that cannot be framed (no ``Content-Length``)."""
+        try:
+            data = self.sock.recv(1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return []
+        except OSError:
+            return None
+        if not data:
+            return None
         self.buf += data
+        done: list[bool] = []
         while True:
             head_end = self.buf.find(b"\r\n\r\n")
             if head_end < 0:
-                return
+                return done
             head = self.buf[:head_end].lower()
             try:
                 length = int(head.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
             except (IndexError, ValueError):
-                self._close()  # no length: the answer cannot be framed
-                return
+                return None
             end = head_end + 4 + length
             if len(self.buf) < end:
-                return
+                return done
             self.buf = self.buf[end:]
-            self.driver.answered(self.conn, head.startswith(b"http/1.1 200"))
-
-    def _close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.driver.lost(self.conn)
-        if not self.closed.done():
-            self.closed.set_result(None)
+            done.append(head.startswith(b"http/1.1 200"))
 
 
 def http_request(host: str, port: int, path: str, content_type: str, body: bytes) -> bytes:
@@ -235,55 +230,6 @@ def http_request(host: str, port: int, path: str, content_type: str, body: bytes
         f"Content-Length: {len(body)}\r\n\r\n"
     )
     return head.encode() + body
-
-
-async def _drive(
-    host: str,
-    port: int,
-    requests: Sequence[bytes],
-    times_from_now: Sequence[float],
-    connections: int,
-    drain_s: float,
-) -> tuple[OpenLoop, float]:
-    loop = asyncio.get_running_loop()
-    protos: list[_Connection] = []
-    closed: list[asyncio.Future[None]] = []
-
-    def send(conn: int, i: int) -> None:
-        transport = protos[conn].transport
-        assert transport is not None
-        transport.write(requests[i % len(requests)])
-
-    start = loop.time() + 0.05  # after the connections are open
-    times = [start + t for t in times_from_now]
-    driver = OpenLoop(times, connections, loop.time, send)
-    for k in range(connections):
-        fut: asyncio.Future[None] = loop.create_future()
-        _, proto = await loop.create_connection(
-            lambda k=k, fut=fut: _Connection(k, driver, fut),  # type: ignore[misc]
-            host,
-            port,
-        )
-        protos.append(proto)
-        closed.append(fut)
-    finished = loop.create_future()
-
-    def tick() -> None:
-        nxt = driver.tick()
-        if nxt is not None:
-            loop.call_at(nxt, tick)
-        elif not finished.done():
-            finished.set_result(None)
-
-    loop.call_at(start, tick)
-    await finished
-    deadline = loop.time() + drain_s
-    while not driver.finished and loop.time() < deadline:
-        await asyncio.sleep(0.005)  # polling with a deadline for the last answers
-    for p in protos:
-        p._close()
-    await asyncio.wait(closed, timeout=1.0)
-    return driver, start
 
 
 def run_open_loop(
@@ -299,14 +245,67 @@ def run_open_loop(
     drain_s: float = 2.0,
 ) -> OpenLoopReport:
     """Send ``requests`` (round robin, prebuilt HTTP bytes) to ``host:port`` at ``rate``
-    per second for ``warmup_s + duration_s``; report over the last ``duration_s``. Runs its
-    own event loop (a ``select()`` one, for sub-millisecond timers)."""
-    times = schedule(rate, warmup_s + duration_s, poisson=poisson)
-    loop = asyncio.SelectorEventLoop(selectors.SelectSelector())
+    per second for ``warmup_s + duration_s``; report over the last ``duration_s``.
+
+    The loop is written out (``select()`` on the connections with a request in flight, with
+    a timeout to the next scheduled send): the generator runs on the cores it measures, and
+    asyncio's loop, transports and timers cost it three times the CPU per request. select's
+    timeout has microseconds (epoll's whole milliseconds, which would be charged to every
+    request). A send writes the whole request: one request in flight per connection always
+    fits the socket's buffer."""
+    conns: list[_Connection] = []
     try:
-        driver, start = loop.run_until_complete(
-            _drive(host, port, requests, times, connections, drain_s)
-        )
+        for k in range(connections):
+            sock = socket.create_connection((host, port))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setblocking(False)
+            conns.append(_Connection(k, sock))
+        busy: dict[int, _Connection] = {}  # fileno -> connection with a request in flight
+
+        def send(conn: int, i: int) -> None:
+            c = conns[conn]
+            data = requests[i % len(requests)]
+            try:
+                sent = c.sock.send(data)
+            except BlockingIOError:
+                sent = 0
+            if sent < len(data):  # the buffer is full: wait for the rest to go
+                c.sock.setblocking(True)
+                c.sock.sendall(data[sent:])
+                c.sock.setblocking(False)
+            busy[c.sock.fileno()] = c
+
+        start = time.monotonic() + 0.01
+        times = schedule(rate, warmup_s + duration_s, start, poisson=poisson)
+        driver = OpenLoop(times, connections, time.monotonic, send)
+        due: float | None = start
+        deadline = math.inf
+        while not driver.finished:
+            now = time.monotonic()
+            if due is not None and due <= now:
+                due = driver.tick()
+                if due is None:
+                    deadline = now + drain_s
+                continue
+            if now >= deadline:
+                break
+            wait = min(due if due is not None else deadline, deadline) - now
+            readable = list(busy)
+            if not readable:
+                time.sleep(wait)
+                continue
+            ready, _, _ = select.select(readable, [], [], wait)
+            for fd in ready:
+                c = busy[fd]
+                answers = c.read()
+                if answers is None or len(answers) > 1:  # closed, or answers not asked for
+                    del busy[fd]
+                    c.sock.close()
+                    driver.lost(c.conn)
+                elif answers:
+                    del busy[fd]  # answered() may send the next request on it at once
+                    driver.answered(c.conn, answers[0])
     finally:
-        loop.close()
+        for c in conns:
+            c.sock.close()
     return driver.report(start + warmup_s, start + warmup_s + duration_s)
