@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import socket
 from collections.abc import Awaitable, Callable
@@ -10,8 +11,9 @@ from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client.parser import text_string_to_metric_families
 
-from router_sim.service.app import build_app
+from router_sim.service.app import build_app, freeze_heap
 from router_sim.service.core import RouterService
 from router_sim.service.fleet import FleetFile
 
@@ -84,3 +86,40 @@ def test_oversized_bodies_are_a_json_413() -> None:
         assert (await resp.json())["error"]["code"] == 413
 
     run(scenario)
+
+
+def _gc_pauses(text: str) -> float:
+    return sum(
+        s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == "router_gc_pause_seconds_count" and s.labels["generation"] == "2"
+    )
+
+
+def test_garbage_collections_are_timed_while_the_service_runs() -> None:
+    svc_seen: list[RouterService] = []
+
+    async def scenario(client: TestClient[Any, Any], svc: RouterService) -> None:
+        before = _gc_pauses(await (await client.get("/metrics")).text())
+        gc.collect()
+        gc.collect()
+        after = _gc_pauses(await (await client.get("/metrics")).text())
+        assert after - before == 2
+        svc_seen.append(svc)
+
+    run(scenario)
+    (svc,) = svc_seen  # closed now: its callback is gone
+    gc.collect()
+    text = svc.metrics.exposition().decode()
+    gc.collect()
+    assert _gc_pauses(svc.metrics.exposition().decode()) == _gc_pauses(text)
+
+
+def test_freeze_heap_takes_the_started_process_out_of_full_collections() -> None:
+    try:
+        frozen = freeze_heap()
+        assert frozen == gc.get_freeze_count() > 10_000  # at least the imported modules
+        assert len(gc.get_objects(generation=2)) < frozen
+    finally:
+        gc.unfreeze()

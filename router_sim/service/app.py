@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import importlib
 import json
 import signal
@@ -322,6 +323,7 @@ async def serve(args: argparse.Namespace) -> None:
     )
     runner = web.AppRunner(build_app(service), access_log=None)
     await runner.setup()
+    freeze_heap()
     try:
         site = web.TCPSite(runner, args.host, args.port, reuse_port=args.reuse_port or None)
         await site.start()
@@ -337,6 +339,19 @@ async def serve(args: argparse.Namespace) -> None:
         await stop.wait()
     finally:
         await runner.cleanup()
+
+
+def freeze_heap() -> int:
+    """Take every object the process holds once started (its modules, classes, pydantic
+    schemas, the app: ~55,000 objects) out of the garbage collector's reach, and return how
+    many. A full collection traverses every tracked object and holds every thread meanwhile:
+    over that heap it took 14-40 ms here, a few times a minute under ``POST /route`` load,
+    and each request that arrived meanwhile waited for it (``router_gc_pause_seconds``). The
+    index does not add to it (dicts of ints are not tracked). Objects made later, requests'
+    included, are collected as before."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def _runner(name: str) -> Callable[[Coroutine[Any, Any, None]], None]:

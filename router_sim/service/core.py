@@ -122,12 +122,14 @@ class RouterService:
             on_slice=self.metrics.event_apply_seconds.observe,
         )
         self._pump.start()
+        self.metrics.watch_gc()
         for entry in self.fleet.workers:
             await self.add_worker(entry, probe=False)
         await self.probe_all()
         self._probe_task = asyncio.create_task(self._probe_loop())
 
     async def close(self) -> None:
+        self.metrics.unwatch_gc()
         if self._probe_task is not None:
             self._probe_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -5,10 +5,15 @@ proxied requests) are client-library counters and histograms updated on the spot
 objects already count (events applied by the index, gaps and resyncs seen by the subscriber,
 index size) is read from them at scrape time by a custom collector, so no number is kept twice.
 Each service owns its registry: two services in one process (tests) never share counters.
+
+The collector's pauses are measured too (``router_gc_pause_seconds``): a collection holds
+every thread of the process, so a request that arrives meanwhile waits for it whole.
 """
 
 from __future__ import annotations
 
+import gc
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -88,6 +93,11 @@ class _IndexCollector(Collector):
             ok.add_metric([str(w)], 1.0 if st.state == "ok" else 0.0)
         yield from per.values()
         yield ok
+        yield GaugeMetricFamily(
+            "router_gc_frozen_objects",
+            "objects the garbage collector no longer traverses (gc.freeze after startup)",
+            value=gc.get_freeze_count(),
+        )
         up = GaugeMetricFamily(
             "router_worker_up", "1 when the worker answers its health probe", labels=["worker"]
         )
@@ -134,6 +144,14 @@ class ServiceMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.gc_pause_seconds = Histogram(
+            "router_gc_pause_seconds",
+            "time one garbage collection held the process, by generation",
+            ["generation"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._gc_started = 0.0
         r.register(_IndexCollector(view))
         # labels() takes a lock and builds a key on every call: one child per worker, once
         self._decisions_of: dict[int, Counter] = {}
@@ -146,6 +164,23 @@ class ServiceMetrics:
         self.decision_seconds.observe(seconds)
         self.overlap_blocks.inc(chosen)
         self.overlap_fraction.observe(chosen / num_blocks if num_blocks else 0.0)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        elif self._gc_started:
+            pause = time.perf_counter() - self._gc_started
+            self.gc_pause_seconds.labels(str(info["generation"])).observe(pause)
+
+    def watch_gc(self) -> None:
+        """Time every garbage collection of the process from now on (until
+        :meth:`unwatch_gc`)."""
+        if self._on_gc not in gc.callbacks:
+            gc.callbacks.append(self._on_gc)
+
+    def unwatch_gc(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
 
     def exposition(self) -> bytes:
         """The text format for ``GET /metrics``."""
