@@ -224,14 +224,20 @@ async def proxy_overhead(serve: str, worker: str, body: bytes, n: int) -> tuple[
 def router_side(metrics: str) -> dict[str, Any]:
     """What a run reads from the router's ``/metrics``: events applied, and the decision-time
     and event-slice histograms (cumulative buckets), to be subtracted run by run."""
-    out: dict[str, Any] = {"events": 0.0, "decision": {}, "slice": {}}
-    names = {"router_decision_seconds": "decision", "router_event_apply_seconds": "slice"}
+    out: dict[str, Any] = {"events": 0.0, "decision": {}, "slice": {}, "gc": {}}
+    names = {
+        "router_decision_seconds": "decision",
+        "router_event_apply_seconds": "slice",
+        "router_gc_pause_seconds": "gc",  # all generations together
+    }
     for fam in text_string_to_metric_families(metrics):
         for s in fam.samples:
             if s.name == "router_events_applied_total":
                 out["events"] = s.value
             elif s.name.endswith("_bucket") and s.name[: -len("_bucket")] in names:
-                out[names[s.name[: -len("_bucket")]]][float(s.labels["le"])] = s.value
+                hist = out[names[s.name[: -len("_bucket")]]]
+                le = float(s.labels["le"])
+                hist[le] = hist.get(le, 0.0) + s.value
     return out
 
 
@@ -248,7 +254,10 @@ def side_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float
 
     dec, n = diff("decision")
     sl, m = diff("slice")
+    pauses, k = diff("gc")
     return {
+        "gc": k,
+        "gc_max_le_ms": bound(pauses, k, 1.0),
         "events": after["events"] - before["events"],
         "decisions": n,
         "p50_le_ms": bound(dec, n, 0.5),
@@ -507,7 +516,8 @@ def main() -> None:
                             f"send {report.service_p99_s * 1e3:.2f} ms; CPU "
                             f"{client_cpu / max(1, side['decisions']) * 1e6:.0f} us/request; "
                             f"route() p50 <= {side['p50_le_ms']:.2f} ms, slices p99 <= "
-                            f"{side['slice_p99_le_ms']:.2f} ms\n"
+                            f"{side['slice_p99_le_ms']:.2f} ms; GC pauses {side['gc']:.0f}, max "
+                            f"<= {side['gc_max_le_ms']:.2f} ms\n"
                             f"         cores busy (of 2): router {router_cpu / wall:.2f}, "
                             f"load generator {client_cpu / wall:.2f}, workers and event load "
                             f"{fleet_cpu / wall:.2f}, other processes {others / wall:.2f}"
