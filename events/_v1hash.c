@@ -459,7 +459,10 @@ static PyObject *tokens_from_msgpack(PyObject *self, PyObject *const *args, Py_s
         }
         unsigned char t = *p++;
         uint64_t v;
-        if (t <= 0x7f) { /* positive fixint */
+        if (t == 0xce && end - p >= 4) { /* uint32, the usual form of a token id: inline */
+            v = ((uint64_t)p[0] << 24) | ((uint64_t)p[1] << 16) | ((uint64_t)p[2] << 8) | p[3];
+            p += 4;
+        } else if (t <= 0x7f) { /* positive fixint */
             v = t;
         } else if (t >= 0xcc && t <= 0xd3) {
             /* uint8/16/32/64, then int8/16/32/64: 1, 2, 4, 8 bytes big-endian */
@@ -497,6 +500,14 @@ refuse:
 static inline Py_ssize_t put_int(unsigned char *o, int neg, uint64_t ux) {
     unsigned char tag;
     int width;
+    if (!neg && ux > 0xffff && ux <= 0xffffffffu) { /* uint32, the usual form of a token id */
+        o[0] = 0xce;
+        o[1] = (unsigned char)(ux >> 24);
+        o[2] = (unsigned char)(ux >> 16);
+        o[3] = (unsigned char)(ux >> 8);
+        o[4] = (unsigned char)ux;
+        return 5;
+    }
     if (!neg) {
         if (ux < 0x80) {
             o[0] = (unsigned char)ux;
