@@ -343,6 +343,19 @@ def test_truncated_token_ids_inside_a_payload_go_to_the_general_path() -> None:
             decode_batch(payload[:cut])
 
 
+def test_hostile_token_ids_cost_no_more_than_their_bytes() -> None:
+    # token ids nested far deeper than any payload may be, or announcing 2**32 - 1 items: the
+    # typed path refuses without allocating, the general path names the bound
+    head = _pack([0.0, [_store([7])]])
+    at = head.index(b"\xa9token_ids") + 10
+    assert head[at : at + 2] == b"\x91\x07"
+    for body in (b"\x91" * 100_000 + b"\x07", b"\xdd\xff\xff\xff\xff\x07", b"\xdc\xff\xff"):
+        payload = head[:at] + body + head[at + 2 :]
+        assert decode_typed(payload) is None
+        with pytest.raises(DecodeError):
+            decode_batch(payload)
+
+
 def test_the_pure_parser_decodes_as_the_native_one(monkeypatch: pytest.MonkeyPatch) -> None:
     payloads = [
         _pack([0.0, [_store([1, 2, 3, 4, 5], 2)]]),
