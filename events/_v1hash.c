@@ -9,6 +9,11 @@
  *   chain(tokens, tokens_per_block, lora_id, salt_id) -> list[int]   (full blocks only)
  *
  * lora_id / salt_id are ints in [0, 2**64) or None. Token ids must lie in [0, 2**31).
+ *
+ * It also holds the event path's native steps (each with its pure-Python reference beside its
+ * caller): the StoredBlock record builders (events/_records.py), the wire encoder's runs
+ * (stored_runs) and the packed token ids of the wire (tokens_from_msgpack, pack_tokens: a
+ * msgpack array of ints read into, and written from, an array('i')).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
