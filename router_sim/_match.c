@@ -1067,8 +1067,65 @@ static PyTypeObject MaskTableType = {
     .tp_new = MaskTable_new,
 };
 
+/* expand_ids(ids, count, per_id, shift, mask) -> bytes
+
+   The simulator's prompt of Mooncake-style hash ids (router_sim.workloads.expand_hash_ids):
+   token j of the block of id h is (j << shift) | (h & mask), blocks in id order, `count`
+   tokens in all (the last block cut short), as native-order int32 bytes. */
+static PyObject *expand_ids(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 5 || !PyTuple_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "expand_ids(ids: tuple, count, per_id, shift, mask) -> bytes");
+        return NULL;
+    }
+    PyObject *ids = args[0];
+    Py_ssize_t count = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t per_id = PyLong_AsSsize_t(args[2]);
+    long shift = PyLong_AsLong(args[3]);
+    unsigned long long mask = PyLong_AsUnsignedLongLong(args[4]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (count < 0 || per_id < 1 || shift < 0 || shift > 31 || mask > UINT32_MAX ||
+        count > PY_SSIZE_T_MAX / 4 || (count + per_id - 1) / per_id > PyTuple_GET_SIZE(ids)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "expand_ids: count must be in [0, len(ids) * per_id], per_id >= 1, "
+                        "shift in [0, 31], mask < 2**32");
+        return NULL;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, count * 4);
+    if (out == NULL)
+        return NULL;
+    uint32_t *t = (uint32_t *)PyBytes_AS_STRING(out);
+    for (Py_ssize_t k = 0, done = 0; done < count; k++) {
+        PyObject *h = PyTuple_GET_ITEM(ids, k);
+        if (!PyLong_Check(h)) {
+            Py_DECREF(out);
+            PyErr_SetString(PyExc_TypeError, "expand_ids: hash ids must be ints");
+            return NULL;
+        }
+        uint32_t id = (uint32_t)(PyLong_AsUnsignedLongLongMask(h) & mask);
+        if (id == (uint32_t)-1 && PyErr_Occurred()) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_ssize_t n = count - done < per_id ? count - done : per_id;
+        for (Py_ssize_t j = 0; j < n; j++)
+            t[done + j] = ((uint32_t)j << shift) | id;
+        done += n;
+    }
+    return out;
+}
+
+static PyMethodDef module_methods[] = {
+    {"expand_ids", (PyCFunction)(void (*)(void))expand_ids, METH_FASTCALL,
+     "The int32 bytes of a prompt given by hash ids (see router_sim.workloads)."},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_match", "Native match loop of router_sim.indexer.", -1, NULL,
+    PyModuleDef_HEAD_INIT, "_match", "Native loops of router_sim (the index's, the prompts').",
+    -1, module_methods,
 };
 
 PyMODINIT_FUNC PyInit__match(void) {

@@ -81,3 +81,7 @@ class MaskTable:
         ``len(hashes)``."""
 
     def __len__(self) -> int: ...
+
+def expand_ids(ids: tuple[int, ...], count: int, per_id: int, shift: int, mask: int, /) -> bytes:
+    """Native-order int32 bytes of ``count`` tokens: token ``j`` of the block of id ``h`` is
+    ``(j << shift) | (h & mask)``, blocks in id order (the last one cut short)."""

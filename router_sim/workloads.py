@@ -68,6 +68,12 @@ def _layout(tokens_per_hash_id: int) -> tuple[int, int]:
     return pos_bits, (1 << (31 - pos_bits)) - 1
 
 
+try:  # the native expansion (router_sim/_match.c), when the extension is built
+    from router_sim._match import expand_ids as _expand_ids
+except ImportError:  # pragma: no cover - depends on the install
+    _expand_ids = None  # type: ignore[assignment]
+
+
 def expand_hash_ids(
     hash_ids: tuple[int, ...], input_length: int, tokens_per_hash_id: int = TOKENS_PER_HASH_ID
 ) -> array[int]:
@@ -76,12 +82,18 @@ def expand_hash_ids(
     Token ``j`` of hash id ``h`` is ``j << b | (h mod 2**b)`` with ``b = 31 - position bits``
     (``b = 22`` for 512 tokens per id): equal ids give equal tokens, distinct ids (below 2**b)
     give disjoint tokens, so two prompts share exactly the token prefix their hash ids share.
-    The last block is cut so the prompt has ``input_length`` tokens. With numpy installed the
-    prompt is one vectorised OR of the ids and the positions (a quarter of the pure form's
-    time); without it, :func:`expand_hash_ids_py` builds the same tokens.
+    The last block is cut so the prompt has ``input_length`` tokens. The native extension
+    writes the prompt in one pass; without it, numpy builds it as one vectorised OR of the ids
+    and the positions, and without numpy :func:`expand_hash_ids_py` builds the same tokens.
     """
     n = tokens_per_hash_id
     k = _hash_ids_needed(hash_ids, input_length, n)
+    if _expand_ids is not None:  # the native loop: one pass writing the tokens
+        pos_bits, mask = _layout(n)
+        ids = hash_ids if type(hash_ids) is tuple else tuple(hash_ids)
+        native: array[int] = array("i")
+        native.frombytes(_expand_ids(ids, input_length, n, 31 - pos_bits, mask))
+        return native
     np = _numpy()
     if np is None:
         return expand_hash_ids_py(hash_ids, input_length, n)

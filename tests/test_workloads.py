@@ -120,7 +120,16 @@ def test_unknown_workload_is_rejected_with_the_choices() -> None:
         synthetic_workload("nope")
 
 
-@pytest.mark.parametrize("expand", [expand_hash_ids, expand_hash_ids_py])
+def _expand_numpy(ids: tuple[int, ...], length: int, n: int) -> array[int]:
+    """expand_hash_ids without the native loop (its numpy form)."""
+    native, workloads._expand_ids = workloads._expand_ids, None
+    try:
+        return expand_hash_ids(ids, length, n)
+    finally:
+        workloads._expand_ids = native
+
+
+@pytest.mark.parametrize("expand", [expand_hash_ids, _expand_numpy, expand_hash_ids_py])
 @settings(max_examples=60, deadline=None)
 @given(
     st.sampled_from([1, 2, 16, 100, 512, 4096]),
@@ -141,12 +150,30 @@ def test_expansion_matches_the_per_token_formula(
     assert out.typecode == "i" and out.tolist() == naive
 
 
+def test_native_expansion_refuses_what_it_cannot_write() -> None:
+    if workloads._expand_ids is None:
+        pytest.skip("native extension not built")
+    expand = workloads._expand_ids
+    assert expand((), 0, 512, 22, 2**22 - 1) == b""
+    with pytest.raises(ValueError):
+        expand((1, 2), 1025, 512, 22, 2**22 - 1)  # more tokens than the ids cover
+    with pytest.raises(ValueError):
+        expand((1,), 4, 0, 22, 2**22 - 1)
+    with pytest.raises(ValueError):
+        expand((1,), 4, 4, 32, 1)
+    with pytest.raises(TypeError):
+        expand((1, "2"), 8, 4, 22, 2**22 - 1)
+    with pytest.raises(TypeError):
+        expand([1], 1, 4, 22, 2**22 - 1)
+
+
 def test_expansion_and_answers_without_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
     ids = (5, 2**23 + 7, 2**40 + 1)
     with_numpy = expand_hash_ids(ids, 1300)
     req = Request(7, 0.0, 1300, 90, hash_ids=ids)
     answer = req.output_tokens()
     monkeypatch.setattr(workloads, "_numpy", lambda: None)
+    monkeypatch.setattr(workloads, "_expand_ids", None)
     assert expand_hash_ids(ids, 1300) == with_numpy
     assert req.output_tokens() == answer
     with pytest.raises(ValueError, match="hash ids"):
