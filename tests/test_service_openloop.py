@@ -144,14 +144,18 @@ def test_the_window_leaves_out_the_warm_up() -> None:
 
 @pytest.fixture
 def server() -> Iterator[tuple[int, list[bytes]]]:
-    """An aiohttp server on 127.0.0.1 in a thread: 200 for ``/ok``, 500 otherwise."""
+    """An aiohttp server on 127.0.0.1 in a thread: 500 for ``/bad``, else 200; ``/once``
+    closes the connection after its answer."""
     seen: list[bytes] = []
     ready = threading.Event()
     state: dict[str, object] = {}
 
     async def handle(request: web.Request) -> web.Response:
         seen.append(await request.read())
-        return web.Response(status=200 if request.path == "/ok" else 500, body=b'{"w": 1}')
+        resp = web.Response(status=200 if request.path != "/bad" else 500, body=b'{"w": 1}')
+        if request.path == "/once":
+            resp.force_close()  # the connection closes after this answer
+        return resp
 
     async def main() -> None:
         app = web.Application()
@@ -192,3 +196,15 @@ def test_a_short_run_over_loopback(server: tuple[int, list[bytes]]) -> None:
     bad = [http_request("127.0.0.1", port, "/bad", "application/json", b"[]")]
     report = run_open_loop("127.0.0.1", port, bad, 100, 0.2, warmup_s=0.0, connections=2)
     assert report.errors == 20 and report.completed == 0
+
+
+def test_connections_the_server_closed_are_not_used_again(server: tuple[int, list[bytes]]) -> None:
+    port, _ = server
+    once = [http_request("127.0.0.1", port, "/once", "application/json", b"[]")]
+    report = run_open_loop(
+        "127.0.0.1", port, once, 100, 0.1, warmup_s=0.0, connections=2, drain_s=0.5
+    )
+    # each connection carries one answer; a request sent on it afterwards fails, and those
+    # due once both are gone are never sent
+    assert report.scheduled == 10 and report.completed == 2
+    assert report.errors + report.unanswered == 8
