@@ -62,10 +62,17 @@ _THINK_MS: Final = 2000.0
 _READ_MS_PER_TOKEN: Final = 40.0
 
 
+PROMPT_TOKEN_BITS: Final = 30
+"""Tokens of expanded hash ids lie below ``2**PROMPT_TOKEN_BITS``; generated answers of such
+requests at and above it (:meth:`Request.output_tokens`), so that no answer token equals a
+prompt token and a prompt never matches past the hash ids it shares."""
+
+
 def _layout(tokens_per_hash_id: int) -> tuple[int, int]:
-    """(bits for the position inside a block, mask of the hash id bits) of a token id."""
+    """(bits for the position inside a block, mask of the hash id bits) of a token id: the
+    position takes the high bits, the id the ``PROMPT_TOKEN_BITS - pos_bits`` low ones."""
     pos_bits = max(1, (tokens_per_hash_id - 1).bit_length())
-    return pos_bits, (1 << (31 - pos_bits)) - 1
+    return pos_bits, (1 << (PROMPT_TOKEN_BITS - pos_bits)) - 1
 
 
 try:  # the native expansion (router_sim/_match.c), when the extension is built
@@ -79,8 +86,8 @@ def expand_hash_ids(
 ) -> array[int]:
     """The prompt of a Mooncake-style request: each hash id becomes its own run of tokens.
 
-    Token ``j`` of hash id ``h`` is ``j << b | (h mod 2**b)`` with ``b = 31 - position bits``
-    (``b = 22`` for 512 tokens per id): equal ids give equal tokens, distinct ids (below 2**b)
+    Token ``j`` of hash id ``h`` is ``j << b | (h mod 2**b)`` with ``b = 30 - position bits``
+    (``b = 21`` for 512 tokens per id: 2,097,152 distinct ids; all below 2**30): equal ids give equal tokens, distinct ids (below 2**b)
     give disjoint tokens, so two prompts share exactly the token prefix their hash ids share.
     The last block is cut so the prompt has ``input_length`` tokens. The native extension
     writes the prompt in one pass; without it, numpy builds it as one vectorised OR of the ids
@@ -92,7 +99,7 @@ def expand_hash_ids(
         pos_bits, mask = _layout(n)
         ids = hash_ids if type(hash_ids) is tuple else tuple(hash_ids)
         native: array[int] = array("i")
-        native.frombytes(_expand_ids(ids, input_length, n, 31 - pos_bits, mask))
+        native.frombytes(_expand_ids(ids, input_length, n, PROMPT_TOKEN_BITS - pos_bits, mask))
         return native
     np = _numpy()
     if np is None:
@@ -100,7 +107,7 @@ def expand_hash_ids(
     pos_bits, mask = _layout(n)
     positions = _NP_POSITIONS.get(n)
     if positions is None:
-        positions = np.arange(n, dtype=np.int32) << (31 - pos_bits)
+        positions = np.arange(n, dtype=np.int32) << (PROMPT_TOKEN_BITS - pos_bits)
         _NP_POSITIONS[n] = positions
     ids = np.array([h & mask for h in hash_ids[:k]], dtype=np.int32)
     grid = (ids[:, None] | positions[None, :]).reshape(-1)
@@ -149,7 +156,7 @@ def _position_lanes(tokens_per_hash_id: int) -> list[bytes]:
     cached = _LANES.get(tokens_per_hash_id)
     if cached is None:
         pos_bits, _ = _layout(tokens_per_hash_id)
-        shift = 31 - pos_bits
+        shift = PROMPT_TOKEN_BITS - pos_bits
         words = b"".join((j << shift).to_bytes(4, "little") for j in range(tokens_per_hash_id))
         cached = [words[lane::4] for lane in range(4)]
         _LANES[tokens_per_hash_id] = cached
@@ -199,7 +206,7 @@ class Request:
     def output_tokens(self) -> array[int]:
         """The answer's token ids: the fixed ones, or a run unique to this request.
 
-        Generated tokens live above 2**30 so they never collide with prompt tokens of the
+        Generated tokens live at and above 2**30 so they never collide with prompt tokens of the
         trace expansion or the synthetic vocabulary.
         """
         if self.output is not None:

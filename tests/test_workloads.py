@@ -144,10 +144,11 @@ def test_expansion_matches_the_per_token_formula(
 ) -> None:
     length = data.draw(st.integers(1, n * len(ids)))
     pos_bits = max(1, (n - 1).bit_length())
-    b = 31 - pos_bits  # token j of id h is j << b | (h mod 2**b), as the docstring says
+    b = 30 - pos_bits  # token j of id h is j << b | (h mod 2**b), as the docstring says
     naive = [j << b | (h % 2**b) for h in ids for j in range(n)][:length]
     out = expand(tuple(ids), length, n)
     assert out.typecode == "i" and out.tolist() == naive
+    assert max(out) < 2**30  # below every generated answer token
 
 
 def test_native_expansion_refuses_what_it_cannot_write() -> None:
