@@ -87,8 +87,9 @@ def expand_hash_ids(
     """The prompt of a Mooncake-style request: each hash id becomes its own run of tokens.
 
     Token ``j`` of hash id ``h`` is ``j << b | (h mod 2**b)`` with ``b = 30 - position bits``
-    (``b = 21`` for 512 tokens per id: 2,097,152 distinct ids; all below 2**30): equal ids give equal tokens, distinct ids (below 2**b)
-    give disjoint tokens, so two prompts share exactly the token prefix their hash ids share.
+    (``b = 21`` for 512 tokens per id: 2,097,152 distinct ids; every token below 2**30): equal
+    ids give equal tokens, distinct ids (below 2**b) give disjoint tokens, so two prompts share
+    exactly the token prefix their hash ids share.
     The last block is cut so the prompt has ``input_length`` tokens. The native extension
     writes the prompt in one pass; without it, numpy builds it as one vectorised OR of the ids
     and the positions, and without numpy :func:`expand_hash_ids_py` builds the same tokens.
