@@ -65,11 +65,16 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def machine_busy_s() -> float:
-    """CPU seconds all processes of the machine have used so far (Linux /proc/stat: every
-    field of the ``cpu`` line but idle and iowait)."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
-    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+def runqueue_wait_s(pid: int) -> float:
+    """Seconds the threads of a process have spent runnable but waiting for a core (Linux
+    schedstat, second field): time the scheduler, not the process, put on its latency."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # a thread that ended meanwhile
+    return total / 1e9
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -456,7 +461,8 @@ def main() -> None:
                     )
                 c0 = router_cpu_s()
                 fleet0 = fleet_cpu_s()
-                busy0 = machine_busy_s()
+                waited0 = sum(runqueue_wait_s(p.pid) for p in routers)
+                own_wait0 = runqueue_wait_s(os.getpid())
                 own0 = time.process_time()
                 t0 = time.perf_counter()
                 if rate is None:
@@ -479,7 +485,8 @@ def main() -> None:
                 router_cpu = router_cpu_s() - c0
                 client_cpu = time.process_time() - own0
                 fleet_cpu = fleet_cpu_s() - fleet0
-                others = machine_busy_s() - busy0 - router_cpu - client_cpu - fleet_cpu
+                waited = sum(runqueue_wait_s(p.pid) for p in routers) - waited0
+                own_waited = runqueue_wait_s(os.getpid()) - own_wait0
                 if spy is not None:
                     spy.wait(30)
                 side = side_delta(before, router_side(asyncio.run(fetch(serve + "/metrics"))))
@@ -520,7 +527,9 @@ def main() -> None:
                             f"<= {side['gc_max_le_ms']:.2f} ms\n"
                             f"         cores busy (of 2): router {router_cpu / wall:.2f}, "
                             f"load generator {client_cpu / wall:.2f}, workers and event load "
-                            f"{fleet_cpu / wall:.2f}, other processes {others / wall:.2f}"
+                            f"{fleet_cpu / wall:.2f}; waiting for a core: router "
+                            f"{waited / wall * 1e3:.0f} ms/s, load generator "
+                            f"{own_waited / wall * 1e3:.0f} ms/s"
                         )
         stop.set()
         if args.event_rps > 0:
