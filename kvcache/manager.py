@@ -159,7 +159,14 @@ class KVCacheManager:
         self._query_tokens += len(tokens)
         self._hit_tokens += reused
         seq = KVCache(
-            self._pool, scope, priority, tokens[:reused], blocks, self._live.discard, self._owner
+            self._pool,
+            scope,
+            priority,
+            tokens[:reused],
+            blocks,
+            self._live.discard,
+            self._owner,
+            data,
         )
         self._live.add(seq)
         self._pool.finish()

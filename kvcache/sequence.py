@@ -52,7 +52,11 @@ class KVCache:
         blocks: list[Block],
         on_close: Callable[[KVCache], None],
         owner: ThreadOwner | None = None,
+        data: bytes | None = None,
     ) -> None:
+        """``tokens``: the reused prefix; ``data``, when the caller has it, the 4-byte LE
+        encoding of at least those tokens (the manager's packed prompt: the prefix is cut from
+        it instead of packing the tokens again)."""
         self._owner = owner  # the manager's thread check (kvcache.owner)
         self._pool = pool
         self._on_close = on_close
@@ -62,7 +66,12 @@ class KVCache:
         # appending to one growing array re-copied a long prompt on every block of decode.
         # ``_tail`` holds the tokens after the last full block (``_n % tokens_per_block``).
         n = len(tokens)
-        self._chunks: list[bytes] = [tokens_to_bytes(tokens)] if n else []
+        if not n:
+            self._chunks: list[bytes] = []
+        elif data is None:
+            self._chunks = [tokens_to_bytes(tokens)]
+        else:
+            self._chunks = [data[: 4 * n]]
         self._n = n
         self._tail: array[int] = tokens[n - n % pool.tokens_per_block :]
         self._blocks = blocks

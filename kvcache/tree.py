@@ -28,6 +28,7 @@ this module writes the structure (``key``, ``tokens``, ``is_full``, ``parent``, 
 
 from __future__ import annotations
 
+import sys
 from array import array
 from collections.abc import Collection, Iterator, Sequence
 from hashlib import sha256
@@ -37,6 +38,7 @@ from typing import Final
 from kvcache.keys import BlockKey, root_key, tokens_to_bytes
 from kvcache.scope import ReuseScope
 
+_LITTLE: Final = sys.byteorder == "little"
 _NO_KEY: Final = BlockKey(b"")
 _NO_TOKENS: Final = array("i")  # shared by every block not in the tree; never mutated
 
@@ -210,15 +212,59 @@ class RadixTree:
 
         ``data`` is the packed 4-byte LE token bytes; ``step`` = 4 * tokens_per_block.
         """
-        return RadixTree.match_full_key(node, data, max_blocks, step)[0]
+        return RadixTree.match_full_key(node, data, max_blocks, step, want_key=False)[0]
 
     @staticmethod
     def match_full_key(
-        node: Node, data: bytes, max_blocks: int, step: int
+        node: Node, data: bytes, max_blocks: int, step: int, want_key: bool = True
     ) -> tuple[list[Block], BlockKey | None]:
         """:meth:`match_full`, and the key of the first block that did not match when it was
         computed on the way (None otherwise): a block pool storing that chain next would only
-        hash the same bytes again. ``data`` may run past ``max_blocks`` blocks."""
+        hash the same bytes again. Without ``want_key`` a lone child's mismatch is not hashed
+        (the key comes back only where a lookup computed it). ``data`` may run past
+        ``max_blocks`` blocks.
+
+        Below a node with one full child the child's tokens are compared with the query's
+        instead of hashing: both keys chain from the same parent key, so they are equal exactly
+        when the tokens are (``sha256`` collisions aside), and a 2 KiB compare costs a small
+        fraction of a 2 KiB hash. Only a node with several children is looked up by key.
+        """
+        if not _LITTLE:  # block tokens are native-endian, ``data`` little-endian
+            return RadixTree._match_by_key(node, data, max_blocks, step)
+        found: list[Block] = []
+        prev: Node = node
+        children = node.children
+        child = node.child
+        for start in range(0, max_blocks * step, step):
+            if children is None:
+                if child is None:
+                    break
+                # ``startswith`` compares the array's bytes in place (no slice is made)
+                if not data.startswith(child.tokens, start):
+                    if not want_key:
+                        return found, None
+                    chunk = data[start : start + step]
+                    return found, BlockKey(sha256(prev.key + chunk).digest())
+                block = child
+            else:
+                if not children:  # the dict stays once made, and may be empty
+                    break
+                key = sha256(prev.key + data[start : start + step]).digest()
+                found_block = children.get(key)
+                if found_block is None:
+                    return found, BlockKey(key)
+                block = found_block
+            found.append(block)
+            prev = block
+            children = block.children
+            child = block.child
+        return found, None
+
+    @staticmethod
+    def _match_by_key(
+        node: Node, data: bytes, max_blocks: int, step: int
+    ) -> tuple[list[Block], BlockKey | None]:
+        """:meth:`match_full_key` by hashing every block (any byte order)."""
         found: list[Block] = []
         key: bytes = node.key
         children = node.children
