@@ -71,15 +71,21 @@ def build(chains: list[list[int]]) -> tuple[RadixTree, ScopeRoot]:
     return tree, root
 
 
-@settings(max_examples=150, deadline=None)
-@given(chains=st.lists(CHAIN, min_size=1, max_size=8), query=CHAIN, little=st.booleans())
+@settings(max_examples=300, deadline=None)
+@given(
+    chains=st.lists(CHAIN, min_size=1, max_size=12),
+    query=CHAIN,
+    little=st.booleans(),
+    scan=st.sampled_from([0, 1, 2, 8]),
+)
 def test_full_match_equals_the_key_walk(
-    chains: list[list[int]], query: list[int], little: bool
+    chains: list[list[int]], query: list[int], little: bool, scan: int
 ) -> None:
     tree, root = build(chains)
     data = tokens_to_bytes(array("i", query))
     with pytest.MonkeyPatch.context() as m:
         m.setattr(tree_mod, "_LITTLE", little and tree_mod._LITTLE)  # both walks
+        m.setattr(tree_mod, "_SCAN_CHILDREN", scan)  # children compared, or looked up by key
         for max_blocks in range(len(query) // TPB + 1):
             want = oracle(root, query, max_blocks)
             got = tree.match_full_key(root, data, max_blocks, 4 * TPB)
