@@ -162,11 +162,12 @@ class KVCacheManager:
             self._pool,
             scope,
             priority,
-            tokens[:reused],
+            tokens,
             blocks,
             self._live.discard,
             self._owner,
             data,
+            reused,
         )
         self._live.add(seq)
         self._pool.finish()

@@ -53,10 +53,12 @@ class KVCache:
         on_close: Callable[[KVCache], None],
         owner: ThreadOwner | None = None,
         data: bytes | None = None,
+        num_tokens: int | None = None,
     ) -> None:
-        """``tokens``: the reused prefix; ``data``, when the caller has it, the 4-byte LE
-        encoding of at least those tokens (the manager's packed prompt: the prefix is cut from
-        it instead of packing the tokens again)."""
+        """``tokens``: the reused prefix, or with ``num_tokens`` a longer array whose first
+        ``num_tokens`` are (the manager's prompt: nothing is copied out of it but the last
+        partial block); ``data``, when the caller has it, the 4-byte LE encoding of at least
+        those tokens (the prefix is cut from it instead of packing the tokens again)."""
         self._owner = owner  # the manager's thread check (kvcache.owner)
         self._pool = pool
         self._on_close = on_close
@@ -65,15 +67,15 @@ class KVCache:
         # The tokens as committed, in LE-packed chunks (joined only when ``tokens`` is read):
         # appending to one growing array re-copied a long prompt on every block of decode.
         # ``_tail`` holds the tokens after the last full block (``_n % tokens_per_block``).
-        n = len(tokens)
+        n = len(tokens) if num_tokens is None else num_tokens
         if not n:
             self._chunks: list[bytes] = []
         elif data is None:
-            self._chunks = [tokens_to_bytes(tokens)]
+            self._chunks = [tokens_to_bytes(tokens[:n])]
         else:
             self._chunks = [data[: 4 * n]]
         self._n = n
-        self._tail: array[int] = tokens[n - n % pool.tokens_per_block :]
+        self._tail: array[int] = tokens[n - n % pool.tokens_per_block : n]
         self._blocks = blocks
         self.num_reused_tokens = n
         self._closed = False
