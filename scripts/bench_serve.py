@@ -429,7 +429,9 @@ def main() -> None:
             print(
                 "  body    offered achieved | latency from schedule, ms: p50    p90    p99  "
                 "p99.9    max | errors late waited | router: CPU us/decision, route() p99 <= ms, "
-                "event slices (max <= ms), events applied"
+                "event slices (max <= ms), events applied\n"
+                "  (errors: not 200 or unanswered; late: sent > 1 ms behind schedule; waited: "
+                "for a free connection)"
             )
         host, port = serve.split("//", 1)[1].rsplit(":", 1)
         for name in args.encodings.split(","):
