@@ -25,6 +25,8 @@ setup(
         Extension("events._v1hash", sources=["events/_v1hash.c"], extra_compile_args=["-O3"], optional=True),
         # router_sim.indexer's match loop over a mirror of its masks (pure-Python fallback)
         Extension("router_sim._match", sources=["router_sim/_match.c"], extra_compile_args=["-O3"], optional=True),
+        # kvcache.keys' pack-and-check of token arrays (pure-Python fallback)
+        Extension("kvcache._tokens", sources=["kvcache/_tokens.c"], extra_compile_args=["-O3"], optional=True),
     ],
     cmdclass={"build_ext": OptionalBuildExt},
 )

@@ -25,6 +25,11 @@ _BIG_ENDIAN: Final = sys.byteorder == "big"
 _HIGH_BYTE: Final = 0 if _BIG_ENDIAN else 3  # offset of the sign-carrying byte of an int32
 _LOW_BYTE: Final = 3 - _HIGH_BYTE
 
+try:  # the native pack-and-check (kvcache/_tokens.c), when the extension is built
+    from kvcache._tokens import pack_nonneg as _pack_nonneg
+except ImportError:  # pragma: no cover - depends on the install
+    _pack_nonneg = None  # type: ignore[assignment]
+
 
 def token_array(tokens: Iterable[int]) -> array[int]:
     """Validate token ids and pack them as 32-bit ints (one pass, done once per request).
@@ -38,11 +43,19 @@ def token_array(tokens: Iterable[int]) -> array[int]:
 def token_array_bytes(tokens: Iterable[int]) -> tuple[array[int], bytes]:
     """:func:`token_array` and the tokens' 4-byte LE encoding (:func:`tokens_to_bytes`), from
     one packing: the check below reads the same bytes the block keys hash, so a request's
-    tokens are copied out of the array once, not once to check and again to hash."""
+    tokens are copied out of the array once, not once to check and again to hash.
+
+    With the optional extension (``kvcache/_tokens.c``) one native loop packs and checks;
+    without it the pure-Python path below does (same result, same errors)."""
     if isinstance(tokens, array) and tokens.typecode == "i":  # noqa: SIM108 (mypy narrows)
         arr = tokens
     else:
         arr = _from_ints(tokens)
+    if _pack_nonneg is not None:
+        packed = _pack_nonneg(arr)
+        if packed is None:
+            raise ValueError(f"token ids must be in [0, 2**31), got {min(arr)}")
+        return arr, packed
     data = arr.tobytes()
     # Sign check on the raw bytes: a negative int32 is one whose high byte is 0x80 or more,
     # so the high bytes are all below 0x80 (``isascii``, a word-at-a-time C loop) exactly
