@@ -178,13 +178,25 @@ def has_children(node: Node) -> bool:
 
 
 def _common_prefix(a: array[int], b: array[int], limit: int) -> int:
+    """How many leading tokens ``a`` and ``b`` share, at most ``limit``. Past the first few
+    tokens the first difference is found by halving (slice compares run in C): a long shared
+    run costs about log2(tokens_per_block) compares, not a Python step per token."""
     n = min(len(a), len(b), limit)
     if a[:n] == b[:n]:
         return n
     i = 0
-    while a[i] == b[i]:
+    while i < 8:  # most partial candidates differ early (their first token was checked)
+        if a[i] != b[i]:
+            return i
         i += 1
-    return i
+    lo, hi = i, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _siblings(node: Node) -> Iterator[Block]:

@@ -108,3 +108,19 @@ def test_lone_child_with_equal_tokens_at_another_depth_is_no_match() -> None:
     key = blockchain_keys(SCOPE, [1, 2, 7, 7], TPB)[1]
     assert tree.match_full_key(root, data, 2, 4 * TPB) == ([a], key)
     assert tree.match_full_key(root, data, 2, 4 * TPB, want_key=False) == ([a], None)  # no hash
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    shared=st.lists(TOKEN, max_size=40),
+    a_rest=st.lists(TOKEN, max_size=5),
+    b_rest=st.lists(TOKEN, max_size=5),
+    limit=st.integers(min_value=0, max_value=50),
+)
+def test_common_prefix_is_the_first_difference(
+    shared: list[int], a_rest: list[int], b_rest: list[int], limit: int
+) -> None:
+    a, b = array("i", shared + a_rest), array("i", shared + b_rest)
+    n = min(len(a), len(b), limit)
+    want = next((i for i in range(n) if a[i] != b[i]), n)  # one token at a time
+    assert tree_mod._common_prefix(a, b, limit) == want
