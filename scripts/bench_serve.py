@@ -59,6 +59,12 @@ def start(argv: list[str]) -> tuple[subprocess.Popen[str], dict[str, Any]]:
     return p, json.loads(line)
 
 
+def pin(pid: int, cpus: set[int]) -> None:
+    """Run every thread of process ``pid`` (ZeroMQ's I/O threads too) on ``cpus`` only."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), cpus)
+
+
 def cpu_s(pid: int) -> float:
     """CPU seconds (user + system) a process has used so far (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -305,6 +311,12 @@ def main() -> None:
         "how much of the tail is the router waiting for a core the other processes hold",
     )
     ap.add_argument(
+        "--router-cpu",
+        type=int,
+        help="give the routers this CPU to themselves and every other process (workers, event "
+        "load, load generator) the remaining ones: a router deployed on a core of its own",
+    )
+    ap.add_argument(
         "--encodings", default="json,packed", help="comma-separated /route bodies to measure"
     )
     ap.add_argument(
@@ -363,6 +375,13 @@ def main() -> None:
         for p in routers:
             if args.router_nice:
                 os.setpriority(os.PRIO_PROCESS, p.pid, args.router_nice)
+        if args.router_cpu is not None:
+            others = os.sched_getaffinity(0) - {args.router_cpu}
+            if not others or args.router_cpu not in os.sched_getaffinity(0):
+                raise SystemExit(f"--router-cpu {args.router_cpu}: needs that CPU and another")
+            for p in procs:
+                pin(p.pid, {args.router_cpu} if p in routers else others)
+            pin(os.getpid(), others)  # this process, and the event load it starts below
 
         def router_cpu_s() -> float:
             return sum(cpu_s(p.pid) for p in routers)
@@ -424,6 +443,7 @@ def main() -> None:
             f"({args.event_rps * tokens / TPB:.0f} new blocks/s), {mode}, "
             f"{args.seconds:g} s per run"
             + (f", routers at nice {args.router_nice}" if args.router_nice else "")
+            + (f", routers on CPU {args.router_cpu} alone" if args.router_cpu is not None else "")
         )
         if rates:
             print(
