@@ -106,13 +106,15 @@ class _Seq:
     req: Request
     record: RequestRecord
     order: int
-    full: array[int] = field(default_factory=lambda: array("i"))
-    """Prompt followed by the answer: position p of the sequence is ``full[p]``."""
+    prompt: array[int] = field(default_factory=lambda: array("i"))
+    output: array[int] = field(default_factory=lambda: array("i"))
+    """The sequence is the prompt followed by the answer (kept apart: a 10k-token prompt is
+    not copied to append its answer, nor to be looked up whole)."""
     cache: KVCache | None = None
     target: int = 0
     """Tokens whose KV must exist before decoding (re)starts."""
     computed: int = 0
-    """Tokens of ``full`` whose KV exists (reused or computed)."""
+    """Tokens of the sequence whose KV exists (reused or computed)."""
     in_cache: int = 0
     """Tokens committed to the cache (``computed`` minus generated tokens not yet committed)."""
     generated: int = 0
@@ -121,6 +123,17 @@ class _Seq:
     @property
     def decoding(self) -> bool:
         return self.cache is not None and self.computed >= self.target and self.generated > 0
+
+    def span(self, start: int, stop: int) -> array[int]:
+        """Tokens ``[start, stop)`` of the sequence (the prompt itself when that is all of it:
+        arrays given to the cache are never changed)."""
+        prompt = self.prompt
+        n = len(prompt)
+        if stop <= n:
+            return prompt if start == 0 and stop == n else prompt[start:stop]
+        if start >= n:
+            return self.output[start - n : stop - n]
+        return prompt[start:] + self.output[: stop - n]
 
 
 _block_hash: Final = attrgetter("block_hash")
@@ -445,17 +458,17 @@ class SimWorker:
         self._load = None
         seq = _Seq(req, record, self._order)
         if prompt is not None:
-            seq.full = prompt + req.output_tokens()
+            seq.prompt, seq.output = prompt, req.output_tokens()
         self.dialect.learn(req)
         self.waiting.append(seq)
         self._order += 1
 
     def _admit(self, s: _Seq) -> bool:
         req = s.req
-        if not s.full:
-            s.full = req.tokens() + req.output_tokens()
+        if not s.prompt:
+            s.prompt, s.output = req.tokens(), req.output_tokens()
         target = req.input_length + s.generated
-        ctx = s.full[:target]
+        ctx = s.span(0, target)
         try:
             cache = self.manager.create_kv_cache(ctx, reuse_scope=self.dialect.scope(req))
         except OutOfPagesError:
@@ -535,7 +548,7 @@ class SimWorker:
     def _commit(self, s: _Seq, upto: int) -> None:
         assert s.cache is not None
         if upto > s.in_cache:
-            s.cache.commit(s.full[s.in_cache : upto])
+            s.cache.commit(s.span(s.in_cache, upto))
             s.in_cache = upto
 
     def _finish(self, s: _Seq) -> None:
