@@ -393,7 +393,9 @@ class Simulation:
                 scope = req.scope if native else request_scope(self.config.engine, req)
                 decision = self.router.route(prompt, scope, now_ms=t)
                 hashes = decision.block_hashes
-                true = [w.true_overlap(hashes) for w in self.workers]
+                # most workers hold not even the first block: one set lookup each, no call
+                first = hashes[0] if hashes else None
+                true = [w.true_overlap(hashes) if first in w.held else 0 for w in self.workers]
                 record = RequestRecord(
                     request_id=req.request_id,
                     worker=decision.worker,
