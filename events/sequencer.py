@@ -540,7 +540,7 @@ class StreamSequencer(Generic[T]):
     def _on_replayed(self, seq: int, payload: bytes, out: list[Output[T]], now: float) -> None:
         assert self.next_seq is not None
         kind = self._request_kind
-        if kind in ("hello", "probe") or (kind == "gap" and seq >= self._mark):
+        if kind in ("hello", "probe") or (kind == "gap" and seq >= self._mark_at_request):
             # beyond every seq received live: this consumer may simply be behind, with the
             # frame still queued on its live socket (a ring that moved on must not make a
             # backlog look lost); the live stream brings it, or shows its loss as a gap

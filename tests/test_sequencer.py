@@ -288,3 +288,34 @@ def test_slow_replay_cannot_extend_past_replay_max() -> None:
     assert seq.mode == "live"
     assert h.now <= 3.0 + 0.9
     assert seq.resyncs == 1
+
+
+def test_a_live_frame_during_a_replay_does_not_turn_an_ignored_replayed_frame_into_a_loss() -> None:
+    """Replayed frames beyond what had arrived live when the replay was asked are left to the
+    live stream, for the whole replay: a live frame that arrives meanwhile must not make a
+    later replayed frame look like it skipped one set aside a moment before (which the
+    simulator's lossy runs hit now and then, as a resync no frame loss called for)."""
+    a = ModelPublisher(1, 100, False)
+    seq: StreamSequencer[Ops] = StreamSequencer(decode, is_clear=is_clear)
+    frames = [a.publish([["s", i]], ringed=True) for i in range(6)]
+    outputs: list[Any] = []
+    outputs += seq.live(*frames[0], 0.0)
+    outputs += seq.live(*frames[2], 0.0)  # 1 lost live: a gap, a replay asked from 1
+    requests = [o for o in outputs if isinstance(o, Request)]
+    assert requests and requests[-1].start == 1 and seq.mode == "replay"
+    outputs += seq.replayed_frame(*frames[1], 0.0)
+    outputs += seq.replayed_frame(*frames[2], 0.0)
+    outputs += seq.replayed_frame(*frames[3], 0.0)  # past what had come live: left to it
+    outputs += seq.live(*frames[4], 0.0)  # 3 lost live; 4 arrives during the replay
+    outputs += seq.replayed_frame(*frames[4], 0.0)
+    outputs += seq.replay_end(a.info(), 0.0)
+    assert not [o for o in outputs if isinstance(o, (Lost, Reset))]
+    assert seq.resyncs == 0
+    again = [o for o in outputs if isinstance(o, Request)][-1]
+    assert again.start == 3  # the gap 3 is asked for again, not given up
+    outputs += seq.replayed_frame(*frames[3], 0.0)
+    outputs += seq.replayed_frame(*frames[4], 0.0)
+    outputs += seq.replayed_frame(*frames[5], 0.0)
+    outputs += seq.replay_end(a.info(), 0.0)
+    delivered = [o.seq for o in outputs if isinstance(o, Deliver)]
+    assert delivered[:5] == [0, 1, 2, 3, 4] and seq.resyncs == 0
