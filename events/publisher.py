@@ -136,7 +136,7 @@ _Item = tuple[int, "Sequence[KVCacheEvent] | bytes", float]
 class _Client:
     """One replay client with something left to send it."""
 
-    queue: deque[tuple[bytes, ...] | None] = field(default_factory=deque)  # None: end marker
+    queue: deque[tuple[bytes, ...]] = field(default_factory=deque)  # frames to send
     blocked_since: float | None = None
 
 
@@ -768,12 +768,17 @@ class ZmqEventPublisher:
                 elif len(body) == 8:
                     self._stats.replay_requests += 1
                     start = SEQ.unpack(body)[0]
+                    # The end marker says how far the publisher had got when these items were
+                    # taken (what _info says, read before them): read when it is sent, it
+                    # could name seqs ringed since, which this reply does not hold, and the
+                    # client would take them for lost.
+                    info = self._info()
                     with self._ring_lock:
                         i = bisect.bisect_left(self._ring_seqs, start)
                         items = list(itertools.islice(self._ring, i, None))
                     topic = self._topic
                     client.queue.extend((b"", topic, SEQ.pack(q), p) for q, p in items)
-                    client.queue.append(None)
+                    client.queue.append((b"", b"", END_SEQ, pack_info(info)))
                     self._stats.replayed_batches += len(items)
                 else:
                     self._malformed(frames)
@@ -812,10 +817,7 @@ class ZmqEventPublisher:
                 for _ in range(_REPLAY_CHUNK):
                     if not queue:
                         break
-                    msg = queue[0]
-                    if msg is None:
-                        msg = (b"", b"", END_SEQ, pack_info(self._info()))
-                    router.send_multipart((ident, *msg), zmq.NOBLOCK)
+                    router.send_multipart((ident, *queue[0]), zmq.NOBLOCK)
                     queue.popleft()
                 client.blocked_since = None
             except zmq.Again:
