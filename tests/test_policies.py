@@ -9,6 +9,8 @@ from collections.abc import Sequence
 
 import pytest
 import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from events.model import BlockHash
 from router_sim.indexer import MatchDetail
@@ -499,3 +501,41 @@ def test_the_oracle_balances_as_kv_overlap_does() -> None:
     a = [oracle.choose(req(loads, {0: on_device(8)})).worker for _ in range(30)]
     b = [overlap.choose(req(loads, {0: on_device(8)})).worker for _ in range(30)]
     assert a == b and 1 in a
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 64),  # matched blocks
+            st.integers(0, 64),  # of which on a slower tier
+            st.integers(0, 50_000),  # pending prefill tokens
+            st.integers(0, 40),  # decode blocks
+            st.floats(0.0, 1.0),  # kv usage
+        ),
+        min_size=1,
+        max_size=8,
+    ),
+    st.integers(1, 70 * 16),
+    st.sampled_from([512, 2048, 8192]),
+    st.sampled_from([0.0, 0.5, 1.0]),
+)
+def test_predicted_ttft_decision_figures_are_its_methods_figures(
+    workers: list[tuple[int, int, int, int, float]], tokens: int, chunk: int, recompute: float
+) -> None:
+    """choose() computes each worker's cost and prediction in one pass: the very floats
+    cost_ms() and predict_ms() give (so its decisions are theirs)."""
+    policy = PredictedTtftPolicy(chunk_tokens=chunk, recompute_weight=recompute)
+    matches = {
+        w: MatchDetail(m, m - min(s, m), m - min(s, m), min(s, m))
+        for w, (m, s, _, _, _) in enumerate(workers)
+    }
+    loads = {
+        w: WorkerLoad(pending_prefill_tokens=p, decode_blocks=d, kv_usage=u)
+        for w, (_, _, p, d, u) in enumerate(workers)
+    }
+    request = RouteRequest([], tokens, TPB, matches, loads)
+    costs, predicted, overlap = policy._figures(request, sorted(loads))
+    assert costs == {w: policy.cost_ms(request, w) for w in loads}
+    assert predicted == {w: policy.predict_ms(request, w) for w in loads}
+    assert set(overlap) == set(loads)

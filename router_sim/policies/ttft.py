@@ -103,9 +103,42 @@ class PredictedTtftPolicy:
         recompute = self.recompute_weight * self.chunked_prefill_ms(uncached)
         return self.predict_ms(request, worker) + recompute
 
+    def _figures(
+        self, request: RouteRequest, workers: list[int]
+    ) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
+        """Per worker: :meth:`cost_ms`, :meth:`predict_ms` and the credited cached blocks,
+        computed as those methods do (the same operations in the same order, so the same
+        floats), each term once: a decision over a fleet is per-worker arithmetic only."""
+        timing, chunk = self.timing, self.chunk_tokens
+        chunk_ms = timing.prefill_ms(chunk)
+
+        def chunked(tokens: int) -> float:  # chunked_prefill_ms, the chunk's time reused
+            if tokens <= 0:
+                return 0.0
+            full, rest = divmod(tokens, chunk)
+            return full * chunk_ms + timing.prefill_ms(rest)
+
+        matches, loads = request.matches, request.loads
+        num, tpb = request.num_tokens, request.tokens_per_block
+        costs: dict[int, float] = {}
+        predicted: dict[int, float] = {}
+        overlap: dict[int, float] = {}
+        for w in workers:
+            cached = credited_blocks(matches.get(w), self.device_credit, self.slower_credit)
+            uncached = max(0, num - round(cached * tpb))
+            load = loads[w]
+            queue = load.pending_prefill_tokens + uncached
+            ms = chunked(queue)
+            if load.decode_blocks > 0 and queue > 0:
+                ms += -(-queue // chunk) * timing.decode_ms(load.kv_usage)
+            costs[w] = ms + self.recompute_weight * chunked(uncached)
+            predicted[w] = ms
+            overlap[w] = cached
+        return costs, predicted, overlap
+
     def choose(self, request: RouteRequest) -> PolicyChoice:
         workers = self.bounded.eligible(candidates(request))
-        costs = {w: self.cost_ms(request, w) for w in workers}
+        costs, predicted, overlap = self._figures(request, workers)
         excess = self.bounded.excess(workers)
         if any(excess.values()):
             # balance: one request beyond the mean costs the compute time of one more block
@@ -116,12 +149,8 @@ class PredictedTtftPolicy:
         rank = tie_rank(request.tie_key(self.seed))
         chosen = lowest_cost(costs, request.loads, rank, self.bounded.prefer())
         self.bounded.record(chosen)
-        overlap = {
-            w: credited_blocks(request.matches.get(w), self.device_credit, self.slower_credit)
-            for w in workers
-        }
         reason = (
-            f"earliest predicted first token ({self.predict_ms(request, chosen):.1f} ms) "
+            f"earliest predicted first token ({predicted[chosen]:.1f} ms) "
             f"with recomputation counted (cost {costs[chosen]:.1f} ms)"
         )
         return PolicyChoice(chosen, reason, costs=costs, predicted_overlap=overlap)
