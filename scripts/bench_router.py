@@ -16,6 +16,7 @@ from array import array
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 
+from events.codec import decode_batch, encode_batch
 from events.hashing import NATIVE, chain_hashes
 from events.model import DecodedBatch, KVCacheEvent, Removed, Stored, StoredBlock
 from kvcache.scope import DEFAULT_SCOPE
@@ -250,9 +251,21 @@ def keyed_batches(
 def bench_keyed(rng: random.Random, n_entries: int, rows: list[tuple[str, str, str]]) -> None:
     """The router's default, engine-agnostic index: every store keyed from its token ids."""
     pool = [[rng.randrange(32000) for _ in range(KEYED_TPB)] for _ in range(1024)]
-    work = [(w, *keyed_batches(rng, n_entries // WORKERS, pool)) for w in range(WORKERS)]
-    # through the native table and update loops (the default), then the pure-Python ones
-    for native in (True, False):
+    by_hand = [(w, *keyed_batches(rng, n_entries // WORKERS, pool)) for w in range(WORKERS)]
+
+    def through_the_wire(batches: list[DecodedBatch]) -> list[DecodedBatch]:
+        return [decode_batch(encode_batch(b.events, b.ts)) for b in batches]
+
+    # What a router receives: the same batches encoded and decoded (as a subscriber gives
+    # them: token ids packed), outside the timed region; then the batches as built by hand
+    # (token ids as lists of ints), then the pure-Python loops.
+    wire = [(w, through_the_wire(s), through_the_wire(r)) for w, s, r in by_hand]
+    runs = (
+        (wire, True, "keyed index updates (32-token blocks, hashing), 0 -> {:,} -> 0, decoded"),
+        (by_hand, True, "  the same, events built by hand (token ids as lists)"),
+        (wire, False, "  the same decoded events through the pure-Python loops"),
+    )
+    for work, native, label in runs:
         ix = KvIndexer(KEYED_TPB, key_by_tokens=True, native=native)
         gc.collect()
         # the prepared input (millions of records a live router never holds at once) would
@@ -273,14 +286,12 @@ def bench_keyed(rng: random.Random, n_entries: int, rows: list[tuple[str, str, s
         assert ix.total_entries() == 0 and sum(ix.anomalies.values()) == 0
         rows.append(
             (
-                f"keyed index updates (32-token blocks, hashing), 0 -> {entries:,} -> 0"
-                if native
-                else "  the same through the pure-Python loops (native=False)",
+                label.format(entries),
                 f"{build / 1e6:.2f} M ops/s ({build_cpu / 1e6:.2f} per CPU s)",
-                ">= 1 M ops/s" if native else "-",
+                ">= 1 M ops/s" if work is wire and native else "-",
             )
         )
-    del work
+    del work, wire, by_hand
     gc.collect()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
