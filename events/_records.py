@@ -172,19 +172,6 @@ v1_stored_block: Callable[[array[int], int, int | None, int | None, int, int], S
 """Hash and record of one block (see :func:`v1_stored_block_py`); ``tokens`` must be an
 ``array('i')``."""
 
-#: Like ``stored_blocks``, but it moves the token ids out of a freshly decoded list of ints that
-#: nobody else holds (left empty) instead of copying them; it never reads them, which for a
-#: 512-token block costs less than reading it (``build_stored``'s ``owned``; the typed path of
-#: the decoder, which reads token ids packed, no longer needs it). None without the extension.
-stored_blocks_moved: (
-    Callable[[list[BlockHash], list[int], int, int | None, int, int, int | None], list[StoredBlock]]
-    | None
-) = (
-    partial(_native.stored_blocks_moved, StoredBlock, _DESCRIPTORS)
-    if NATIVE and hasattr(_native, "stored_blocks_moved")
-    else None
-)
-
 NATIVE_CHAIN: Final[bool] = NATIVE and hasattr(_native, "v1_stored_chain")
 """True when the native chain builder is loaded (an extension built before it lacks it)."""
 

@@ -717,25 +717,9 @@ static PyObject *new_record(PyObject *cls, PyObject *setters, PyObject *const *v
 }
 
 /* stored_blocks(cls, setters, hashes, tokens, block_size, lora_id, cache_level, priority,
- * salt_id) -> list: record i holds hashes[i] and tokens[i*block_size : (i+1)*block_size].
- *
- * With move set (stored_blocks_moved), the token ids are moved out of tokens instead of
- * copied: each block's list takes over the references (no item is touched, which for a
- * freshly decoded 512-token block saves more than reading it), tokens keeps only what no
- * block took (nothing, when the blocks cover it), and the block lists are left out of the
- * collector unchecked. For a list that only the caller holds
- * and that holds only ints (a token list msgspec just decoded as list[int]). */
-/* After moving tokens[0, moved) out: what was not moved (tokens past the last block, or all
- * past a failure) moves to the front, and tokens is a valid list of it again. */
-static void keep_unmoved(PyObject *tokens, Py_ssize_t moved, Py_ssize_t count) {
-    if (moved > 0) {
-        PyObject **items = ((PyListObject *)tokens)->ob_item;
-        memmove(items, items + moved, (size_t)(count - moved) * sizeof(PyObject *));
-        Py_SET_SIZE(tokens, count - moved);
-    }
-}
-
-static PyObject *build_blocks(PyObject *const *args, Py_ssize_t nargs, int move) {
+ * salt_id) -> list: record i holds hashes[i] and tokens[i*block_size : (i+1)*block_size]. */
+static PyObject *stored_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
     if (nargs != 9) {
         PyErr_Format(PyExc_TypeError, "stored_blocks takes 9 arguments, got %zd", nargs);
         return NULL;
@@ -751,7 +735,6 @@ static PyObject *build_blocks(PyObject *const *args, Py_ssize_t nargs, int move)
                         "stored_blocks needs lists of hashes and token ids (a list or an array)");
         return NULL;
     }
-    move = move && is_list;
     Py_ssize_t bs = PyLong_AsSsize_t(args[4]);
     if (bs == -1 && PyErr_Occurred()) {
         return NULL;
@@ -761,7 +744,6 @@ static PyObject *build_blocks(PyObject *const *args, Py_ssize_t nargs, int move)
         return NULL;
     }
     Py_ssize_t n = PyList_GET_SIZE(hashes), count = Py_SIZE(tokens);
-    Py_ssize_t moved = 0; /* tokens[0, moved) belong to block lists (their slots hold NULL) */
     PyObject *out = PyList_New(n);
     if (out == NULL) {
         return NULL;
@@ -777,17 +759,7 @@ static PyObject *build_blocks(PyObject *const *args, Py_ssize_t nargs, int move)
         Py_ssize_t lo = i <= count / bs ? i * bs : count;
         Py_ssize_t hi = bs < count - lo ? lo + bs : count;
         PyObject *slice;
-        if (move) {
-            slice = PyList_New(hi - lo);
-            if (slice == NULL) {
-                goto error;
-            }
-            PyObject **src = ((PyListObject *)tokens)->ob_item + lo;
-            memcpy(((PyListObject *)slice)->ob_item, src, (size_t)(hi - lo) * sizeof(PyObject *));
-            memset(src, 0, (size_t)(hi - lo) * sizeof(PyObject *)); /* the collector skips NULL */
-            moved = hi;
-            PyObject_GC_UnTrack(slice);
-        } else if (is_list) {
+        if (is_list) {
             slice = PyList_GetSlice(tokens, lo, hi);
             if (slice == NULL) {
                 goto error;
@@ -809,22 +781,10 @@ static PyObject *build_blocks(PyObject *const *args, Py_ssize_t nargs, int move)
         }
         PyList_SET_ITEM(out, i, rec);
     }
-    keep_unmoved(tokens, moved, count);
     return out;
 error:
-    keep_unmoved(tokens, moved, count);
     Py_DECREF(out);
     return NULL;
-}
-
-static PyObject *stored_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    return build_blocks(args, nargs, 0);
-}
-
-static PyObject *stored_blocks_moved(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    return build_blocks(args, nargs, 1);
 }
 
 static PyObject *v1_record(PyObject *cls, PyObject *setters, PyObject *tokens_obj,
@@ -1204,9 +1164,6 @@ static PyMethodDef methods[] = {
     {"stored_blocks", (PyCFunction)(void (*)(void))stored_blocks, METH_FASTCALL,
      "stored_blocks(cls, setters, hashes, tokens, block_size, lora_id, cache_level, priority, "
      "salt_id) -> list: one record per hash, each with its block_size slice of tokens."},
-    {"stored_blocks_moved", (PyCFunction)(void (*)(void))stored_blocks_moved, METH_FASTCALL,
-     "stored_blocks_moved(...) -> list: stored_blocks, moving the token ids out of tokens "
-     "(left empty) instead of copying them; for a list of ints only the caller holds."},
     {"v1_stored_block", (PyCFunction)(void (*)(void))v1_stored_block, METH_FASTCALL,
      "v1_stored_block(cls, setters, tokens, parent_hash, lora_id, salt_id, cache_level, "
      "priority) -> record: V1 hash and record of one block of packed int32 token ids."},

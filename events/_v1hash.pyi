@@ -32,20 +32,6 @@ def stored_blocks(
     """One record of ``cls`` per hash, each with its ``block_size`` slice of ``tokens`` (a list,
     or an array whose slices are arrays)."""
 
-def stored_blocks_moved(
-    cls: type[Any],
-    setters: tuple[Any, ...],
-    hashes: list[Any],
-    tokens: Sequence[int],
-    block_size: int,
-    lora_id: int | None,
-    cache_level: int,
-    priority: int,
-    salt_id: int | None,
-) -> list[Any]:
-    """``stored_blocks``, moving the token ids out of ``tokens`` (left empty) instead of copying
-    them; only for a list of ints that nobody else holds."""
-
 def v1_stored_block(
     cls: type[Any],
     setters: tuple[Any, ...],

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Final
 
-from events._records import stored_blocks, stored_blocks_moved
+from events._records import stored_blocks
 from events.json_codec import DecodeError, expect_list
 from events.model import BlockHash, Stored
 from kvcache.scope import U64_LIMIT
@@ -74,15 +74,13 @@ def build_stored(
     parent_hash: BlockHash | None,
     values: tuple[int | None, int, int | None, int, str | None, int | None, str | None],
     where: str,
-    owned: bool = False,
 ) -> Stored | None:
     """The Stored event of checked values; None for an empty store (it changes nothing).
 
     ``values``: (lora_id, cache_level, cache_salt_id, priority, lora_name, group, salt).
     ``tokens``: a list (each block gets a list slice) or a packed ``array('i')`` (each block
-    gets an array slice). ``owned``: ``tokens`` is a list of ints that nobody else holds, which
-    the blocks may take over (it is left empty). Raises DecodeError when the token count does
-    not fit the hashes and ``block_size``."""
+    gets an array slice). Raises DecodeError when the token count does not fit the hashes and
+    ``block_size``."""
     lora_id, level, salt_id, priority, lora_name, group, salt = values
     n, count = len(hashes), len(tokens)
     if n == 0 and count == 0:
@@ -106,11 +104,7 @@ def build_stored(
             f"(expected {max(n - 1, 0) * block_size + 1}..{n * block_size}); the sender's "
             "block_size or token list is inconsistent"
         )
-    args = (tokens_per_block, lora_id, level, priority, salt_id)
-    if owned and stored_blocks_moved is not None and type(tokens) is list:
-        blocks = stored_blocks_moved(hashes, tokens, *args)
-    else:
-        blocks = stored_blocks(hashes, tokens, *args)
+    blocks = stored_blocks(hashes, tokens, tokens_per_block, lora_id, level, priority, salt_id)
     return Stored(
         parent_hash=parent_hash,
         blocks=blocks,

@@ -6,9 +6,7 @@ DecodeError, and one bad event costs only that event."""
 
 from __future__ import annotations
 
-import gc
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from events import wire_decode, wire_fast, wire_values
-from events._records import stored_blocks_py
+from events import wire_decode, wire_fast
 from events.capture import read_capture
 from events.codec import DecodeError, DecodeLimits, decode_batch, encode_batch
 from events.model import (
@@ -454,36 +451,3 @@ def test_engine_captures_decode_identically_on_both_paths(name: str) -> None:
         assert decode_batch(payload) == general
     assert typed > 0, "no payload of this capture took the typed path"
     assert json.loads((ENGINES / name / "expected.json").read_text())  # the capture is whole
-
-
-# --- the typed path's record builder moves token ids instead of copying them ---------------
-
-
-@pytest.mark.skipif(wire_values.stored_blocks_moved is None, reason="native extension not built")
-@settings(max_examples=200, deadline=None)
-@given(
-    n=st.integers(0, 6),
-    block_size=st.integers(1, 5),
-    extra=st.integers(-5, 5),
-    lora=st.one_of(st.none(), st.integers(0, U64 - 1)),
-)
-def test_moved_records_equal_copied_ones(
-    n: int, block_size: int, extra: int, lora: int | None
-) -> None:
-    count = max(0, n * block_size + extra)
-    tokens = [2**40 + i for i in range(count)]  # not cached small ints: their counts are ours
-    hashes: list[int | str] = list(range(n))
-    expected = stored_blocks_py(hashes, tokens, block_size, lora, 1, 35, None)
-    taken = list(tokens)  # the builder's own list, as msgspec's would be
-    before = [sys.getrefcount(t) for t in tokens]
-    moved = wire_values.stored_blocks_moved
-    assert moved is not None
-    records = moved(hashes, taken, block_size, lora, 1, 35, None)
-    covered = sum(len(r.tokens) for r in records)
-    assert records == expected and taken == tokens[covered:]  # what no block took stays
-    # every reference the taken list held now belongs to exactly one block, none lost or added
-    assert [sys.getrefcount(t) for t in tokens] == before
-    del taken
-    assert not any(gc.is_tracked(r.tokens) for r in records)
-    del records  # and each is released once with its block (or with the list, if none took it)
-    assert [sys.getrefcount(t) for t in tokens] == [c - 1 for c in before]
