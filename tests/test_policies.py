@@ -520,12 +520,33 @@ def test_the_oracle_balances_as_kv_overlap_does() -> None:
     st.sampled_from([512, 2048, 8192]),
     st.sampled_from([0.0, 0.5, 1.0]),
 )
-def test_predicted_ttft_decision_figures_are_its_methods_figures(
+def test_predicted_ttft_figures_follow_the_model(
     workers: list[tuple[int, int, int, int, float]], tokens: int, chunk: int, recompute: float
 ) -> None:
-    """choose() computes each worker's cost and prediction in one pass: the very floats
-    cost_ms() and predict_ms() give (so its decisions are theirs)."""
-    policy = PredictedTtftPolicy(chunk_tokens=chunk, recompute_weight=recompute)
+    """The figures a decision weighs (one pass over the fleet) and cost_ms()/predict_ms()
+    are the model's, written out here term by term: queued plus uncached prompt tokens in
+    chunks of the polynomial prefill time, one decode iteration per chunk where requests
+    decode, plus recompute_weight x the uncached tokens' chunked prefill time."""
+    timing = PolynomialTiming()
+    policy = PredictedTtftPolicy(timing, chunk_tokens=chunk, recompute_weight=recompute)
+
+    def chunked(n: int) -> float:
+        if n <= 0:
+            return 0.0
+        return n // chunk * timing.prefill_ms(chunk) + timing.prefill_ms(n % chunk)
+
+    model_cost: dict[int, float] = {}
+    model_predict: dict[int, float] = {}
+    for w, (m, s, p, d, u) in enumerate(workers):
+        slower = min(s, m)
+        cached = (m - slower) * 1.0 + slower * 0.75  # default device / slower-tier credits
+        uncached = max(0, tokens - round(cached * TPB))
+        queue = p + uncached
+        ms = chunked(queue)
+        if d > 0 and queue > 0:
+            ms += -(-queue // chunk) * timing.decode_ms(u)
+        model_predict[w] = ms
+        model_cost[w] = ms + recompute * chunked(uncached)
     matches = {
         w: MatchDetail(m, m - min(s, m), m - min(s, m), min(s, m))
         for w, (m, s, _, _, _) in enumerate(workers)
@@ -536,6 +557,6 @@ def test_predicted_ttft_decision_figures_are_its_methods_figures(
     }
     request = RouteRequest([], tokens, TPB, matches, loads)
     costs, predicted, overlap = policy._figures(request, sorted(loads))
-    assert costs == {w: policy.cost_ms(request, w) for w in loads}
-    assert predicted == {w: policy.predict_ms(request, w) for w in loads}
+    assert costs == model_cost == {w: policy.cost_ms(request, w) for w in loads}
+    assert predicted == model_predict == {w: policy.predict_ms(request, w) for w in loads}
     assert set(overlap) == set(loads)

@@ -72,68 +72,58 @@ class PredictedTtftPolicy:
         self.bounded = BoundedLoad(balance)
         self.seed = seed  # for ties only
 
-    def chunked_prefill_ms(self, tokens: int) -> float:
-        """Compute time of ``tokens`` prompt tokens run in steps of ``chunk_tokens``."""
+    def chunked_prefill_ms(self, tokens: int, chunk_ms: float | None = None) -> float:
+        """Compute time of ``tokens`` prompt tokens run in steps of ``chunk_tokens``
+        (``chunk_ms``: one full step's time, when the caller has it already)."""
         if tokens <= 0:
             return 0.0
+        if chunk_ms is None:
+            chunk_ms = self.timing.prefill_ms(self.chunk_tokens)
         full, rest = divmod(tokens, self.chunk_tokens)
-        return full * self.timing.prefill_ms(self.chunk_tokens) + self.timing.prefill_ms(rest)
+        return full * chunk_ms + self.timing.prefill_ms(rest)
 
     def uncached_tokens(self, request: RouteRequest, worker: int) -> int:
         """Prompt tokens of ``request`` that ``worker`` would compute."""
-        cached = credited_blocks(
-            request.matches.get(worker), self.device_credit, self.slower_credit
-        )
-        return max(0, request.num_tokens - round(cached * request.tokens_per_block))
+        return self._worker(request, worker, None)[3]
 
     def predict_ms(self, request: RouteRequest, worker: int) -> float:
         """Predicted time to first token of ``request`` on ``worker``: its queued prompt
         tokens and this request's uncached ones in chunks, each step with one decode
         iteration when requests are decoding there."""
-        load = request.loads[worker]
-        queue = load.pending_prefill_tokens + self.uncached_tokens(request, worker)
-        ms = self.chunked_prefill_ms(queue)
-        if load.decode_blocks > 0 and queue > 0:
-            ms += -(-queue // self.chunk_tokens) * self.timing.decode_ms(load.kv_usage)
-        return ms
+        return self._worker(request, worker, None)[1]
 
     def cost_ms(self, request: RouteRequest, worker: int) -> float:
         """Predicted TTFT plus ``recompute_weight`` x the compute time of the uncached tokens."""
-        uncached = self.uncached_tokens(request, worker)
-        recompute = self.recompute_weight * self.chunked_prefill_ms(uncached)
-        return self.predict_ms(request, worker) + recompute
+        return self._worker(request, worker, None)[0]
+
+    def _worker(
+        self, request: RouteRequest, worker: int, chunk_ms: float | None
+    ) -> tuple[float, float, float, int]:
+        """(:meth:`cost_ms`, :meth:`predict_ms`, credited cached blocks, uncached tokens) of
+        one worker, each term computed once."""
+        cached = credited_blocks(
+            request.matches.get(worker), self.device_credit, self.slower_credit
+        )
+        uncached = max(0, request.num_tokens - round(cached * request.tokens_per_block))
+        load = request.loads[worker]
+        queue = load.pending_prefill_tokens + uncached
+        ms = self.chunked_prefill_ms(queue, chunk_ms)
+        if load.decode_blocks > 0 and queue > 0:
+            ms += -(-queue // self.chunk_tokens) * self.timing.decode_ms(load.kv_usage)
+        cost = ms + self.recompute_weight * self.chunked_prefill_ms(uncached, chunk_ms)
+        return cost, ms, cached, uncached
 
     def _figures(
         self, request: RouteRequest, workers: list[int]
     ) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
-        """Per worker: :meth:`cost_ms`, :meth:`predict_ms` and the credited cached blocks,
-        computed as those methods do (the same operations in the same order, so the same
-        floats), each term once: a decision over a fleet is per-worker arithmetic only."""
-        timing, chunk = self.timing, self.chunk_tokens
-        chunk_ms = timing.prefill_ms(chunk)
-
-        def chunked(tokens: int) -> float:  # chunked_prefill_ms, the chunk's time reused
-            if tokens <= 0:
-                return 0.0
-            full, rest = divmod(tokens, chunk)
-            return full * chunk_ms + timing.prefill_ms(rest)
-
-        matches, loads = request.matches, request.loads
-        num, tpb = request.num_tokens, request.tokens_per_block
+        """Per worker: cost, predicted TTFT and credited cached blocks (the step time of a
+        full chunk computed once per decision)."""
+        chunk_ms = self.timing.prefill_ms(self.chunk_tokens)
         costs: dict[int, float] = {}
         predicted: dict[int, float] = {}
         overlap: dict[int, float] = {}
         for w in workers:
-            cached = credited_blocks(matches.get(w), self.device_credit, self.slower_credit)
-            uncached = max(0, num - round(cached * tpb))
-            load = loads[w]
-            queue = load.pending_prefill_tokens + uncached
-            ms = chunked(queue)
-            if load.decode_blocks > 0 and queue > 0:
-                ms += -(-queue // chunk) * timing.decode_ms(load.kv_usage)
-            costs[w] = ms + self.recompute_weight * chunked(uncached)
-            predicted[w] = ms
-            overlap[w] = cached
+            costs[w], predicted[w], overlap[w], _ = self._worker(request, w, chunk_ms)
         return costs, predicted, overlap
 
     def choose(self, request: RouteRequest) -> PolicyChoice:
