@@ -236,33 +236,13 @@ class BlockPool:
         """A sequence lets go of ``blocks``: tree blocks stay cached, private pages are freed;
         a block no live sequence holds any more was last used now."""
         tick = self.next_tick()
-        if suspended:
-            holders = self._holders
-            for b in blocks:
-                if not b.in_tree:
-                    self.free(b)
-                    continue
-                refs = b.refs
-                holders(b, refs, b.susp - 1, None if refs else tick)
-            return
-        classes = self._classes
-        queues = self.queues
+        holders = self._holders
         for b in blocks:
             if not b.in_tree:
                 self.free(b)
                 continue
-            # _holders(b, b.refs - 1, b.susp, tick when no live holder is left), inlined: it
-            # runs for every block of every closed sequence
-            refs = b.refs - 1
-            t = b.tier
-            classes[0 if b.refs else 1 if b.susp else 2][t] -= 1
-            classes[0 if refs else 1 if b.susp else 2][t] += 1
-            b.refs = refs
-            b.gen += 1
-            if not refs:
-                b.tick = tick
-                if b.here == 0 and b.page >= 0:
-                    queues[t][1 if b.susp else 0].push(b)
+            refs, susp = (b.refs, b.susp - 1) if suspended else (b.refs - 1, b.susp)
+            holders(b, refs, susp, None if refs else tick)
 
     # --------------------------------------------------------------------------- tree edits
 
