@@ -205,6 +205,16 @@ def _siblings(node: Node) -> Iterator[Block]:
     yield from full_children(node)
 
 
+def _missed_key(
+    parent: Node, data: bytes, start: int, step: int, want_key: bool
+) -> BlockKey | None:
+    """The key of the block ``data[start : start + step]`` below ``parent``, which no child
+    holds (None when the caller does not want it)."""
+    if not want_key:
+        return None
+    return BlockKey(sha256(parent.key + data[start : start + step]).digest())
+
+
 class RadixTree:
     """Scope roots and the structural operations on blocks."""
 
@@ -257,10 +267,7 @@ class RadixTree:
                     break
                 # ``startswith`` compares the array's bytes in place (no slice is made)
                 if not data.startswith(child.tokens, start):
-                    if not want_key:
-                        return found, None
-                    chunk = data[start : start + step]
-                    return found, BlockKey(sha256(prev.key + chunk).digest())
+                    return found, _missed_key(prev, data, start, step, want_key)
                 block = child
             elif len(children) <= _SCAN_CHILDREN:
                 if not children:  # the dict stays once made, and may be empty
@@ -269,10 +276,7 @@ class RadixTree:
                     if data.startswith(block.tokens, start):
                         break
                 else:
-                    if not want_key:
-                        return found, None
-                    chunk = data[start : start + step]
-                    return found, BlockKey(sha256(prev.key + chunk).digest())
+                    return found, _missed_key(prev, data, start, step, want_key)
             else:
                 key = sha256(prev.key + data[start : start + step]).digest()
                 found_block = children.get(key)
