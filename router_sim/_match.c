@@ -1087,7 +1087,8 @@ static PyObject *expand_ids(PyObject *self, PyObject *const *args, Py_ssize_t na
     if (PyErr_Occurred())
         return NULL;
     if (count < 0 || per_id < 1 || shift < 0 || shift > 31 || mask > UINT32_MAX ||
-        count > PY_SSIZE_T_MAX / 4 || (count + per_id - 1) / per_id > PyTuple_GET_SIZE(ids)) {
+        count > PY_SSIZE_T_MAX / 4 ||
+        count / per_id + (count % per_id != 0) > PyTuple_GET_SIZE(ids)) {
         PyErr_SetString(PyExc_ValueError,
                         "expand_ids: count must be in [0, len(ids) * per_id], per_id >= 1, "
                         "shift in [0, 31], mask < 2**32");
