@@ -13,7 +13,8 @@
  * It also holds the event path's native steps (each with its pure-Python reference beside its
  * caller): the StoredBlock record builders (events/_records.py), the wire encoder's runs
  * (stored_runs) and the packed token ids of the wire (tokens_from_msgpack, pack_tokens: a
- * msgpack array of ints read into, and written from, an array('i')).
+ * msgpack array of ints read into, and written from, an array('i')), and the router service's
+ * JSON prompts read the same way (tokens_from_json).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -496,6 +497,90 @@ static PyObject *tokens_from_msgpack(PyObject *self, PyObject *const *args, Py_s
     return arr;
 refuse:
     Py_XDECREF(arr);
+    PyBuffer_Release(&buf);
+    Py_RETURN_NONE;
+}
+
+static inline int json_space(unsigned char c) {
+    return c == ' ' || c == '\t' || c == '\n' || c == '\r';
+}
+
+/* tokens_from_json(data, limit) -> array('i') | None: the token ids of one JSON array of 1 to
+ * limit ints in [0, 2**31) written plainly (digits without sign, fraction, exponent or leading
+ * zero, JSON whitespace around them), that is the whole of data (a msgspec.Raw, bytes: any
+ * buffer); None for anything else, which the caller then reads with msgspec and names. One pass
+ * into a buffer no longer than limit or one item per two bytes of data, whichever is less. */
+static PyObject *tokens_from_json(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "tokens_from_json takes 2 arguments, got %zd", nargs);
+        return NULL;
+    }
+    Py_ssize_t limit = PyLong_AsSsize_t(args[1]);
+    if (limit == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_buffer buf;
+    if (PyObject_GetBuffer(args[0], &buf, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    const unsigned char *p = (const unsigned char *)buf.buf, *last = p + buf.len;
+    PyObject *arr = NULL;
+    int32_t *vals = NULL;
+    Py_ssize_t cap = buf.len / 2 + 1, n = 0;
+    if (limit < cap) {
+        cap = limit;
+    }
+    /* The closing bracket, found first, ends every scan below: no other bounds check. */
+    while (last > p && json_space(last[-1])) {
+        last--;
+    }
+    while (p < last && json_space(*p)) {
+        p++;
+    }
+    if (cap <= 0 || last - p < 2 || *p++ != '[' || last[-1] != ']') {
+        goto refuse;
+    }
+    vals = (int32_t *)PyMem_Malloc((size_t)cap * sizeof(int32_t));
+    if (vals == NULL) {
+        PyBuffer_Release(&buf);
+        return PyErr_NoMemory();
+    }
+    for (;;) {
+        while (json_space(*p)) {
+            p++;
+        }
+        const unsigned char *digits = p;
+        uint64_t v = 0;
+        while ((unsigned)(*p - '0') < 10) { /* wraps past 20 digits: refused by length */
+            v = v * 10 + (uint64_t)(*p++ - '0');
+        }
+        Py_ssize_t len = p - digits;
+        if (len == 0 || len > 10 || (len > 1 && *digits == '0') || v > (uint64_t)INT32_MAX ||
+            n == cap) {
+            /* not a plain int (sign, fraction, exponent, leading zero, too big), or one more
+             * than the limit allows */
+            goto refuse;
+        }
+        vals[n++] = (int32_t)v;
+        while (json_space(*p)) {
+            p++;
+        }
+        if (*p == ',') {
+            p++;
+            continue;
+        }
+        if (*p == ']' && p + 1 == last) {
+            break;
+        }
+        goto refuse;
+    }
+    arr = int32_array_of((const unsigned char *)vals, n);
+    PyMem_Free(vals);
+    PyBuffer_Release(&buf);
+    return arr;
+refuse:
+    PyMem_Free(vals);
     PyBuffer_Release(&buf);
     Py_RETURN_NONE;
 }
@@ -1174,6 +1259,9 @@ static PyMethodDef methods[] = {
     {"tokens_from_msgpack", (PyCFunction)(void (*)(void))tokens_from_msgpack, METH_FASTCALL,
      "tokens_from_msgpack(data, limit) -> array('i') | None: the token ids of one msgpack array "
      "of at most limit ints in [0, 2**31); None for anything else."},
+    {"tokens_from_json", (PyCFunction)(void (*)(void))tokens_from_json, METH_FASTCALL,
+     "tokens_from_json(data, limit) -> array('i') | None: the token ids of one JSON array of 1 "
+     "to limit plain ints in [0, 2**31); None for anything else."},
     {"pack_tokens", pack_tokens, METH_O,
      "pack_tokens(tokens) -> bytes | None: the msgpack array of an array('i') or a list of ints, "
      "as msgspec writes it; None for what it leaves to msgspec."},

@@ -52,6 +52,11 @@ def tokens_from_msgpack(data: Any, limit: int) -> array[int] | None:
     """The token ids of one msgpack array of at most ``limit`` ints in ``[0, 2**31)`` that is
     the whole of ``data`` (a buffer), as an ``array('i')``; None for anything else."""
 
+def tokens_from_json(data: Any, limit: int) -> array[int] | None:
+    """The token ids of one JSON array of 1 to ``limit`` ints in ``[0, 2**31)`` written plainly
+    (no sign, fraction, exponent or leading zero) that is the whole of ``data`` (a buffer), as
+    an ``array('i')``; None for anything else."""
+
 def pack_tokens(tokens: object) -> bytes | None:
     """The msgpack array of an ``array('i')`` or a list of ints in ``[-2**63, 2**64)``, byte for
     byte as msgspec writes the same ints as a list; None for anything else."""

@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
+from array import array
 from pathlib import Path
 
+import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from service_procs import Proc, _start, get_json, request
 
 from router_sim.service.app import _runner
@@ -104,6 +109,20 @@ ROUTE_BODIES = [
     b'{"prompt": [1], "cache_salt": "' + b"s" * 4097 + b'"}',
     b'{"prompt": [1]',
     b"",
+    # spellings of the prompt: the plain ones are read natively, the others by msgspec
+    b'{"prompt":[1,2,3]}',
+    b'{"prompt": [ 1 ,\n\t2\r, 3 ] }',
+    b'{"prompt": [0, 10, 100]}',
+    b'{"prompt": [01]}',
+    b'{"prompt": [1e3]}',
+    b'{"prompt": [1.5]}',
+    b'{"prompt": [-0]}',
+    b'{"prompt": [1,]}',
+    b'{"prompt": [,1]}',
+    b'{"prompt": [1 2]}',
+    b'{"prompt": [[1]]}',
+    b'{"prompt": [99999999999999999999999]}',
+    b'{"prompt": [1], "prompt": [2]}',
 ]
 
 
@@ -120,12 +139,63 @@ def test_route_json_bodies_are_read_like_the_pydantic_model(raw: bytes) -> None:
             parse_route_body(raw)
         return
     got = parse_route_body(raw)
-    assert (got.prompt, got.lora_id, got.lora_name, got.cache_salt) == (
+    assert (list(got.prompt), got.lora_id, got.lora_name, got.cache_salt) == (
         want.prompt,
         want.lora_id,
         want.lora_name,
         want.cache_salt,
     )
+
+
+native_json = pytest.importorskip("events._v1hash")
+_PROMPT = msgspec.json.Decoder(list[int])
+
+
+def _msgspec_prompt(data: bytes) -> list[int] | None:
+    try:
+        got = _PROMPT.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    return got if got and all(0 <= t < 2**31 for t in got) else None
+
+
+@st.composite
+def _json_prompts(draw: st.DrawFn) -> bytes:
+    """A JSON array of ids (some out of range) with random whitespace, often damaged."""
+    ids = draw(st.lists(st.integers(-3, 2**31 + 3) | st.integers(0, 99), max_size=12))
+    ws = st.sampled_from(["", " ", "\n", "\t", "\r", "  "])
+    body = draw(ws) + "[" + ",".join(draw(ws) + str(t) + draw(ws) for t in ids) + "]" + draw(ws)
+    data = body.encode()
+    if draw(st.booleans()):  # damage: a byte replaced, inserted or cut
+        at = draw(st.integers(0, len(data)))
+        junk = draw(st.sampled_from([b"", b"0", b".", b"e", b"-", b",", b"]", b"[", b"x", b"1"]))
+        cut = draw(st.integers(0, 1))
+        data = data[:at] + junk + data[at + cut :]
+    return data
+
+
+@settings(max_examples=600, deadline=None)
+@given(_json_prompts())
+def test_the_native_json_prompt_reader_accepts_only_what_msgspec_does(data: bytes) -> None:
+    """Whatever the native reader accepts, msgspec reads as the same ids within the bounds;
+    what it refuses goes to msgspec (``parse_route_body``), so it only has to be right when it
+    answers. A plain array within the bounds is always answered natively (the fast path)."""
+    want = _msgspec_prompt(data)
+    got = native_json.tokens_from_json(data, 1 << 20)
+    if got is not None:
+        assert list(got) == want
+    elif want is not None and re.fullmatch(rb"\s*\[[\s\d,]*\]\s*", data):
+        items = data.strip()[1:-1].split(b",")
+        assert not all(re.fullmatch(rb"0|[1-9]\d*", t.strip()) for t in items)
+
+
+def test_the_native_json_prompt_reader_keeps_to_its_limit() -> None:
+    assert native_json.tokens_from_json(b"[1,2,3]", 3) == array("i", [1, 2, 3])
+    assert native_json.tokens_from_json(b"[1,2,3]", 2) is None
+    assert native_json.tokens_from_json(b"[1,2,3]", 0) is None
+    assert native_json.tokens_from_json(memoryview(b" [7] "), 1) == array("i", [7])
+    ids = list(range(0, 2**31, 2**31 // 8192))[:8192]
+    assert list(native_json.tokens_from_json(json.dumps(ids).encode(), 8192)) == ids
 
 
 def test_json_answers_encode_like_the_standard_library() -> None:

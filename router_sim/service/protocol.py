@@ -6,12 +6,14 @@ ints as ``prompt``; there is no tokenizer here). Bodies are parsed with
 ``model_validate_json``: pydantic-core parses and checks an 8,192-id prompt in one pass, well
 under the cost of ``json.loads`` followed by a Python check per id. ``POST /route``, the path
 that runs at high rates, reads its JSON body with msgspec instead (:class:`RouteJson`: the
-same fields and bounds, half the time).
+same fields and bounds), and its prompt, when it is written plainly (digits, commas, JSON
+whitespace), straight into packed int32 ids with the native ``tokens_from_json``: a list of
+8,192 ids costs ~0.17 ms to parse into Python ints with msgspec, a few hundredths packed, and
+the router hashes packed ids without unpacking them. Any other spelling goes to msgspec, which
+accepts or names it.
 
 ``POST /route`` also takes the prompt packed (``Content-Type: application/octet-stream``,
-little-endian int32 ids, the other fields as query parameters): a JSON list of 8,192 ids costs
-~0.35 ms to parse into Python ints whatever the parser, the packed form nothing, and the
-router hashes packed ids without unpacking them.
+little-endian int32 ids, the other fields as query parameters).
 
 Every error answer is JSON in OpenAI's shape, ``{"error": {"message", "type", "code"}}``;
 :func:`json_errors` is the aiohttp middleware that makes that true for aiohttp's own 404/405/413
@@ -24,8 +26,8 @@ from __future__ import annotations
 import logging
 import sys
 from array import array
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Annotated, Any, Final, TypeVar
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Annotated, Any, Final, NamedTuple, TypeVar
 
 import msgspec
 from aiohttp import web
@@ -63,19 +65,36 @@ class RouteJson(msgspec.Struct, frozen=True):
     ``POST /route`` is the path that runs at high rates. msgspec bounds ints to 64 signed
     bits, so ``lora_id < 2**64`` is checked after."""
 
-    prompt: Annotated[
-        list[Annotated[int, msgspec.Meta(ge=0, lt=2**31)]],
-        msgspec.Meta(min_length=1, max_length=MAX_PROMPT_TOKENS),
-    ]
+    prompt: msgspec.Raw  # read by parse_route_body (see _PROMPT)
     lora_id: Annotated[int, msgspec.Meta(ge=0)] | None = None
     lora_name: str | None = None
     cache_salt: Annotated[str, msgspec.Meta(max_length=4096)] | None = None
 
 
+class RouteRequest(NamedTuple):
+    """A parsed JSON ``POST /route`` body."""
+
+    prompt: Sequence[int]  # array('i') when read natively, else a list
+    lora_id: int | None
+    lora_name: str | None
+    cache_salt: str | None
+
+
 _ROUTE_DECODER: Final = msgspec.json.Decoder(RouteJson)
+_PROMPT: Final = msgspec.json.Decoder(
+    Annotated[
+        list[Annotated[int, msgspec.Meta(ge=0, lt=2**31)]],
+        msgspec.Meta(min_length=1, max_length=MAX_PROMPT_TOKENS),
+    ]
+)
+
+try:
+    from events._v1hash import tokens_from_json as _native_prompt
+except ImportError:  # pragma: no cover - depends on the install
+    _native_prompt = None
 
 
-def parse_route_body(body: bytes) -> RouteJson:
+def parse_route_body(body: bytes) -> RouteRequest:
     """A JSON ``POST /route`` body (what :class:`RouteBody` accepts; :class:`BadRequest`
     with a short message otherwise)."""
     try:
@@ -84,7 +103,17 @@ def parse_route_body(body: bytes) -> RouteJson:
         raise BadRequest(str(exc)) from None
     if got.lora_id is not None and got.lora_id >= 2**64:
         raise BadRequest("lora_id: must be < 2**64")
-    return got
+    prompt: Sequence[int] | None = None
+    if _native_prompt is not None:
+        prompt = _native_prompt(got.prompt, MAX_PROMPT_TOKENS)
+    if prompt is None:  # no native reader, or a spelling it leaves to msgspec
+        try:
+            prompt = _PROMPT.decode(got.prompt)
+        except msgspec.ValidationError as exc:  # its path is within the prompt: say so
+            message = str(exc)
+            where = message.replace("- at `$", "- at `$.prompt", 1)
+            raise BadRequest(where if where != message else f"{message} - at `$.prompt`") from None
+    return RouteRequest(prompt, got.lora_id, got.lora_name, got.cache_salt)
 
 
 PACKED_TOKENS: Final = "application/octet-stream"
