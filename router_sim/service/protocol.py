@@ -91,7 +91,7 @@ _PROMPT: Final = msgspec.json.Decoder(
 try:
     from events._v1hash import tokens_from_json as _native_prompt
 except ImportError:  # pragma: no cover - depends on the install
-    _native_prompt = None
+    _native_prompt = None  # type: ignore[assignment]
 
 
 def parse_route_body(body: bytes) -> RouteRequest:
