@@ -14,7 +14,7 @@
  * caller): the StoredBlock record builders (events/_records.py), the wire encoder's runs
  * (stored_runs) and the packed token ids of the wire (tokens_from_msgpack, pack_tokens: a
  * msgpack array of ints read into, and written from, an array('i')), and the router service's
- * JSON prompts read the same way (tokens_from_json).
+ * JSON prompts read the same way (tokens_from_json, json_prompt_first).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -505,6 +505,46 @@ static inline int json_space(unsigned char c) {
     return c == ' ' || c == '\t' || c == '\n' || c == '\r';
 }
 
+/* Reads a JSON array of plain ints in [0, 2**31) starting at p (which points at its '['),
+ * at most cap of them, into vals. The buffer must hold a byte that is neither a digit nor JSON
+ * whitespace at or before its end (its closing ']', or a bytes object's terminating NUL): the
+ * scans stop there, so they need no bounds check. Returns the position after the ']', or NULL
+ * for anything else (a sign, fraction, exponent, leading zero, too big, one item more than cap,
+ * another character). */
+static const unsigned char *scan_json_ints(const unsigned char *p, Py_ssize_t cap,
+                                           int32_t *vals, Py_ssize_t *count) {
+    Py_ssize_t n = 0;
+    p++; /* the '[' */
+    for (;;) {
+        while (json_space(*p)) {
+            p++;
+        }
+        const unsigned char *digits = p;
+        uint64_t v = 0;
+        while ((unsigned)(*p - '0') < 10) { /* wraps past 20 digits: refused by length */
+            v = v * 10 + (uint64_t)(*p++ - '0');
+        }
+        Py_ssize_t len = p - digits;
+        if (len == 0 || len > 10 || (len > 1 && *digits == '0') || v > (uint64_t)INT32_MAX ||
+            n == cap) {
+            return NULL;
+        }
+        vals[n++] = (int32_t)v;
+        while (json_space(*p)) {
+            p++;
+        }
+        if (*p == ',') {
+            p++;
+            continue;
+        }
+        if (*p != ']') {
+            return NULL;
+        }
+        *count = n;
+        return p + 1;
+    }
+}
+
 /* tokens_from_json(data, limit) -> array('i') | None: the token ids of one JSON array of 1 to
  * limit ints in [0, 2**31) written plainly (digits without sign, fraction, exponent or leading
  * zero, JSON whitespace around them), that is the whole of data (a msgspec.Raw, bytes: any
@@ -531,14 +571,14 @@ static PyObject *tokens_from_json(PyObject *self, PyObject *const *args, Py_ssiz
     if (limit < cap) {
         cap = limit;
     }
-    /* The closing bracket, found first, ends every scan below: no other bounds check. */
+    /* The closing bracket, found first, stops every scan (see scan_json_ints). */
     while (last > p && json_space(last[-1])) {
         last--;
     }
     while (p < last && json_space(*p)) {
         p++;
     }
-    if (cap <= 0 || last - p < 2 || *p++ != '[' || last[-1] != ']') {
+    if (cap <= 0 || last - p < 2 || *p != '[' || last[-1] != ']') {
         goto refuse;
     }
     vals = (int32_t *)PyMem_Malloc((size_t)cap * sizeof(int32_t));
@@ -546,33 +586,7 @@ static PyObject *tokens_from_json(PyObject *self, PyObject *const *args, Py_ssiz
         PyBuffer_Release(&buf);
         return PyErr_NoMemory();
     }
-    for (;;) {
-        while (json_space(*p)) {
-            p++;
-        }
-        const unsigned char *digits = p;
-        uint64_t v = 0;
-        while ((unsigned)(*p - '0') < 10) { /* wraps past 20 digits: refused by length */
-            v = v * 10 + (uint64_t)(*p++ - '0');
-        }
-        Py_ssize_t len = p - digits;
-        if (len == 0 || len > 10 || (len > 1 && *digits == '0') || v > (uint64_t)INT32_MAX ||
-            n == cap) {
-            /* not a plain int (sign, fraction, exponent, leading zero, too big), or one more
-             * than the limit allows */
-            goto refuse;
-        }
-        vals[n++] = (int32_t)v;
-        while (json_space(*p)) {
-            p++;
-        }
-        if (*p == ',') {
-            p++;
-            continue;
-        }
-        if (*p == ']' && p + 1 == last) {
-            break;
-        }
+    if (scan_json_ints(p, cap, vals, &n) != last) {
         goto refuse;
     }
     arr = int32_array_of((const unsigned char *)vals, n);
@@ -583,6 +597,75 @@ refuse:
     PyMem_Free(vals);
     PyBuffer_Release(&buf);
     Py_RETURN_NONE;
+}
+
+/* json_prompt_first(body, limit) -> (array('i'), end) | None: when the bytes body is a JSON
+ * object whose first member is "prompt" with a plain int array as tokens_from_json reads it
+ * (JSON whitespace allowed around the tokens), its ids and the offset just past the array's
+ * ']'; None otherwise. The rest of the object (from end on) is the caller's to read. A bytes
+ * object ends in a NUL byte, which stops the scans. */
+static PyObject *json_prompt_first(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "json_prompt_first takes 2 arguments, got %zd", nargs);
+        return NULL;
+    }
+    if (!PyBytes_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "json_prompt_first reads bytes");
+        return NULL;
+    }
+    Py_ssize_t limit = PyLong_AsSsize_t(args[1]);
+    if (limit == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    const unsigned char *start = (const unsigned char *)PyBytes_AS_STRING(args[0]);
+    Py_ssize_t size = PyBytes_GET_SIZE(args[0]);
+    const unsigned char *p = start, *end = start + size;
+    Py_ssize_t cap = size / 2 + 1, n = 0;
+    if (limit < cap) {
+        cap = limit;
+    }
+    while (json_space(*p)) {
+        p++;
+    }
+    if (*p++ != '{') {
+        Py_RETURN_NONE;
+    }
+    while (json_space(*p)) {
+        p++;
+    }
+    if (end - p < 8 || memcmp(p, "\"prompt\"", 8) != 0) {
+        Py_RETURN_NONE;
+    }
+    p += 8;
+    while (json_space(*p)) {
+        p++;
+    }
+    if (*p++ != ':') {
+        Py_RETURN_NONE;
+    }
+    while (json_space(*p)) {
+        p++;
+    }
+    if (*p != '[' || cap <= 0) {
+        Py_RETURN_NONE;
+    }
+    int32_t *vals = (int32_t *)PyMem_Malloc((size_t)cap * sizeof(int32_t));
+    if (vals == NULL) {
+        return PyErr_NoMemory();
+    }
+    const unsigned char *after = scan_json_ints(p, cap, vals, &n);
+    if (after == NULL || after > end) {
+        PyMem_Free(vals);
+        Py_RETURN_NONE;
+    }
+    PyObject *arr = int32_array_of((const unsigned char *)vals, n);
+    PyMem_Free(vals);
+    if (arr == NULL) {
+        return NULL;
+    }
+    PyObject *out = Py_BuildValue("(Nn)", arr, (Py_ssize_t)(after - start));
+    return out;
 }
 
 /* Writes x as msgspec (and msgpack-python) do: the smallest msgpack int form. Returns the
@@ -1262,6 +1345,10 @@ static PyMethodDef methods[] = {
     {"tokens_from_json", (PyCFunction)(void (*)(void))tokens_from_json, METH_FASTCALL,
      "tokens_from_json(data, limit) -> array('i') | None: the token ids of one JSON array of 1 "
      "to limit plain ints in [0, 2**31); None for anything else."},
+    {"json_prompt_first", (PyCFunction)(void (*)(void))json_prompt_first, METH_FASTCALL,
+     "json_prompt_first(body, limit) -> (array('i'), end) | None: the ids of a bytes JSON "
+     "object's first member when it is \"prompt\" with a plain int array, and the offset "
+     "past that array."},
     {"pack_tokens", pack_tokens, METH_O,
      "pack_tokens(tokens) -> bytes | None: the msgpack array of an array('i') or a list of ints, "
      "as msgspec writes it; None for what it leaves to msgspec."},

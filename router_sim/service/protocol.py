@@ -7,10 +7,11 @@ ints as ``prompt``; there is no tokenizer here). Bodies are parsed with
 under the cost of ``json.loads`` followed by a Python check per id. ``POST /route``, the path
 that runs at high rates, reads its JSON body with msgspec instead (:class:`RouteJson`: the
 same fields and bounds), and its prompt, when it is written plainly (digits, commas, JSON
-whitespace), straight into packed int32 ids with the native ``tokens_from_json``: a list of
-8,192 ids costs ~0.17 ms to parse into Python ints with msgspec, a few hundredths packed, and
-the router hashes packed ids without unpacking them. Any other spelling goes to msgspec, which
-accepts or names it.
+whitespace), straight into packed int32 ids natively: a body of 8,192 ids costs ~0.17 ms to
+parse into Python ints with msgspec, ~0.05 ms when the prompt comes first (the native reader
+takes it, msgspec the members after it) and ~0.12 ms when it comes later (msgspec walks it
+once to find it), and the router hashes packed ids without unpacking them. Any other spelling
+goes to msgspec, which accepts or names it.
 
 ``POST /route`` also takes the prompt packed (``Content-Type: application/octet-stream``,
 little-endian int32 ids, the other fields as query parameters).
@@ -80,7 +81,18 @@ class RouteRequest(NamedTuple):
     cache_salt: str | None
 
 
+class _RouteRest(msgspec.Struct, frozen=True):
+    """The members after a leading ``prompt`` (see :func:`parse_route_body`)."""
+
+    prompt: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET  # a second one: the full path
+    lora_id: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    lora_name: str | None = None
+    cache_salt: Annotated[str, msgspec.Meta(max_length=4096)] | None = None
+
+
 _ROUTE_DECODER: Final = msgspec.json.Decoder(RouteJson)
+_REST_DECODER: Final = msgspec.json.Decoder(_RouteRest)
+_JSON_SPACE: Final = b" \t\n\r"
 _PROMPT: Final = msgspec.json.Decoder(
     Annotated[
         list[Annotated[int, msgspec.Meta(ge=0, lt=2**31)]],
@@ -89,14 +101,43 @@ _PROMPT: Final = msgspec.json.Decoder(
 )
 
 try:
+    from events._v1hash import json_prompt_first as _native_first
     from events._v1hash import tokens_from_json as _native_prompt
 except ImportError:  # pragma: no cover - depends on the install
-    _native_prompt = None  # type: ignore[assignment]
+    _native_prompt = _native_first = None  # type: ignore[assignment]
+
+
+def _prompt_first(body: bytes) -> RouteRequest | None:
+    """The body read without msgspec walking the prompt: when it is an object whose first
+    member is ``prompt``, written plainly, the native reader takes the prompt and msgspec
+    reads the members after it (re-opened as an object of their own). None whenever that is
+    not exactly what the body says (no such prompt, a second ``prompt``, anything malformed
+    or refused after it): the full path then reads the body and names what is wrong."""
+    got = _native_first(body, MAX_PROMPT_TOKENS)
+    if got is None:
+        return None
+    prompt, end = got
+    rest = body[end:].lstrip(_JSON_SPACE)
+    if rest[:1] == b"}":
+        return None if rest[1:].strip(_JSON_SPACE) else RouteRequest(prompt, None, None, None)
+    if rest[:1] != b"," or rest[1:].lstrip(_JSON_SPACE)[:1] != b'"':
+        return None  # not a member after the comma (a trailing comma is not JSON)
+    try:
+        more = _REST_DECODER.decode(b"{" + rest[1:])
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    if more.prompt is not msgspec.UNSET or (more.lora_id is not None and more.lora_id >= 2**64):
+        return None
+    return RouteRequest(prompt, more.lora_id, more.lora_name, more.cache_salt)
 
 
 def parse_route_body(body: bytes) -> RouteRequest:
     """A JSON ``POST /route`` body (what :class:`RouteBody` accepts; :class:`BadRequest`
     with a short message otherwise)."""
+    if _native_first is not None and type(body) is bytes:
+        fast = _prompt_first(body)
+        if fast is not None:
+            return fast
     try:
         got = _ROUTE_DECODER.decode(body)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
