@@ -411,6 +411,18 @@ static inline uint64_t load_be(const unsigned char *p, int width) {
     return v;
 }
 
+/* Reads the limit argument of fn(data, limit) (the second of exactly two) into *limit: 0, or
+ * -1 with an exception set when the call is not that. */
+static int limit_arg(const char *name, PyObject *const *args, Py_ssize_t nargs,
+                     Py_ssize_t *limit) {
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "%s takes 2 arguments, got %zd", name, nargs);
+        return -1;
+    }
+    *limit = PyLong_AsSsize_t(args[1]);
+    return *limit == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
 /* tokens_from_msgpack(data, limit) -> array('i') | None: the token ids of one msgpack array of
  * at most limit ints in [0, 2**31), in any msgpack int form, that is the whole of data; None for
  * anything else (another type, a negative, too big or non-int item, a truncated array, bytes
@@ -419,12 +431,8 @@ static inline uint64_t load_be(const unsigned char *p, int width) {
  * so hostile input costs at most its own size. */
 static PyObject *tokens_from_msgpack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "tokens_from_msgpack takes 2 arguments, got %zd", nargs);
-        return NULL;
-    }
-    Py_ssize_t limit = PyLong_AsSsize_t(args[1]);
-    if (limit == -1 && PyErr_Occurred()) {
+    Py_ssize_t limit;
+    if (limit_arg("tokens_from_msgpack", args, nargs, &limit) < 0) {
         return NULL;
     }
     Py_buffer buf;
@@ -545,19 +553,42 @@ static const unsigned char *scan_json_ints(const unsigned char *p, Py_ssize_t ca
     }
 }
 
+/* The array of plain ints at p (its '[') up to end, at most limit of them, as a new
+ * array('i') in *out with *after just past its ']': 1; 0 when it is not such an array; -1 with
+ * an exception set. One pass into a buffer of at most limit ids or one per two bytes left,
+ * whichever is less (the buffer must end in a stop for scan_json_ints). */
+static int read_json_ints(const unsigned char *p, const unsigned char *end, Py_ssize_t limit,
+                          PyObject **out, const unsigned char **after) {
+    Py_ssize_t cap = (end - p) / 2 + 1, n = 0;
+    if (limit < cap) {
+        cap = limit;
+    }
+    if (cap <= 0) {
+        return 0;
+    }
+    int32_t *vals = (int32_t *)PyMem_Malloc((size_t)cap * sizeof(int32_t));
+    if (vals == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    *after = scan_json_ints(p, cap, vals, &n);
+    if (*after == NULL) {
+        PyMem_Free(vals);
+        return 0;
+    }
+    *out = int32_array_of((const unsigned char *)vals, n);
+    PyMem_Free(vals);
+    return *out == NULL ? -1 : 1;
+}
+
 /* tokens_from_json(data, limit) -> array('i') | None: the token ids of one JSON array of 1 to
  * limit ints in [0, 2**31) written plainly (digits without sign, fraction, exponent or leading
  * zero, JSON whitespace around them), that is the whole of data (a msgspec.Raw, bytes: any
- * buffer); None for anything else, which the caller then reads with msgspec and names. One pass
- * into a buffer no longer than limit or one item per two bytes of data, whichever is less. */
+ * buffer); None for anything else, which the caller then reads with msgspec and names. */
 static PyObject *tokens_from_json(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "tokens_from_json takes 2 arguments, got %zd", nargs);
-        return NULL;
-    }
-    Py_ssize_t limit = PyLong_AsSsize_t(args[1]);
-    if (limit == -1 && PyErr_Occurred()) {
+    Py_ssize_t limit;
+    if (limit_arg("tokens_from_json", args, nargs, &limit) < 0) {
         return NULL;
     }
     Py_buffer buf;
@@ -565,12 +596,6 @@ static PyObject *tokens_from_json(PyObject *self, PyObject *const *args, Py_ssiz
         return NULL;
     }
     const unsigned char *p = (const unsigned char *)buf.buf, *last = p + buf.len;
-    PyObject *arr = NULL;
-    int32_t *vals = NULL;
-    Py_ssize_t cap = buf.len / 2 + 1, n = 0;
-    if (limit < cap) {
-        cap = limit;
-    }
     /* The closing bracket, found first, stops every scan (see scan_json_ints). */
     while (last > p && json_space(last[-1])) {
         last--;
@@ -578,25 +603,21 @@ static PyObject *tokens_from_json(PyObject *self, PyObject *const *args, Py_ssiz
     while (p < last && json_space(*p)) {
         p++;
     }
-    if (cap <= 0 || last - p < 2 || *p != '[' || last[-1] != ']') {
-        goto refuse;
+    PyObject *arr = NULL;
+    const unsigned char *after = NULL;
+    int got = 0;
+    if (last - p >= 2 && *p == '[' && last[-1] == ']') {
+        got = read_json_ints(p, last, limit, &arr, &after);
     }
-    vals = (int32_t *)PyMem_Malloc((size_t)cap * sizeof(int32_t));
-    if (vals == NULL) {
-        PyBuffer_Release(&buf);
-        return PyErr_NoMemory();
-    }
-    if (scan_json_ints(p, cap, vals, &n) != last) {
-        goto refuse;
-    }
-    arr = int32_array_of((const unsigned char *)vals, n);
-    PyMem_Free(vals);
     PyBuffer_Release(&buf);
+    if (got < 0) {
+        return NULL;
+    }
+    if (got == 0 || after != last) {
+        Py_XDECREF(arr);
+        Py_RETURN_NONE;
+    }
     return arr;
-refuse:
-    PyMem_Free(vals);
-    PyBuffer_Release(&buf);
-    Py_RETURN_NONE;
 }
 
 /* json_prompt_first(body, limit) -> (array('i'), end) | None: when the bytes body is a JSON
@@ -606,25 +627,16 @@ refuse:
  * object ends in a NUL byte, which stops the scans. */
 static PyObject *json_prompt_first(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "json_prompt_first takes 2 arguments, got %zd", nargs);
+    Py_ssize_t limit;
+    if (limit_arg("json_prompt_first", args, nargs, &limit) < 0) {
         return NULL;
     }
     if (!PyBytes_Check(args[0])) {
         PyErr_SetString(PyExc_TypeError, "json_prompt_first reads bytes");
         return NULL;
     }
-    Py_ssize_t limit = PyLong_AsSsize_t(args[1]);
-    if (limit == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
     const unsigned char *start = (const unsigned char *)PyBytes_AS_STRING(args[0]);
-    Py_ssize_t size = PyBytes_GET_SIZE(args[0]);
-    const unsigned char *p = start, *end = start + size;
-    Py_ssize_t cap = size / 2 + 1, n = 0;
-    if (limit < cap) {
-        cap = limit;
-    }
+    const unsigned char *p = start, *end = start + PyBytes_GET_SIZE(args[0]);
     while (json_space(*p)) {
         p++;
     }
@@ -647,25 +659,19 @@ static PyObject *json_prompt_first(PyObject *self, PyObject *const *args, Py_ssi
     while (json_space(*p)) {
         p++;
     }
-    if (*p != '[' || cap <= 0) {
+    if (*p != '[') {
         Py_RETURN_NONE;
     }
-    int32_t *vals = (int32_t *)PyMem_Malloc((size_t)cap * sizeof(int32_t));
-    if (vals == NULL) {
-        return PyErr_NoMemory();
-    }
-    const unsigned char *after = scan_json_ints(p, cap, vals, &n);
-    if (after == NULL || after > end) {
-        PyMem_Free(vals);
+    PyObject *arr = NULL;
+    const unsigned char *after = NULL;
+    int got = read_json_ints(p, end, limit, &arr, &after);
+    if (got <= 0) {
+        if (got < 0) {
+            return NULL;
+        }
         Py_RETURN_NONE;
     }
-    PyObject *arr = int32_array_of((const unsigned char *)vals, n);
-    PyMem_Free(vals);
-    if (arr == NULL) {
-        return NULL;
-    }
-    PyObject *out = Py_BuildValue("(Nn)", arr, (Py_ssize_t)(after - start));
-    return out;
+    return Py_BuildValue("(Nn)", arr, (Py_ssize_t)(after - start));
 }
 
 /* Writes x as msgspec (and msgpack-python) do: the smallest msgpack int form. Returns the

@@ -60,16 +60,23 @@ class RouteBody(_Body):
     cache_salt: Annotated[str, Field(max_length=4096)] | None = None
 
 
-class RouteJson(msgspec.Struct, frozen=True):
-    """:class:`RouteBody` as msgspec reads it: the same fields and bounds (msgspec's ints are
-    strict too: no bools, no floats), parsed in half pydantic's time for 8,192 ids, since
-    ``POST /route`` is the path that runs at high rates. msgspec bounds ints to 64 signed
-    bits, so ``lora_id < 2**64`` is checked after."""
+class _RouteRest(msgspec.Struct, frozen=True):
+    """The members after a leading ``prompt`` (see :func:`parse_route_body`); with the prompt
+    required, the whole body (:class:`RouteJson`)."""
 
-    prompt: msgspec.Raw  # read by parse_route_body (see _PROMPT)
+    prompt: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET  # a second one: the full path
     lora_id: Annotated[int, msgspec.Meta(ge=0)] | None = None
     lora_name: str | None = None
     cache_salt: Annotated[str, msgspec.Meta(max_length=4096)] | None = None
+
+
+class RouteJson(_RouteRest, frozen=True):
+    """:class:`RouteBody` as msgspec reads it: the same fields and bounds (msgspec's ints are
+    strict too: no bools, no floats), parsed in half pydantic's time for 8,192 ids, since
+    ``POST /route`` is the path that runs at high rates. msgspec sets no upper bound on these
+    ints, so ``lora_id < 2**64`` is checked after."""
+
+    prompt: msgspec.Raw  # read by parse_route_body (see _PROMPT)
 
 
 class RouteRequest(NamedTuple):
@@ -79,15 +86,6 @@ class RouteRequest(NamedTuple):
     lora_id: int | None
     lora_name: str | None
     cache_salt: str | None
-
-
-class _RouteRest(msgspec.Struct, frozen=True):
-    """The members after a leading ``prompt`` (see :func:`parse_route_body`)."""
-
-    prompt: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET  # a second one: the full path
-    lora_id: Annotated[int, msgspec.Meta(ge=0)] | None = None
-    lora_name: str | None = None
-    cache_salt: Annotated[str, msgspec.Meta(max_length=4096)] | None = None
 
 
 _ROUTE_DECODER: Final = msgspec.json.Decoder(RouteJson)
