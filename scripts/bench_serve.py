@@ -528,7 +528,9 @@ def main() -> None:
                     )
                 else:
                     ms = {k: v * 1e3 for k, v in report.latency_s.items()}
-                    per = router_cpu / side["decisions"] * 1e6 if side["decisions"] else 0.0
+                    # every router's decisions (the metrics read above are one router's
+                    # when several share the port): the answers the client counted
+                    per = router_cpu / report.answered_total * 1e6 if report.answered_total else 0.0
                     print(
                         f"  {name:6} {report.offered_rate:7.0f} {report.achieved_rate:8.0f} | "
                         f"{' ' * 25}{ms['p50']:6.2f} {ms['p90']:6.2f} {ms['p99']:6.2f} "
@@ -543,7 +545,7 @@ def main() -> None:
                             f"         client: lag p99 {report.send_lag_p99_s * 1e3:.2f} ms, "
                             f"max {report.send_lag_max_s * 1e3:.2f} ms; p99 from the actual "
                             f"send {report.service_p99_s * 1e3:.2f} ms; CPU "
-                            f"{client_cpu / max(1, side['decisions']) * 1e6:.0f} us/request; "
+                            f"{client_cpu / max(1, report.answered_total) * 1e6:.0f} us/request; "
                             f"route() p50 <= {side['p50_le_ms']:.2f} ms, slices p99 <= "
                             f"{side['slice_p99_le_ms']:.2f} ms; GC pauses {side['gc']:.0f}, max "
                             f"<= {side['gc_max_le_ms']:.2f} ms\n"

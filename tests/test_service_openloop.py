@@ -140,6 +140,9 @@ def test_the_window_leaves_out_the_warm_up() -> None:
     loop.tick()
     report = loop.report(4 * GAP, 8 * GAP)
     assert report.scheduled == 4 and report.unanswered == 4 and report.completed == 0
+    for conn in range(8):  # every answer, warm-up included, is what the server decided
+        loop.answered(conn, ok=conn != 5)
+    assert loop.report(4 * GAP, 8 * GAP).answered_total == 7
 
 
 @pytest.fixture

@@ -73,6 +73,8 @@ class OpenLoopReport:
     achieved_rate: float  # answers per second, from the window's start to the last answer
     latency_s: dict[str, float]  # p50, p90, p99, p99.9, max: from the scheduled send time
     service_p99_s: float  # p99 from the actual send time (what a closed loop would see)
+    answered_total: int = 0  # status-200 answers over the whole run, warm-up included (what
+    # the server decided: its CPU over the run divided by this is its cost per request)
 
 
 QUANTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("p99.9", 0.999), ("max", 1.0))
@@ -182,6 +184,7 @@ class OpenLoop:
             achieved_rate=len(good) / span if span > 0 else math.nan,
             latency_s={name: quantile(lat, q) for name, q in QUANTILES},
             service_p99_s=quantile(service, 0.99),
+            answered_total=sum(self.ok),
         )
 
 
