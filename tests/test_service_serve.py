@@ -81,7 +81,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 
 
 def indexed(f: Fleet, prompt: list[int], worker: int, blocks: int, **extra: Any) -> bool:
-    return f.route(prompt, **extra)["overlaps"].get(str(worker)) == blocks
+    return bool(f.route(prompt, **extra)["overlaps"].get(str(worker)) == blocks)
 
 
 def test_shared_prefixes_go_to_the_worker_holding_them(fleet: Fleet) -> None:
@@ -89,10 +89,11 @@ def test_shared_prefixes_go_to_the_worker_holding_them(fleet: Fleet) -> None:
         p = prefix(k)
         first, usage = fleet.complete([*p, 1, 2, 3])
         assert usage["prompt_tokens_details"]["cached_tokens"] == 0
-        poll(
-            f"prefix {k} indexed on worker {first}",
-            lambda p=p, first=first: indexed(fleet, p, first, 4),
-        )
+
+        def held(p: list[int] = p, first: int = first) -> bool:
+            return indexed(fleet, p, first, 4)
+
+        poll(f"prefix {k} indexed on worker {first}", held)
         stats_before = get_json(fleet.workers[first].http + "/stats")
         decision = fleet.route([*p, 9])
         assert decision["worker"] == first
