@@ -5,3 +5,11 @@ from array import array
 def pack_nonneg(arr: array[int], /) -> bytes | None:
     """The ids of ``arr`` (an array('i')) as 4-byte little-endian bytes, or None when one is
     negative."""
+
+_Bytes = bytes | bytearray | memoryview
+
+def chain_keys(
+    parent_key: _Bytes, data: _Bytes, start: int, step: int, count: int, /
+) -> list[bytes]:
+    """The chained sha256 keys of ``count`` blocks of ``step`` bytes of ``data`` from
+    ``start`` (present only where the CPU has SHA-NI)."""

@@ -35,7 +35,7 @@ from hashlib import sha256
 from itertools import islice
 from typing import Final
 
-from kvcache.keys import BlockKey, root_key, tokens_to_bytes
+from kvcache.keys import BlockKey, chain_keys, root_key, tokens_to_bytes
 from kvcache.scope import ReuseScope
 
 _LITTLE: Final = sys.byteorder == "little"
@@ -212,7 +212,7 @@ def _missed_key(
     holds (None when the caller does not want it)."""
     if not want_key:
         return None
-    return BlockKey(sha256(parent.key + data[start : start + step]).digest())
+    return chain_keys(parent.key, data, start, step, 1)[0]
 
 
 class RadixTree:
@@ -278,10 +278,10 @@ class RadixTree:
                 else:
                     return found, _missed_key(prev, data, start, step, want_key)
             else:
-                key = sha256(prev.key + data[start : start + step]).digest()
+                key = chain_keys(prev.key, data, start, step, 1)[0]
                 found_block = children.get(key)
                 if found_block is None:
-                    return found, BlockKey(key)
+                    return found, key
                 block = found_block
             found.append(block)
             prev = block
@@ -397,19 +397,22 @@ class RadixTree:
         (:meth:`match_full_key`): the caller has them, so nothing is packed or hashed twice.
         """
         step = 4 * tpb
+        count = len(blocks)
+        if not count:
+            return
         if data is None:
-            data = tokens_to_bytes(tokens[start : start + len(blocks) * tpb])
-        key: bytes = node.key
+            data = tokens_to_bytes(tokens[start : start + count * tpb])
+        # every key in one call (a native loop where the CPU has SHA-NI, see keys.chain_keys)
+        if first_key is None:
+            keys = chain_keys(node.key, data, 0, step, count)
+        else:
+            keys = chain_keys(first_key, data, step, step, count - 1)
+            keys.insert(0, first_key)  # type: ignore[arg-type]  # a BlockKey
         parent = node if isinstance(node, Block) else None
         prev: Node = node
         pos = start
-        off = 0
-        for b in blocks:
-            if first_key is None:
-                key = sha256(key + data[off : off + step]).digest()
-            else:
-                key, first_key = first_key, None
-            b.key = key  # type: ignore[assignment]  # a BlockKey (NewType's call costs per block)
+        for b, key in zip(blocks, keys, strict=True):
+            b.key = key
             b.tokens = tokens[pos : pos + tpb]
             b.is_full = True
             b.parent = parent
@@ -428,7 +431,6 @@ class RadixTree:
                 prev.child = None
             prev = parent = b
             pos += tpb
-            off += step
         self.num_blocks += len(blocks)
 
     def attach_partial(self, block: Block, node: Node, tokens: array[int]) -> None:
