@@ -59,9 +59,14 @@ pack_nonneg(PyObject *Py_UNUSED(module), PyObject *arg)
         dst[i] = ((v & 0xffu) << 24) | ((v & 0xff00u) << 8) | ((v >> 8) & 0xff00u) | (v >> 24);
     }
 #else
-    memcpy(PyBytes_AS_STRING(out), src, (size_t)view.len);
+    /* one pass that copies and ORs (vectorized): a second pass over a long prompt after
+     * memcpy would read it back from a colder cache level */
+    uint32_t *restrict dst = (uint32_t *)PyBytes_AS_STRING(out);
+    const uint32_t *restrict in = src;
     for (Py_ssize_t i = 0; i < n; i++) {
-        any |= src[i];
+        uint32_t v = in[i];
+        dst[i] = v;
+        any |= v;
     }
 #endif
     PyBuffer_Release(&view);

@@ -66,14 +66,16 @@ class KVCache:
         self.priority = priority
         # The tokens as committed, in LE-packed chunks (joined only when ``tokens`` is read):
         # appending to one growing array re-copied a long prompt on every block of decode.
+        # The reused prefix is a view of the manager's packed prompt (immutable bytes), not a
+        # copy: ``tokens`` is rarely read, and a long prompt's prefix is hundreds of KiB.
         # ``_tail`` holds the tokens after the last full block (``_n % tokens_per_block``).
         n = len(tokens) if num_tokens is None else num_tokens
         if not n:
-            self._chunks: list[bytes] = []
+            self._chunks: list[bytes | memoryview] = []
         elif data is None:
             self._chunks = [tokens_to_bytes(tokens[:n])]
         else:
-            self._chunks = [data[: 4 * n]]
+            self._chunks = [data if len(data) == 4 * n else memoryview(data)[: 4 * n]]
         self._n = n
         self._tail: array[int] = tokens[n - n % pool.tokens_per_block : n]
         self._blocks = blocks
@@ -107,9 +109,11 @@ class KVCache:
     @property
     def tokens(self) -> list[int]:
         """Every token in the cache, in order."""
-        if len(self._chunks) > 1:
-            self._chunks = [b"".join(self._chunks)]
-        return tokens_from_bytes(self._chunks[0]).tolist() if self._chunks else []
+        if not self._chunks:
+            return []
+        joined = b"".join(self._chunks)  # also makes bytes of a lone view
+        self._chunks = [joined]
+        return tokens_from_bytes(joined).tolist()
 
     def page_indices(self) -> list[int]:
         """Device-tier block table: the page of block ``i``, for every allocated block."""
