@@ -435,7 +435,11 @@ class RadixTree:
 
     def attach_partial(self, block: Block, node: Node, tokens: array[int]) -> None:
         """Make ``block``, holding ``tokens`` (fewer than a full block), a leaf below ``node``."""
-        key = BlockKey(sha256(node.key + tokens_to_bytes(tokens)).digest())
+        data = tokens_to_bytes(tokens)
+        # chain_keys too (not hashlib) for the one partial block of a sequence: where it is
+        # native, hashlib's first call after a run of native keying costs twice its hash
+        # (its code has gone cold). A block holds at least one token (ValueError otherwise).
+        key = chain_keys(node.key, data, 0, len(data), 1)[0]
         block.key = key
         block.tokens = tokens
         block.parent = node if isinstance(node, Block) else None

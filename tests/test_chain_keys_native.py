@@ -5,6 +5,7 @@ vectors, and each other's results on any input, and refuse the same bad argument
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable
 from hashlib import sha256
 from typing import Any
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 
 from kvcache import KVCacheManager, KVCacheManagerConfig, ReuseScope, TierConfig, root_key
 from kvcache.keys import chain_keys, chain_keys_py
+from kvcache.tree import Block, RadixTree
 
 try:
     from kvcache._tokens import chain_keys as native_chain_keys
@@ -139,3 +141,19 @@ def test_the_tree_keys_committed_blocks_as_the_wire_format_says() -> None:
     want += reference(want[-1], le(tokens[16:]), 0, 8, 1)
     assert [keys[tuple(tokens[i : i + 4])] for i in range(0, 18, 4)] == want
     assert chain_keys is (chain_keys_py if native_chain_keys is None else native_chain_keys)
+
+
+def test_partial_blocks_are_keyed_over_their_tokens() -> None:
+    """RadixTree.attach_partial: a partial block's key is the chain step over its actual
+    tokens (WIRE.md section 2: no padding, no length); an empty block is refused before
+    anything changes (a tree block holds at least one token)."""
+    tree = RadixTree()
+    root = tree.root(ReuseScope(), create=True)
+    assert root is not None
+    three = Block(1, ReuseScope(), 0, 0, 35)
+    tree.attach_partial(three, root, array("i", [7, 8, 9]))
+    assert three.key == sha256(root.key + le([7, 8, 9])).digest()
+    empty = Block(2, ReuseScope(), 0, 1, 35)
+    with pytest.raises(ValueError, match="chain_keys"):
+        tree.attach_partial(empty, root, array("i"))
+    assert tree.num_blocks == 1 and not empty.in_tree and root.partials == {three.key: three}
