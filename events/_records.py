@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable
+from dataclasses import fields
 from functools import partial
 from typing import Any, Final
 
@@ -42,8 +43,16 @@ NATIVE: Final[bool] = _native is not None and hasattr(_native, "stored_blocks")
 """True when the native record builders are loaded."""
 
 _FIELDS: Final = ("block_hash", "tokens", "lora_id", "cache_level", "priority", "cache_salt_id")
-# the slot descriptors of StoredBlock, in field order (what the native builders store through)
-_DESCRIPTORS: Final[tuple[Any, ...]] = tuple(vars(StoredBlock)[name] for name in _FIELDS)
+
+
+def record_setters(cls: type) -> tuple[Any, ...]:
+    """The slot descriptors of a slotted dataclass, in field order (what the native builders
+    store a record's fields through)."""
+    return tuple(vars(cls)[f.name] for f in fields(cls))
+
+
+_DESCRIPTORS: Final[tuple[Any, ...]] = record_setters(StoredBlock)
+assert tuple(f.name for f in fields(StoredBlock)) == _FIELDS
 _new_object = object.__new__
 
 

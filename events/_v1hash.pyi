@@ -77,3 +77,13 @@ def v1_stored_chain(
 ) -> list[Any]:
     """The records of a chain of blocks of packed int32 token ids, each hashed under the
     previous one's hash (the first under ``parent_hash``)."""
+
+def decode_events(kit: tuple[Any, ...], payload: Any) -> Any:
+    """The DecodedBatch of a common map-form payload (``events.wire_fast.decode_native``), its
+    records built from ``kit``; None for anything else."""
+
+def encode_events(
+    kinds: tuple[type[Any], type[Any], type[Any]], events: list[Any], ts: float, dp_rank: int | None
+) -> bytes | None:
+    """The map-form payload ``events.codec.encode_batch_py`` writes for a list of Stored /
+    Removed / AllBlocksCleared events (``kinds``: those classes); None for anything else."""

@@ -86,6 +86,10 @@ try:  # and writes packed token ids as a msgpack array
     from events._v1hash import pack_tokens as _native_pack_tokens
 except ImportError:  # pragma: no cover - depends on the install
     _native_pack_tokens = None  # type: ignore[assignment]
+try:  # and writes a whole batch of the common events (an extension built before it lacks it)
+    from events._v1hash import encode_events as _native_encode_events
+except ImportError:  # pragma: no cover - depends on the install
+    _native_encode_events = None  # type: ignore[assignment]
 
 # msgspec writes the payload (the library vLLM and SGLang encode these events with): maps in
 # insertion order, each int in its smallest form, floats as float64, bytes as bin.
@@ -323,6 +327,11 @@ def _positional(wire: list[dict[str, Any]]) -> list[list[Any]]:
     return out
 
 
+_NATIVE_KINDS: Final = (Stored, Removed, AllBlocksCleared)
+NATIVE_ENCODE: Final[bool] = _native_encode_events is not None
+"""True when the native batch writer is loaded."""
+
+
 def encode_batch(
     events: Iterable[KVCacheEvent],
     ts: float,
@@ -341,7 +350,33 @@ def encode_batch(
     Raises ``ValueError`` for a hash that is not a uint64 or v2_sha256 hex digest, a stored
     block with no tokens or more than ``block_size``, an unknown ``form``, or an extension
     event in the positional form.
+
+    With the extension, the map form of a batch of ``Stored`` (uint64 hashes, packed token
+    ids, tiers 0-2), ``Removed`` and ``AllBlocksCleared`` events is written in one native pass
+    (``encode_events``: no wire dicts, runs or Raw token arrays), byte for byte what
+    :func:`encode_batch_py` writes (tested); any other batch is written by msgspec.
     """
+    if form not in ("map", "positional"):
+        raise ValueError(f"form must be 'map' or 'positional', got {form!r}")
+    if form == "map" and not extensions and _native_encode_events is not None:
+        if type(events) is not list:
+            events = list(events)
+        payload: bytes | None = _native_encode_events(_NATIVE_KINDS, events, ts, dp_rank)
+        if payload is not None:
+            return payload
+    return encode_batch_py(events, ts, dp_rank, form=form, extensions=extensions)
+
+
+def encode_batch_py(
+    events: Iterable[KVCacheEvent],
+    ts: float,
+    dp_rank: int | None = None,
+    *,
+    form: str = "map",
+    extensions: bool = False,
+) -> bytes:
+    """:func:`encode_batch` written by msgspec alone (the reference of the native writer, and
+    what writes every batch it leaves)."""
     if form not in ("map", "positional"):
         raise ValueError(f"form must be 'map' or 'positional', got {form!r}")
     wire: list[dict[str, Any]] = []

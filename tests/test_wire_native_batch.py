@@ -1,0 +1,478 @@
+"""The native whole-batch codec (``events._v1hash.encode_events`` / ``decode_events``) agrees
+with the msgspec paths it stands in front of: the writer gives, byte for byte, what
+``encode_batch_py`` (msgspec) writes, and the reader gives batches equal to those of the typed
+structs (``decode_structs``) and the general path, on this project's payloads and on payloads
+written by an independent encoder (msgpack) in shapes this project never sends. What either
+does not take it answers None for (the msgspec path then writes, reads or names it); on
+mutated or hostile bytes the reader raises nothing and never answers differently from the
+structs."""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from events import _records, codec, wire_fast
+from events.codec import DecodeError, decode_batch, encode_batch, encode_batch_py
+from events.model import (
+    AllBlocksCleared,
+    Created,
+    DecodedBatch,
+    EventDiff,
+    KVCacheEvent,
+    Removed,
+    Stored,
+    StoredBlock,
+    Updated,
+)
+from events.wire_decode import decode_general
+from events.wire_fast import decode_native, decode_structs, decode_typed
+
+U64 = 2**64
+SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+needs_decoder = pytest.mark.skipif(not wire_fast.NATIVE_BATCH, reason="extension not built")
+needs_encoder = pytest.mark.skipif(not codec.NATIVE_ENCODE, reason="extension not built")
+
+
+def _pack(obj: object) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)  # an independent encoder
+
+
+def _native_encode(events: list[KVCacheEvent], ts: float, dp_rank: int | None) -> bytes | None:
+    out: bytes | None = codec._native_encode_events(codec._NATIVE_KINDS, events, ts, dp_rank)
+    return out
+
+
+# --- generated batches of this project's events ---------------------------------------------
+
+TOKEN = st.one_of(st.integers(0, 127), st.integers(0, 2**16), st.integers(0, 2**31 - 1))
+HASH = st.one_of(st.integers(0, 255), st.integers(2**63, U64 - 1), st.integers(0, U64 - 1))
+OPT_U64 = st.one_of(st.none(), st.integers(0, 300), st.integers(0, U64 - 1))
+ALGO = st.sampled_from(["v1_block_key", "v2_sha256_64", "x" * 31, "y" * 40, "z" * 300, "é"])
+
+
+@st.composite
+def stored(draw: st.DrawFn) -> Stored:
+    bs = draw(st.integers(1, 9))
+    n = draw(st.integers(0, 6))
+    blocks = []
+    for i in range(n):
+        size = bs if draw(st.integers(0, 4)) else draw(st.integers(1, bs))
+        if i == n - 1 and draw(st.booleans()):
+            size = draw(st.integers(1, bs))
+        blocks.append(
+            StoredBlock(
+                draw(HASH),
+                array("i", draw(st.lists(TOKEN, min_size=size, max_size=size))),
+                draw(st.one_of(st.none(), st.integers(0, 3))),
+                draw(st.sampled_from([0, 0, 0, 1, 2])),
+                draw(st.sampled_from([35, 35, 0, 100])),
+                draw(st.one_of(st.none(), st.just(7), st.integers(0, U64 - 1))),
+            )
+        )
+    block_size = draw(st.sampled_from([None, bs]))
+    if blocks and len(blocks[0].tokens) != bs:
+        block_size = bs  # without it, the first block's length is the block size
+    return Stored(draw(st.one_of(st.none(), HASH)), blocks, block_size)
+
+
+DATA = st.one_of(
+    stored(),
+    stored(),
+    st.builds(Removed, st.lists(HASH, max_size=20), st.sampled_from([None, None, 0, 1, 2])),
+    st.just(AllBlocksCleared()),
+)
+EVENT = st.builds(
+    KVCacheEvent,
+    st.integers(0, U64 - 1),
+    DATA,
+    st.sampled_from([0, 0, 1, 300]),
+    ALGO,
+    st.sampled_from([None, None, 0, 3]),
+)
+BATCH = st.lists(EVENT, max_size=24)
+TS = st.floats(allow_nan=False, allow_infinity=False)
+DP_RANK = st.sampled_from([None, 0, 2])
+
+
+@needs_encoder
+@SETTINGS
+@given(events=BATCH, ts=TS, dp_rank=DP_RANK)
+def test_native_writer_gives_msgspec_bytes(
+    events: list[KVCacheEvent], ts: float, dp_rank: int | None
+) -> None:
+    want = encode_batch_py(events, ts, dp_rank)
+    assert _native_encode(events, ts, dp_rank) == want  # taken, not left to msgspec
+    assert encode_batch(events, ts, dp_rank) == want
+    assert encode_batch(iter(events), ts, dp_rank) == want  # any iterable
+
+
+@needs_decoder
+@SETTINGS
+@given(events=BATCH, ts=TS, dp_rank=DP_RANK)
+def test_native_reader_gives_the_structs_batch(
+    events: list[KVCacheEvent], ts: float, dp_rank: int | None
+) -> None:
+    payload = encode_batch_py(events, ts, dp_rank)
+    got = decode_native(payload)
+    assert got is not None  # taken, not left to the structs
+    want = decode_structs(payload)
+    assert got == want == decode_general(payload)
+    assert decode_batch(payload) == want
+    for a, b in zip(got.events, want.events, strict=True):
+        assert type(a.data) is type(b.data)
+        if isinstance(a.data, Stored):
+            assert isinstance(b.data, Stored)
+            for x, y in zip(a.data.blocks, b.data.blocks, strict=True):
+                assert type(x.tokens) is type(y.tokens) is array
+
+
+def test_hand_derived_payload() -> None:
+    """One store of two 2-token blocks, written out byte by byte from WIRE.md section 4 and
+    msgpack's spec (maps in insertion order, each int in its smallest form)."""
+    event = KVCacheEvent(
+        5,
+        Stored(None, [StoredBlock(1, array("i", [1, 2])), StoredBlock(300, array("i", [70000]))]),
+    )
+    want = (
+        b"\x93\xcb"
+        + bytes.fromhex("3ff8000000000000")  # [1.5,
+        + b"\x91\x8c"  # [ {12 keys
+        + b"\xa4type\xabBlockStored"
+        + b"\xacblock_hashes\x92\x01\xcd\x01\x2c"
+        + b"\xb1parent_block_hash\xc0"
+        + b"\xa9token_ids\x93\x01\x02\xce\x00\x01\x11\x70"
+        + b"\xaablock_size\x02"
+        + b"\xa7lora_id\xc0"
+        + b"\xa6medium\xa3GPU"
+        + b"\xa9lora_name\xc0"
+        + b"\xadcache_salt_id\xc0"
+        + b"\xa9hash_algo\xacv1_block_key"
+        + b"\xa8priority\x23"
+        + b"\xa8event_id\x05"
+        + b"\xc0"  # ], None]
+    )
+    assert encode_batch([event], 1.5) == want
+    assert encode_batch_py([event], 1.5) == want
+    batch = decode_batch(want)
+    blocks = event.data.blocks  # type: ignore[union-attr]
+    assert batch.events == [KVCacheEvent(5, Stored(None, blocks, 2))]  # the size travels
+    assert [list(b.tokens) for b in batch.events[0].data.blocks] == [[1, 2], [70000]]  # type: ignore[union-attr]
+
+
+# --- what the writer leaves to msgspec -------------------------------------------------------
+
+
+def _block(h: Any = 1, tokens: Any = None, **kw: Any) -> StoredBlock:
+    return StoredBlock(h, array("i", [1, 2]) if tokens is None else tokens, **kw)
+
+
+LEFT_TO_MSGSPEC = {
+    "list tokens": [KVCacheEvent(0, Stored(None, [_block(tokens=[1, 2])]))],
+    "hex hash": [KVCacheEvent(0, Stored(None, [_block("ab" * 32)]))],
+    "engine medium": [KVCacheEvent(0, Stored(None, [_block(cache_level=64)]))],
+    "bool lora": [KVCacheEvent(0, Stored(None, [_block(lora_id=True)]))],
+    "updated": [KVCacheEvent(0, Updated(1, EventDiff(0, 1)))],
+    "created": [KVCacheEvent(0, Created([4, 4]))],
+    "removed hex": [KVCacheEvent(0, Removed(["cd" * 32]))],
+    "removed tuple": [KVCacheEvent(0, Removed((1, 2)))],  # type: ignore[arg-type]
+    "str event id": [KVCacheEvent("7", AllBlocksCleared())],  # type: ignore[arg-type]
+}
+
+
+@needs_encoder
+@pytest.mark.parametrize("name", sorted(LEFT_TO_MSGSPEC))
+def test_writer_leaves_other_batches_to_msgspec(name: str) -> None:
+    events = LEFT_TO_MSGSPEC[name]
+    assert _native_encode(events, 1.0, None) is None
+    assert encode_batch(events, 1.0) == encode_batch_py(events, 1.0)
+
+
+def _raised(fn: Any) -> tuple[str, str]:
+    try:
+        fn()
+    except (TypeError, ValueError, OverflowError) as exc:
+        return type(exc).__name__, str(exc)
+    raise AssertionError("did not raise")
+
+
+@needs_encoder
+@pytest.mark.parametrize(
+    "events",
+    [
+        [KVCacheEvent(0, Stored(None, [_block(tokens=array("i", [1, 2, 3]))], block_size=2))],
+        [KVCacheEvent(0, Stored(None, [_block(tokens=array("i"))]))],
+        [KVCacheEvent(0, Stored(None, [_block()], block_size=0))],
+        [KVCacheEvent(0, Stored(None, [_block(h=-1)]))],
+        [KVCacheEvent(0, Stored(U64, [_block()]))],
+        [KVCacheEvent(0, Removed([U64]))],
+        [KVCacheEvent(0, Stored(None, [_block(lora_id=U64)]))],
+    ],
+)
+def test_writer_errors_are_msgspecs(events: list[KVCacheEvent]) -> None:
+    assert _native_encode(events, 0.0, None) is None
+    assert _raised(lambda: encode_batch(events, 0.0)) == _raised(
+        lambda: encode_batch_py(events, 0.0)
+    )
+
+
+@needs_encoder
+def test_writer_counts_wire_events_past_a_fixarray() -> None:
+    """Sixteen and more wire events take a 3-byte array header (the writer moves what it
+    wrote after the one byte it kept)."""
+    for n in (15, 16, 40):
+        events = [KVCacheEvent(i, Removed([i])) for i in range(n)]
+        assert _native_encode(events, 2.0, 1) == encode_batch_py(events, 2.0, 1)
+    # one Stored event splitting into 20 wire events (a short block ends each run)
+    blocks = [_block(h=i, tokens=array("i", [i])) for i in range(20)]
+    events = [KVCacheEvent(0, Stored(None, blocks, block_size=2))]
+    assert _native_encode(events, 2.0, None) == encode_batch_py(events, 2.0)
+
+
+# --- the reader on shapes this project's writer never sends ----------------------------------
+
+
+def _map_store(fields: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "BlockStored", **fields}
+
+
+@st.composite
+def foreign_event(draw: st.DrawFn) -> dict[str, Any]:
+    kind = draw(st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared"]))
+    out: dict[str, Any] = {"type": kind}
+    signed_hash = st.one_of(st.integers(-(2**63), -1), st.integers(0, U64 - 1))
+    if kind != "AllBlocksCleared":
+        out["block_hashes"] = draw(st.lists(signed_hash, min_size=1, max_size=5))
+    if kind == "BlockStored":
+        bs = draw(st.integers(1, 6))
+        n = len(out["block_hashes"])
+        count = draw(st.integers((n - 1) * bs + 1, n * bs))
+        out["token_ids"] = draw(st.lists(TOKEN, min_size=count, max_size=count))
+        out["block_size"] = bs
+        optional: dict[str, Any] = {
+            "parent_block_hash": st.one_of(st.none(), signed_hash),
+            "lora_id": OPT_U64,
+            "medium": st.sampled_from([None, "GPU", "CPU", "cpu_pinned", "TIER7", "odd"]),
+            "lora_name": st.one_of(st.none(), st.just("adapter-1")),
+            "cache_salt_id": OPT_U64,
+            "priority": st.integers(0, 100),
+            "cache_salt": st.one_of(st.none(), st.just("tenant-a")),
+            "extra_keys": st.none(),
+            "group_idx": st.one_of(st.none(), st.integers(0, 3)),
+        }
+    elif kind == "BlockRemoved":
+        optional = {
+            "medium": st.sampled_from([None, "GPU", "CPU", "STORAGE"]),
+            "group_idx": st.one_of(st.none(), st.integers(0, 3)),
+        }
+    else:
+        optional = {}
+    optional.update(
+        event_id=st.integers(0, U64 - 1),
+        window_size=st.integers(0, 1000),
+        hash_algo=st.sampled_from(["v1_block_key", "v2_sha256_64"]),
+        attention_dp_rank=st.one_of(st.none(), st.integers(0, U64 - 1)),
+    )
+    for name, strategy in optional.items():
+        if draw(st.booleans()):
+            out[name] = draw(strategy)
+    items = list(out.items())
+    order = draw(st.permutations(range(len(items))))
+    return dict(items[i] for i in order)  # fields in any order, "type" anywhere
+
+
+@needs_decoder
+@SETTINGS
+@given(
+    events=st.lists(foreign_event(), max_size=6),
+    ts=TS,
+    top=st.sampled_from(["two", "nil", "rank"]),
+)
+def test_reader_agrees_on_foreign_payloads(
+    events: list[dict[str, Any]], ts: float, top: str
+) -> None:
+    envelope: list[Any] = [ts, events] + ([] if top == "two" else [None if top == "nil" else 9])
+    payload = _pack(envelope)
+    got = decode_native(payload)
+    assert got is not None
+    assert got == decode_structs(payload) == decode_general(payload)
+
+
+@needs_decoder
+def test_reader_gives_unranked_events_the_batch_rank() -> None:
+    payload = _pack(
+        [
+            0.5,
+            [{"type": "AllBlocksCleared"}, {"type": "AllBlocksCleared", "attention_dp_rank": None}],
+            4,
+        ]
+    )
+    got = decode_native(payload)
+    assert got is not None and got == decode_structs(payload)
+    assert [e.attention_dp_rank for e in got.events] == [4, None]
+    assert [e.event_id for e in got.events] == [0, 1]  # the index where none is sent
+
+
+def _stored_payload(**fields: Any) -> bytes:
+    base: dict[str, Any] = {"block_hashes": [1, 2], "token_ids": [1, 2, 3], "block_size": 2}
+    return _pack([1.0, [_map_store({**base, **fields})]])
+
+
+REFUSED = {
+    "unknown field": _stored_payload(shiny=1),
+    "vLLM 0.33 field": _stored_payload(kv_cache_spec_kind="full"),
+    "extra_keys list": _stored_payload(extra_keys=[["adapter"], None]),
+    "bin hash": _stored_payload(block_hashes=[b"\x01" * 32, 2]),
+    "placeholder": _stored_payload(token_ids=[], block_size=0),
+    "masked": _stored_payload(token_ids=[1, 2, 3, 4, 5, 6]),
+    "too few tokens": _stored_payload(token_ids=[1, 2]),
+    "no hashes": _stored_payload(block_hashes=[], token_ids=[]),
+    "negative token": _stored_payload(token_ids=[1, -2, 3]),
+    "token 2**31": _stored_payload(token_ids=[1, 2**31, 3]),
+    "bigram page": _stored_payload(token_ids=[[1, 2], [2, 3], [3, 4]]),
+    "float block size": _stored_payload(block_size=2.0),
+    "priority 101": _stored_payload(priority=101),
+    "negative lora": _stored_payload(lora_id=-1),
+    "group 2**31": _stored_payload(group_idx=2**31),
+    "bool event id": _stored_payload(event_id=True),
+    "updated": _pack([1.0, [{"type": "BlockUpdated", "block_hash": 1}]]),
+    "created": _pack([1.0, [{"type": "CacheCreated", "num_blocks_per_cache_level": [1]}]]),
+    "unknown type": _pack([1.0, [{"type": "BlockShiny"}]]),
+    "no type": _pack([1.0, [{"block_hashes": [1]}]]),
+    "removed with tokens": _pack(
+        [1.0, [{"type": "BlockRemoved", "block_hashes": [1], "token_ids": []}]]
+    ),
+    "positional": _pack([1.0, [["BlockRemoved", [1], None]]]),
+    "int ts": _pack([1, [{"type": "AllBlocksCleared"}]]),
+    "float32 ts": b"\x92\xca\x3f\x80\x00\x00\x91\x81\xa4type\xb0AllBlocksCleared",
+    "nan ts": _pack([float("nan"), []]),
+    "4-element envelope": _pack([1.0, [], None, None]),
+    "rank 2**31": _pack([1.0, [], 2**31]),
+    "trailing byte": _pack([1.0, []]) + b"\xc0",
+    "truncated": _stored_payload()[:-1],
+    "map envelope": _pack({"ts": 1.0}),
+    "empty": b"",
+    "not UTF-8 medium": _stored_payload(medium="GPU").replace(b"\xa3GPU", b"\xa3\xff\xfe\xfd"),
+}
+# a repeated key (msgspec keeps the last; the native reader leaves it to msgspec)
+REFUSED["repeated key"] = (
+    _stored_payload(priority=3)
+    .replace(b"\xa8priority\x03", b"\xa8priority\x03\xa8priority\x04")
+    .replace(b"\x91\x85", b"\x91\x86", 1)
+)
+
+
+@needs_decoder
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_reader_leaves_other_payloads_to_the_structs(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    payload = REFUSED[name]
+    assert decode_native(payload) is None
+    got = _outcome(payload)
+    monkeypatch.setattr(wire_fast, "_native_decode_events", None)
+    assert _outcome(payload) == got  # the same batch or error as without the reader
+
+
+def _outcome(payload: bytes) -> Any:
+    try:
+        return decode_batch(payload)
+    except DecodeError as exc:
+        return str(exc)
+
+
+@needs_decoder
+def test_reader_takes_other_buffers() -> None:
+    payload = encode_batch_py([KVCacheEvent(1, Removed([1, 2]))], 3.0)
+    want = decode_structs(payload)
+    assert decode_native(bytearray(payload)) == want
+    assert decode_native(memoryview(payload)) == want
+    strided = memoryview(bytes(b for c in payload for b in (c, 0)))[::2]
+    assert decode_native(strided) is None  # not one contiguous buffer: the structs'
+    assert decode_native("text") is None  # type: ignore[arg-type]
+
+
+@needs_decoder
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(events=BATCH, data=st.data())
+def test_reader_on_mutated_bytes(events: list[KVCacheEvent], data: st.DataObject) -> None:
+    """Flipped, cut and inserted bytes: the reader raises nothing, and what it takes the
+    structs read the same."""
+    payload = bytearray(encode_batch_py(events, 1.0, None))
+    for _ in range(data.draw(st.integers(1, 4))):
+        op = data.draw(st.sampled_from(["flip", "cut", "insert"]))
+        at = data.draw(st.integers(0, len(payload)))
+        if op == "flip" and at < len(payload):
+            payload[at] = data.draw(st.integers(0, 255))
+        elif op == "cut":
+            del payload[at:]
+        else:
+            payload[at:at] = bytes([data.draw(st.integers(0, 255))])
+    raw = bytes(payload)
+    got = decode_native(raw)
+    if got is not None:
+        assert got == decode_structs(raw)
+
+
+@needs_decoder
+def test_reader_refuses_hostile_lengths_without_allocating_them() -> None:
+    """Declared lengths far beyond the bytes present are refused before anything is built."""
+    huge_events = b"\x93\xcb" + bytes(8) + b"\xdd\x00\x00\xff\xff" + b"\xc0"
+    huge_tokens = (
+        b"\x92\xcb" + bytes(8) + b"\x91\x84\xa4type\xabBlockStored\xacblock_hashes\x91\x01"
+        b"\xaablock_size\x01\xa9token_ids\xdd\x00\x0f\xff\xff\x01"
+    )
+    huge_hashes = (
+        b"\x92\xcb"
+        + bytes(8)
+        + b"\x91\x82\xa4type\xacBlockRemoved\xacblock_hashes\xdd\x7f\xff\xff\xff"
+    )
+    for payload in (huge_events, huge_tokens, huge_hashes):
+        assert decode_native(payload) is None
+        assert decode_structs(payload) is None
+
+
+# --- both paths run without the extension ---------------------------------------------------
+
+
+@pytest.fixture(params=["native", "pure"])
+def path(request: pytest.FixtureRequest) -> Iterator[str]:
+    with pytest.MonkeyPatch.context() as m:
+        if request.param == "pure":
+            m.setattr(codec, "_native_encode_events", None)
+            m.setattr(wire_fast, "_native_decode_events", None)
+        yield request.param
+
+
+def test_round_trip_on_either_path(path: str) -> None:
+    blocks = [
+        StoredBlock(11, array("i", [5, 6]), 1, 0, 35, 9),
+        StoredBlock(12, array("i", [7]), 1, 0, 35, 9),
+    ]
+    events = [
+        KVCacheEvent(1, Stored(3, blocks, 2)),
+        KVCacheEvent(2, Removed([11], 0)),
+        KVCacheEvent(3, AllBlocksCleared(), 0, "v2_sha256_64", 1),
+    ]
+    payload = encode_batch(events, 4.0, 0)
+    assert payload == encode_batch_py(events, 4.0, 0)
+    batch = decode_typed(payload)
+    assert batch == DecodedBatch(4.0, events, 0, []) == decode_general(payload)
+    assert (decode_native(payload) is None) == (path == "pure")
+
+
+def test_record_setters_follow_the_fields() -> None:
+    assert _records.record_setters(StoredBlock) == _records._DESCRIPTORS
+    assert [d.__name__ for d in _records.record_setters(KVCacheEvent)] == [
+        "event_id",
+        "data",
+        "window_size",
+        "hash_algo",
+        "attention_dp_rank",
+    ]
