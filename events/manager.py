@@ -169,6 +169,9 @@ class KVCacheEventManager:
         self._block_size = tokens_per_block
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
+        # threads blocked in get_latest_events: flush notifies only when there are any
+        # (Condition.notify_all checks ownership and its waiters in Python, once per flush)
+        self._waiters = 0
         self._hashes: dict[BlockKey, BlockHash] = {}
         self._pending: list[_Pending] = []
         self._buffer: deque[KVCacheEvent] = deque(maxlen=max_entries)
@@ -433,7 +436,8 @@ class KVCacheEventManager:
                 self.dropped_events += overflow
                 self._dropped_untaken += overflow
             self._buffer.extend(ready)  # the deque's maxlen discards the oldest
-            self._ready.notify_all()
+            if self._waiters:
+                self._ready.notify_all()
             return len(ready)
 
     def get_latest_events(self, timeout_ms: float = 0) -> list[KVCacheEvent]:
@@ -442,9 +446,13 @@ class KVCacheEventManager:
         With ``timeout_ms > 0`` and an empty buffer, wait until :meth:`flush` produces events or
         the timeout passes (then return an empty list).
         """
-        with self._ready:
+        with self._lock:  # the condition's own lock (its __enter__ is a Python-level call)
             if not self._buffer and timeout_ms > 0:
-                self._ready.wait_for(lambda: bool(self._buffer), timeout_ms / 1000.0)
+                self._waiters += 1
+                try:
+                    self._ready.wait_for(lambda: bool(self._buffer), timeout_ms / 1000.0)
+                finally:
+                    self._waiters -= 1
             events = list(self._buffer)
             self._buffer.clear()
             return events
