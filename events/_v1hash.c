@@ -434,8 +434,13 @@ static const unsigned char *read_token_ids(const unsigned char *p, const unsigne
                p[15] == 0xce) {
             uint32_t v[4];
             for (int k = 0; k < 4; k++) {
+#if defined(__GNUC__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+                memcpy(&v[k], p + 5 * k + 1, 4);
+                v[k] = __builtin_bswap32(v[k]);
+#else
                 v[k] = ((uint32_t)p[5 * k + 1] << 24) | ((uint32_t)p[5 * k + 2] << 16) |
                        ((uint32_t)p[5 * k + 3] << 8) | p[5 * k + 4];
+#endif
             }
             if ((v[0] | v[1] | v[2] | v[3]) > (uint32_t)INT32_MAX) {
                 return NULL;
@@ -751,8 +756,9 @@ static inline Py_ssize_t put_int(unsigned char *o, int neg, uint64_t ux) {
     return 1 + width;
 }
 
-/* Writes n packed int32 token ids as msgspec writes each int (at most 5 bytes each); returns
- * the position after them. */
+/* Writes n packed int32 token ids as msgspec writes each int (at most 5 bytes each, and up to
+ * 3 bytes of scratch after the last: the caller leaves 5 * n + 3 bytes); returns the position
+ * after them. */
 static unsigned char *put_token_ids(unsigned char *o, const unsigned char *p, Py_ssize_t n) {
     Py_ssize_t k = 0;
     while (k < n) {
@@ -764,12 +770,19 @@ static unsigned char *put_token_ids(unsigned char *o, const unsigned char *p, Py
                 break;
             }
             for (int j = 0; j < 4; j++) {
+#if defined(__GNUC__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+                /* one 8-byte store per id: the tag, the big-endian id, and 3 bytes that the
+                 * next id (or the caller's slack) overwrites */
+                uint64_t word = 0xce | ((uint64_t)__builtin_bswap32((uint32_t)v[j]) << 8);
+                memcpy(o + 5 * j, &word, 8);
+#else
                 uint32_t u = (uint32_t)v[j];
                 o[5 * j] = 0xce;
                 o[5 * j + 1] = (unsigned char)(u >> 24);
                 o[5 * j + 2] = (unsigned char)(u >> 16);
                 o[5 * j + 3] = (unsigned char)(u >> 8);
                 o[5 * j + 4] = (unsigned char)u;
+#endif
             }
             o += 20;
             k += 4;
@@ -807,8 +820,8 @@ static PyObject *pack_tokens(PyObject *self, PyObject *obj) {
         }
         Py_RETURN_NONE; /* msgspec's "too long" error */
     }
-    /* 5 bytes per int32 at most, 9 per int64 */
-    PyObject *out = PyBytes_FromStringAndSize(NULL, 5 + (packed ? 5 : 9) * n);
+    /* 5 bytes per int32 at most (and put_token_ids' scratch), 9 per int64 */
+    PyObject *out = PyBytes_FromStringAndSize(NULL, 8 + (packed ? 5 : 9) * n);
     if (out == NULL) {
         if (packed) {
             PyBuffer_Release(&view);
@@ -2232,7 +2245,7 @@ static int mw_tokens(mp_writer *w, const enc_block *blocks, Py_ssize_t lo, Py_ss
     if (mw_header(w, 0x90, 0xdc, (uint64_t)total) < 0) {
         return -1;
     }
-    unsigned char *o = mw_room(w, 5 * total); /* 5 bytes per int32 at most */
+    unsigned char *o = mw_room(w, 5 * total + 3); /* 5 bytes per int32 at most, and scratch */
     if (o == NULL) {
         return -1;
     }

@@ -170,6 +170,7 @@ class WorkerStatus:
 
 _ZEROS: Final = repeat(0)
 _BLOCK_HASH: Final = attrgetter("block_hash")
+_TOKENS: Final = attrgetter("tokens")
 
 #: what the index is keyed by: the router's key of a block (an int), or a worker's own hash
 #: (an int or hex string; with its group when not 0) where no key could be computed
@@ -494,7 +495,7 @@ class KvIndexer:
             and counts[0] > 0
             and counts[2] == counts[0]
             and first.tokens
-            and all(b.tokens for b in blocks)
+            and all(map(_TOKENS, blocks))
         ):
             # A worker whose hashes have been the router's keys so far (this project's, a V1
             # engine's): when the first block's key is its hash, the chain's are too (one
@@ -504,7 +505,7 @@ class KvIndexer:
             except (TypeError, ValueError, OverflowError):
                 head = []
             if head and head[0] == first.block_hash:
-                hashes: list[BlockHash] = [b.block_hash for b in blocks]
+                hashes: list[BlockHash] = list(map(_BLOCK_HASH, blocks))
                 counts[0] += len(blocks)
                 counts[2] += len(blocks)
                 return hashes  # type: ignore[return-value]

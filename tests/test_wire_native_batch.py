@@ -9,6 +9,8 @@ structs."""
 
 from __future__ import annotations
 
+import gc
+import sys
 from array import array
 from collections.abc import Iterator
 from typing import Any
@@ -476,3 +478,58 @@ def test_record_setters_follow_the_fields() -> None:
         "hash_algo",
         "attention_dp_rank",
     ]
+
+
+# --- references, buffers and token runs -------------------------------------------------------
+
+
+@needs_encoder
+@needs_decoder
+def test_native_codec_releases_buffers_and_references() -> None:
+    tokens = [array("i", [70000 + i for i in range(9)]), array("i", [1, 2**20])]
+    blocks = [StoredBlock(2**40 + i, t) for i, t in enumerate(tokens)]  # uncached ints
+    events = [KVCacheEvent(2**41, Stored(2**42, blocks, 9)), KVCacheEvent(3, Removed([2**43]))]
+    counts = [sys.getrefcount(x) for x in (*tokens, *blocks, *events)]
+    payload = bytearray(encode_batch_py(events, 1.0))
+    for _ in range(3):
+        assert _native_encode(events, 1.0, None) == payload
+        assert _native_encode([*events, KVCacheEvent(0, Created([1]))], 1.0, None) is None
+        assert decode_native(payload) is not None
+        assert decode_native(payload[:-1]) is None
+    assert [sys.getrefcount(x) for x in (*tokens, *blocks, *events)] == counts
+    for t in tokens:
+        t.append(0)  # no buffer left exported
+    payload.append(0)
+
+
+@needs_decoder
+def test_decoded_records_are_left_out_of_the_cycle_collector() -> None:
+    payload = encode_batch_py([KVCacheEvent(0, Stored(None, [_block(), _block(2)], 2))], 0.0)
+    batch = decode_native(payload)
+    assert batch is not None
+    for b in batch.events[0].data.blocks:  # type: ignore[union-attr]
+        assert not gc.is_tracked(b.tokens) and not gc.is_tracked(b)
+    # a lone block holds the store's whole array (no slice of it is made)
+    one = decode_native(encode_batch_py([KVCacheEvent(0, Stored(None, [_block()], 4))], 0.0))
+    assert one is not None and list(one.events[0].data.blocks[0].tokens) == [1, 2]  # type: ignore[union-attr]
+
+
+@needs_encoder
+@needs_decoder
+@given(
+    runs=st.lists(
+        st.tuples(st.integers(1, 9), st.sampled_from([5, 200, 60000, 70000, 2**31 - 1])),
+        min_size=1,
+        max_size=8,
+    )
+)
+@settings(max_examples=100, deadline=None)
+def test_token_runs_of_every_width(runs: list[tuple[int, int]]) -> None:
+    """Ids written and read four at a time where four uint32s follow one another, one at a
+    time elsewhere: runs of each width at every alignment."""
+    ids = array("i", [v - k % 3 for n, v in runs for k in range(n)])
+    event = KVCacheEvent(0, Stored(None, [StoredBlock(1, ids)], len(ids)))
+    payload = encode_batch_py([event], 0.0)
+    assert _native_encode([event], 0.0, None) == payload
+    batch = decode_native(payload)
+    assert batch is not None and batch == decode_structs(payload)
