@@ -71,6 +71,15 @@ def token_array_bytes(tokens: Iterable[int]) -> tuple[array[int], bytes]:
     return arr, data
 
 
+def int32_array(tokens: Iterable[int]) -> array[int]:
+    """``tokens`` as an ``array('i')`` with their types checked (an ``array('i')`` as it is),
+    their sign not yet: :func:`token_array_bytes` checks that, on this array or on one it is
+    part of. Same errors as :func:`token_array` for non-integers and unordered input."""
+    if isinstance(tokens, array) and tokens.typecode == "i":
+        return tokens
+    return _from_ints(tokens)
+
+
 def _from_ints(tokens: Iterable[int]) -> array[int]:
     if isinstance(tokens, (str, bytes, AbstractSet, Mapping)):
         raise TypeError(f"tokens must be a sequence of ints, got {type(tokens).__name__}")

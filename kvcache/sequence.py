@@ -18,7 +18,7 @@ from types import TracebackType
 
 from kvcache.block_pool import BlockPool
 from kvcache.errors import CacheStateError, ClosedCacheError
-from kvcache.keys import token_array_bytes, tokens_from_bytes, tokens_to_bytes
+from kvcache.keys import int32_array, token_array_bytes, tokens_from_bytes, tokens_to_bytes
 from kvcache.owner import ThreadOwner
 from kvcache.scope import ReuseScope
 from kvcache.tree import Block
@@ -173,29 +173,27 @@ class KVCache:
         the pages cannot be had.
         """
         self._check_writable("commit")
-        arr, data = token_array_bytes(tokens)
+        arr = int32_array(tokens)
         if not arr:
             return
         pool = self._pool
         tpb = pool.tokens_per_block
         old_n = self._n
         new_n = old_n + len(arr)
+        # From block ``old_n // tpb`` on: the tokens of the block being filled, then the new
+        # ones, packed and sign-checked in one go (the tail is checked already): joining the
+        # new tokens' packed bytes to the tail's would copy them once more.
+        tail = self._tail
+        seg, seg_data = token_array_bytes(tail + arr if tail else arr)
         extra = -(-new_n // tpb) - len(self._blocks)
         if extra > 0:
             self._blocks += pool.grow(extra, self.scope, self.priority)
-        self._chunks.append(data)  # immutable: the caller may change its array afterwards
+        # immutable bytes (the caller may change its array afterwards); the new tokens only
+        self._chunks.append(memoryview(seg_data)[4 * len(tail) :] if tail else seg_data)
         self._n = new_n
         first, last = old_n // tpb, new_n // tpb
-        tail = self._tail
-        if last == first:
-            self._tail = tail + arr
-        else:
-            # block ``first`` on: the tokens of the block being filled, then the new ones
-            if tail:
-                seg, seg_data = tail + arr, tokens_to_bytes(tail) + data
-            else:
-                seg, seg_data = arr, data
-            self._tail = seg[(last - first) * tpb :]
+        self._tail = seg[(last - first) * tpb :]  # a copy: ``seg`` may be the caller's array
+        if last > first:
             pool.store_full(self.scope, self._blocks, first, last, seg, seg_data)
         pool.finish()
 
