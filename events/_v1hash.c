@@ -2307,7 +2307,17 @@ static int encode_stored(mp_writer *w, PyObject *data, const enc_common *c, Py_s
         }
     }
     Py_ssize_t block_size = size.state == 2 ? (Py_ssize_t)size.ux : bs[0].n;
-    Py_ssize_t start = 0, total = 0;
+    Py_ssize_t start = 0, total = 0, ids = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        ids += bs[i].n;
+    }
+    /* room for the whole event at once (5 bytes an id, 9 a hash, the fields of a wire event
+     * per block at most, about 280 bytes with its hash_algo), so that it is never moved while
+     * written (the room is a reservation: a write past it still grows the buffer) */
+    if (mw_room(w, 5 * ids + 3 + n * (9 + 320 + c->algo_len)) == NULL) {
+        rc = -1;
+        goto done;
+    }
     rc = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (!(0 < bs[i].n && bs[i].n <= block_size)) {
