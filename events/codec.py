@@ -34,11 +34,16 @@ unknown fields and every field they require is present (``lora_id``, ``lora_name
 ``medium``); tests check it against the structs recorded from their releases
 (``tests/data/engines/decoder_rules.json``).
 
-The payload is written by msgspec; with the optional extension, one C pass splits a Stored
-event's blocks into wire events (the pure form stays as the reference and the fallback), and
-token ids that come packed (``array('i')``, as the event manager's records hold them) are
-written as a msgpack array straight from the int32s, byte for byte what msgspec writes for the
-same ints as a list, and handed to msgspec as ``msgspec.Raw``: no Python int per token.
+The payload is written by msgspec (:func:`encode_batch_py`); with the optional extension, one C
+pass splits a Stored event's blocks into wire events (the pure form stays as the reference and
+the fallback), and token ids that come packed (``array('i')``, as the event manager's records
+hold them) are written as a msgpack array straight from the int32s, byte for byte what msgspec
+writes for the same ints as a list, and handed to msgspec as ``msgspec.Raw``: no Python int per
+token. The common batch (``Stored`` with uint64 hashes, packed token ids and tiers 0-2,
+``Removed``, ``AllBlocksCleared``; the map form without extension events) is written by the
+extension's ``encode_events`` in one pass, without the wire dicts, runs and Raw arrays: the
+same bytes (tested against :func:`encode_batch_py`), and None for any other batch, which
+msgspec then writes (or refuses, naming the error).
 
 Hashes travel as uint64. A ``v2_sha256`` hash (64 hex characters) travels as a 32-byte msgpack
 ``bin`` and decodes back to its hex string: an extension, since 64-bit integers cannot hold it.
