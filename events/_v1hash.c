@@ -2521,6 +2521,10 @@ static PyObject *encode_events(PyObject *self, PyObject *const *args, Py_ssize_t
         Py_XDECREF(data);
         Py_DECREF(event);
     }
+    if (rc == -1 && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        PyErr_Clear(); /* not an event record: msgspec's path names what is missing */
+        rc = 0;
+    }
     if (rc != 1 || mw_opt(&w, &rank) < 0) {
         Py_XDECREF(w.obj);
         if (rc == 0) {

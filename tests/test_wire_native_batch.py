@@ -199,7 +199,7 @@ def test_writer_leaves_other_batches_to_msgspec(name: str) -> None:
 def _raised(fn: Any) -> tuple[str, str]:
     try:
         fn()
-    except (TypeError, ValueError, OverflowError) as exc:
+    except (TypeError, ValueError, OverflowError, AttributeError) as exc:
         return type(exc).__name__, str(exc)
     raise AssertionError("did not raise")
 
@@ -222,6 +222,18 @@ def test_writer_errors_are_msgspecs(events: list[KVCacheEvent]) -> None:
     assert _raised(lambda: encode_batch(events, 0.0)) == _raised(
         lambda: encode_batch_py(events, 0.0)
     )
+
+
+@needs_encoder
+def test_writer_leaves_objects_that_are_not_records_to_msgspec() -> None:
+    class Bare:
+        pass
+
+    batches: list[Any] = [[Bare()], [KVCacheEvent(0, Stored(None, [Bare()]))]]  # type: ignore[list-item]
+    for events in batches:
+        assert _native_encode(events, 0.0, None) is None
+        got = _raised(lambda e=events: encode_batch(e, 0.0))
+        assert got == _raised(lambda e=events: encode_batch_py(e, 0.0))
 
 
 @needs_encoder
@@ -492,7 +504,7 @@ def test_native_codec_releases_buffers_and_references() -> None:
     counts = [sys.getrefcount(x) for x in (*tokens, *blocks, *events)]
     payload = bytearray(encode_batch_py(events, 1.0))
     for _ in range(3):
-        assert _native_encode(events, 1.0, None) == payload
+        assert _native_encode(events, 1.0, None) == bytes(payload)
         assert _native_encode([*events, KVCacheEvent(0, Created([1]))], 1.0, None) is None
         assert decode_native(payload) is not None
         assert decode_native(payload[:-1]) is None
