@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import kvcache.tree as tree_module
 from kvcache import KVCacheManager, KVCacheManagerConfig, ReuseScope, TierConfig, root_key
 from kvcache.keys import chain_keys, chain_keys_py
 from kvcache.tree import Block, RadixTree
@@ -157,3 +158,45 @@ def test_partial_blocks_are_keyed_over_their_tokens() -> None:
     with pytest.raises(ValueError, match="chain_keys"):
         tree.attach_partial(empty, root, array("i"))
     assert tree.num_blocks == 1 and not empty.in_tree and root.partials == {three.key: three}
+
+
+@needs_native
+@settings(max_examples=40, deadline=None)
+@given(
+    prompts=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=40), min_size=1, max_size=8),
+    tpb=st.integers(1, 5),
+)
+def test_a_cache_keyed_natively_equals_one_keyed_with_hashlib(
+    prompts: list[list[int]], tpb: int
+) -> None:
+    """The same requests (shared prefixes, several commits each, partial tails) through a
+    manager whose tree keys natively and one whose tree keys with ``chain_keys_py``: the same
+    blocks under the same keys, the same reuse."""
+
+    def replay() -> tuple[list[tuple[bytes, tuple[int, ...]]], list[int]]:
+        cfg = KVCacheManagerConfig(
+            tokens_per_block=tpb, tiers=[TierConfig(name="device", num_blocks=512)]
+        )
+        mgr = KVCacheManager(cfg)
+        reused = []
+        for prompt in prompts:
+            seq = mgr.create_kv_cache(prompt)
+            reused.append(seq.num_reused_tokens)
+            rest = prompt[seq.num_reused_tokens :]
+            seq.commit(rest[:3])
+            seq.commit(rest[3:])
+            seq.stop_committing()
+            seq.close()
+        mgr.verify()
+        return sorted((b.key, tuple(b.tokens)) for b in mgr.iter_blocks()), reused
+
+    native = replay()
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(tree_module, "chain_keys", chain_keys_py)
+        pure = replay()
+    assert native == pure
+    # and every full block of every prompt is in the tree under WIRE.md's key
+    in_tree = {key for key, _ in native[0]}
+    root = root_key(ReuseScope())
+    for p in prompts:
+        assert set(reference(root, le(p), 0, 4 * tpb, len(p) // tpb)) <= in_tree
