@@ -567,7 +567,8 @@ class KvIndexer:
     ) -> None:
         if not data.blocks:
             return
-        self._check_block_size(worker, data)
+        if data.block_size != self.tokens_per_block:  # the router's own size: nothing to check
+            self._check_block_size(worker, data)
         self._store(worker, bit, held, data.blocks, self._stored_keys(worker, held, data), True)
 
     def _stored_by_hash(
@@ -575,7 +576,8 @@ class KvIndexer:
     ) -> None:
         if not data.blocks:
             return
-        self._check_block_size(worker, data)
+        if data.block_size != self.tokens_per_block:  # the router's own size: nothing to check
+            self._check_block_size(worker, data)
         parent = data.parent_hash
         if parent is not None and parent not in held:
             self._anomaly(worker, UNKNOWN_PARENT)
