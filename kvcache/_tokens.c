@@ -10,6 +10,9 @@
  *
  *   pack_nonneg(arr) -> bytes, or None when an id is negative
  *                       (arr: a C-contiguous buffer of 4-byte ints, format "i")
+ *   all_nonneg(arr)  -> whether no id is negative (the check alone, nothing allocated: a
+ *                       new request's prompt is checked whole but packed only as far as
+ *                       the manager matches it against the tree)
  *
  * Block keys of a chain (WIRE.md section 2: key = sha256(parent_key || block bytes)), for the
  * tree's commit path: hashlib costs ~0.5 us per call beyond the hash itself (an object, a
@@ -31,16 +34,43 @@
 #include <stdint.h>
 #include <string.h>
 
+/* A C-contiguous buffer of 4-byte ints ("i"), or -1 with TypeError. */
+static int
+int32_view(PyObject *arg, Py_buffer *view, const char *who)
+{
+    if (PyObject_GetBuffer(arg, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+        return -1;
+    }
+    if (view->itemsize != 4 || view->format == NULL || strcmp(view->format, "i") != 0) {
+        PyBuffer_Release(view);
+        PyErr_Format(PyExc_TypeError, "%s needs a buffer of 4-byte ints ('i')", who);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+all_nonneg(PyObject *Py_UNUSED(module), PyObject *arg)
+{
+    Py_buffer view;
+    if (int32_view(arg, &view, "all_nonneg") < 0) {
+        return NULL;
+    }
+    const uint32_t *src = (const uint32_t *)view.buf;
+    Py_ssize_t n = view.len / 4;
+    uint32_t any = 0;
+    for (Py_ssize_t i = 0; i < n; i++) { /* vectorized; the byte order does not matter */
+        any |= src[i];
+    }
+    PyBuffer_Release(&view);
+    return PyBool_FromLong(!(any & 0x80000000u));
+}
+
 static PyObject *
 pack_nonneg(PyObject *Py_UNUSED(module), PyObject *arg)
 {
     Py_buffer view;
-    if (PyObject_GetBuffer(arg, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
-        return NULL;
-    }
-    if (view.itemsize != 4 || view.format == NULL || strcmp(view.format, "i") != 0) {
-        PyBuffer_Release(&view);
-        PyErr_SetString(PyExc_TypeError, "pack_nonneg needs a buffer of 4-byte ints ('i')");
+    if (int32_view(arg, &view, "pack_nonneg") < 0) {
         return NULL;
     }
     PyObject *out = PyBytes_FromStringAndSize(NULL, view.len);
@@ -275,6 +305,7 @@ static PyMethodDef shani_methods[] = {
 static PyMethodDef methods[] = {
     {"pack_nonneg", pack_nonneg, METH_O,
      "pack_nonneg(arr) -> the ids as 4-byte little-endian bytes, or None if one is negative"},
+    {"all_nonneg", all_nonneg, METH_O, "all_nonneg(arr) -> whether no id is negative"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -13,3 +13,6 @@ def chain_keys(
 ) -> list[bytes]:
     """The chained sha256 keys of ``count`` blocks of ``step`` bytes of ``data`` from
     ``start`` (present only where the CPU has SHA-NI)."""
+
+def all_nonneg(arr: array[int], /) -> bool:
+    """Whether no id of ``arr`` (an array('i')) is negative."""

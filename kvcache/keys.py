@@ -29,6 +29,10 @@ try:  # the native pack-and-check (kvcache/_tokens.c), when the extension is bui
     from kvcache._tokens import pack_nonneg as _pack_nonneg
 except ImportError:  # pragma: no cover - depends on the install
     _pack_nonneg = None  # type: ignore[assignment]
+try:  # the native check alone (kvcache/_tokens.c)
+    from kvcache._tokens import all_nonneg as _all_nonneg
+except ImportError:  # pragma: no cover - depends on the install
+    _all_nonneg = None  # type: ignore[assignment]
 try:  # native chain keying: only where the CPU has the SHA extensions (see _tokens.c)
     from kvcache._tokens import chain_keys as _chain_keys
 except ImportError:  # pragma: no cover - depends on the install and the CPU
@@ -69,6 +73,18 @@ def token_array_bytes(tokens: Iterable[int]) -> tuple[array[int], bytes]:
     if _BIG_ENDIAN:
         data = tokens_to_bytes(arr)
     return arr, data
+
+
+def checked_token_array(tokens: Iterable[int]) -> array[int]:
+    """:func:`token_array` without the packed bytes: the same checks and errors, and where
+    the extension is built nothing is copied (a new request's prompt is checked whole, but
+    the manager packs only as much of it as it matches against the tree)."""
+    arr = int32_array(tokens)
+    # without the extension: the sign check of token_array_bytes' pure path
+    ok = arr.tobytes()[_HIGH_BYTE::4].isascii() if _all_nonneg is None else _all_nonneg(arr)
+    if not ok:
+        raise ValueError(f"token ids must be in [0, 2**31), got {min(arr)}")
+    return arr
 
 
 def int32_array(tokens: Iterable[int]) -> array[int]:
@@ -122,6 +138,13 @@ def tokens_to_bytes(tokens: array[int]) -> bytes:
         swapped.byteswap()
         return swapped.tobytes()
     return tokens.tobytes()
+
+
+def pack_range(tokens: array[int], start: int, stop: int) -> bytes:
+    """:func:`tokens_to_bytes` of ``tokens[start:stop]``, copied once (not sliced first)."""
+    if _BIG_ENDIAN:
+        return tokens_to_bytes(tokens[start:stop])
+    return memoryview(tokens)[start:stop].tobytes()
 
 
 def tokens_from_bytes(data: bytes) -> array[int]:

@@ -25,13 +25,14 @@ Decisions (TensorRT-LLM's KVCacheManagerV2 is the reference for the semantics):
 from __future__ import annotations
 
 import importlib
+from array import array
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, Final
 
 from kvcache.block_pool import BlockPool
 from kvcache.config import KVCacheManagerConfig
 from kvcache.errors import KVCacheError
-from kvcache.keys import token_array_bytes
+from kvcache.keys import checked_token_array, pack_range
 from kvcache.owner import ThreadOwner
 from kvcache.pool import PagePool
 from kvcache.scope import DEFAULT_SCOPE, ReuseScope
@@ -39,10 +40,13 @@ from kvcache.sequence import KVCache
 from kvcache.sink import BlockView, EventSink
 from kvcache.stats import KVCacheStats, TierUsage
 from kvcache.storage_protocol import PageStorage
-from kvcache.tree import Block, RadixTree
+from kvcache.tree import Block, Node, RadixTree
 from kvcache.verify import verify
 
 DEFAULT_PRIORITY = 35
+# The first window of a prompt packed for matching (see KVCacheManager._match): a few blocks
+# of a common block size, about what most prompts share with the tree.
+_FIRST_WINDOW_TOKENS: Final = 1024
 
 
 def _check_priority(priority: object) -> int:
@@ -104,27 +108,50 @@ class KVCacheManager:
     # ---------------------------------------------------------------------------- matching
 
     def _match(
-        self, tokens: Any, scope: ReuseScope, data: bytes
-    ) -> tuple[list[Block], Block | None, int]:
-        """(full blocks reused, copy-on-write source, tokens reused from it); ``data`` is the
-        tokens' 4-byte LE encoding."""
+        self, tokens: array[int], scope: ReuseScope
+    ) -> tuple[list[Block], Block | None, int, list[bytes]]:
+        """(full blocks reused, copy-on-write source, tokens reused from it, the packed
+        4-byte LE encoding of the tokens as far as they were compared: at least the full
+        blocks reused).
+
+        The tokens are packed window by window, each window four times the last, while every
+        block of the window matches: a long prompt that shares only its first blocks with the
+        tree (most of them) is not packed to its end, and one that shares all of them is
+        packed about once."""
         n = len(tokens)
         root = self._tree.root(scope)
         if root is None or n < 2:
-            return [], None, 0
+            return [], None, 0, []
         tpb = self.tokens_per_block
+        step = self._step
         max_full = (n - 1) // tpb
-        full = self._tree.match_full(root, data, max_full, self._step)
+        match_full = self._tree.match_full
+        full: list[Block] = []
+        packed: list[bytes] = []
+        node: Node = root
+        done = 0
+        window = max(1, _FIRST_WINDOW_TOKENS // tpb)
+        while done < max_full:
+            take = min(window, max_full - done)
+            data = pack_range(tokens, done * tpb, (done + take) * tpb)
+            packed.append(data)
+            found = match_full(node, data, take, step)
+            full += found
+            if len(found) < take:
+                break
+            node = found[-1]
+            done += take
+            window *= 4
         cfg = self.config
         if not cfg.enable_partial_reuse:
-            return full, None, 0
+            return full, None, 0, packed
         start = len(full) * tpb
         limit = min(tpb, n - 1 - start)
         node = full[-1] if full else root
         src, m = self._tree.match_partial(
             node, tokens[start : start + limit], limit, cfg.max_partial_scan
         )
-        return full, src, m
+        return full, src, m, packed
 
     def probe_reuse(
         self, input_tokens: Iterable[int], reuse_scope: ReuseScope | None = None
@@ -132,8 +159,7 @@ class KVCacheManager:
         """Tokens ``create_kv_cache`` would reuse now; changes nothing (no LRU, stats, events)."""
         self._owner.check("probe_reuse")
         scope = _check_scope(reuse_scope)
-        tokens, data = token_array_bytes(input_tokens)
-        full, _, m = self._match(tokens, scope, data)
+        full, _, m, _ = self._match(checked_token_array(input_tokens), scope)
         return len(full) * self.tokens_per_block + m
 
     def create_kv_cache(
@@ -151,8 +177,8 @@ class KVCacheManager:
         self._owner.check("create_kv_cache")
         scope = _check_scope(reuse_scope)
         priority = _check_priority(priority)
-        tokens, data = token_array_bytes(input_tokens)
-        full, src, m = self._match(tokens, scope, data)
+        tokens = checked_token_array(input_tokens)
+        full, src, m, packed = self._match(tokens, scope)
         blocks = self._pool.acquire(full, src, m, scope, priority)
         reused = len(full) * self.tokens_per_block + (m if src is not None else 0)
         self._queries += 1
@@ -166,7 +192,7 @@ class KVCacheManager:
             blocks,
             self._live.discard,
             self._owner,
-            data,
+            packed,
             reused,
         )
         self._live.add(seq)

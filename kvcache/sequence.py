@@ -18,7 +18,7 @@ from types import TracebackType
 
 from kvcache.block_pool import BlockPool
 from kvcache.errors import CacheStateError, ClosedCacheError
-from kvcache.keys import int32_array, token_array_bytes, tokens_from_bytes, tokens_to_bytes
+from kvcache.keys import int32_array, pack_range, token_array_bytes, tokens_from_bytes
 from kvcache.owner import ThreadOwner
 from kvcache.scope import ReuseScope
 from kvcache.tree import Block
@@ -52,13 +52,14 @@ class KVCache:
         blocks: list[Block],
         on_close: Callable[[KVCache], None],
         owner: ThreadOwner | None = None,
-        data: bytes | None = None,
+        packed: list[bytes] | None = None,
         num_tokens: int | None = None,
     ) -> None:
         """``tokens``: the reused prefix, or with ``num_tokens`` a longer array whose first
         ``num_tokens`` are (the manager's prompt: nothing is copied out of it but the last
-        partial block); ``data``, when the caller has it, the 4-byte LE encoding of at least
-        those tokens (the prefix is cut from it instead of packing the tokens again)."""
+        partial block); ``packed``, when the caller has it, consecutive pieces of the tokens'
+        4-byte LE encoding from the first token on (the prefix is taken from them, as views,
+        instead of packing the tokens again; tokens past their end are packed here)."""
         self._owner = owner  # the manager's thread check (kvcache.owner)
         self._pool = pool
         self._on_close = on_close
@@ -66,16 +67,20 @@ class KVCache:
         self.priority = priority
         # The tokens as committed, in LE-packed chunks (joined only when ``tokens`` is read):
         # appending to one growing array re-copied a long prompt on every block of decode.
-        # The reused prefix is a view of the manager's packed prompt (immutable bytes), not a
+        # The reused prefix is views of the manager's packed prompt (immutable bytes), not a
         # copy: ``tokens`` is rarely read, and a long prompt's prefix is hundreds of KiB.
         # ``_tail`` holds the tokens after the last full block (``_n % tokens_per_block``).
         n = len(tokens) if num_tokens is None else num_tokens
-        if not n:
-            self._chunks: list[bytes | memoryview] = []
-        elif data is None:
-            self._chunks = [tokens_to_bytes(tokens[:n])]
-        else:
-            self._chunks = [data if len(data) == 4 * n else memoryview(data)[: 4 * n]]
+        chunks: list[bytes | memoryview] = []
+        need = 4 * n
+        for piece in packed or ():
+            if need <= 0:
+                break
+            chunks.append(piece if len(piece) <= need else memoryview(piece)[:need])
+            need -= len(piece)
+        if need > 0:  # what the pieces do not cover (a copy-on-write block's tokens)
+            chunks.append(pack_range(tokens, n - need // 4, n))
+        self._chunks = chunks
         self._n = n
         self._tail: array[int] = tokens[n - n % pool.tokens_per_block : n]
         self._blocks = blocks

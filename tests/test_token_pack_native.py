@@ -33,6 +33,7 @@ def path(request: pytest.FixtureRequest) -> Iterator[str]:
     with pytest.MonkeyPatch.context() as m:
         if request.param == "pure":
             m.setattr(keys, "_pack_nonneg", None)
+            m.setattr(keys, "_all_nonneg", None)
         yield request.param
 
 
