@@ -13,8 +13,10 @@
  * It also holds the event path's native steps (each with its pure-Python reference beside its
  * caller): the StoredBlock record builders (events/_records.py), the wire encoder's runs
  * (stored_runs) and the packed token ids of the wire (tokens_from_msgpack, pack_tokens: a
- * msgpack array of ints read into, and written from, an array('i')), and the router service's
- * JSON prompts read the same way (tokens_from_json, json_prompt_first).
+ * msgpack array of ints read into, and written from, an array('i')), the whole common batch
+ * written and read in one pass each way (encode_events beside events.codec.encode_batch_py,
+ * decode_events beside events.wire_fast.decode_structs), and the router service's JSON prompts
+ * read the same way (tokens_from_json, json_prompt_first).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -1398,11 +1400,10 @@ fail:
  *
  * The simulator's event round trip, one call each way: encode_events writes a batch of this
  * project's events as the bytes events.codec's msgspec path writes, and decode_events reads
- * the common batch straight into the records events.wire_fast's typed path builds (the
+ * the common batch straight into the records events.wire_fast's msgspec structs give (the
  * record types and their slot descriptors are passed in, as for stored_blocks). Each takes a
  * strict subset of what its Python path takes and answers None for everything else, which the
  * caller then hands to that path (which names errors): nothing here raises on the data. */
-
 
 /* A cursor over a msgpack buffer: every read checks the bytes left first. */
 typedef struct {
