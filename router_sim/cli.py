@@ -187,7 +187,9 @@ def _given(value: int | None, default: int) -> int:
     return default if value is None else value
 
 
-def run(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
+def run(args: argparse.Namespace, stdout: TextIO, stderr: TextIO, *, exiting: bool = False) -> int:
+    """``router-sim run``; ``exiting``: the process ends when this returns (then its last
+    simulation's objects are left to the exit: see :func:`router_sim.sim.simulate`)."""
     check_run_args(args)  # every flag and --out, before any work (router_sim.run_args)
     trace = args.trace is not None
     tpb = _given(args.tokens_per_block, TRACE_TOKENS_PER_BLOCK if trace else SYNTH_TOKENS_PER_BLOCK)
@@ -220,8 +222,10 @@ def run(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
     bound = compulsory_bound(requests, tpb)
     summaries: dict[str, PolicySummary] = {}
     for name in args.policies:
+        # a router-sim process leaves its last run's objects to its exit (see simulate)
+        last = exiting and name == args.policies[-1]
         if args.no_progress:  # no bar at all: a disabled tqdm still starts its monitor thread
-            summaries[name] = simulate(requests, name, config)
+            summaries[name] = simulate(requests, name, config, exit_after=last)
             continue
         with tqdm(
             total=len(requests),
@@ -235,7 +239,7 @@ def run(args: argparse.Namespace, stdout: TextIO, stderr: TextIO) -> int:
             def advance(done: int, total: int, bar: tqdm[Any] = bar) -> None:
                 bar.update(done - bar.n)
 
-            summaries[name] = simulate(requests, name, config, advance)
+            summaries[name] = simulate(requests, name, config, advance, exit_after=last)
     cfg = {f.name: getattr(config, f.name) for f in fields(config)}
     cfg["restarts"] = [[r.worker, r.at_ms] for r in config.restarts]
     cfg["policy_options"] = config.policy_options
@@ -269,7 +273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return app.main(args) if args.command == "serve" else worker_proc.main(args)
     try:
-        return run(args, sys.stdout, sys.stderr)
+        # argv None: this is the router-sim process itself (tests and embedders pass argv)
+        return run(args, sys.stdout, sys.stderr, exiting=argv is None)
     except (ValueError, FileNotFoundError) as exc:
         sys.stderr.write(error_line(f"router-sim: {exc}"))
         return 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
@@ -37,6 +38,26 @@ def test_equal_seed_and_inputs_give_identical_reports() -> None:
     assert first == second
     fields = first["policies"]["kv_overlap"]  # type: ignore[index]
     assert fields["completed"] == 120 and "decision_us_p50" not in fields
+
+
+def test_a_run_before_the_process_exit_leaves_its_objects_uncollected() -> None:
+    """``exit_after``: the same report, the collector back on, and what the run built out of
+    the collector's reach (a default run leaves nothing frozen)."""
+    reqs = synthetic_workload("mixed", seed=5, spec=SMALL)
+    gc.collect()
+    frozen = gc.get_freeze_count()
+    normal = simulate(reqs, "kv_overlap", _config(seed=5))
+    assert gc.get_freeze_count() == frozen and gc.isenabled()
+    try:
+        last = simulate(reqs, "kv_overlap", _config(seed=5), exit_after=True)
+        assert gc.isenabled()
+        assert gc.get_freeze_count() > frozen + 1000  # the workers' trees, the index, ...
+    finally:
+        gc.unfreeze()  # this test process goes on: let the collector have them back
+    drop = {"wall_s", "decision_us_p50", "decision_us_p99", "decision_us_mean"}
+    assert {k: v for k, v in last.as_dict().items() if k not in drop} == {
+        k: v for k, v in normal.as_dict().items() if k not in drop
+    }
 
 
 def test_a_different_seed_changes_a_seeded_policy() -> None:
