@@ -411,34 +411,52 @@ class KVCacheEventManager:
         dropped and counted in :attr:`dropped_events`; their event ids are not reused.
         """
         with self._lock:
-            pending = self._pending
-            if not pending:
-                return 0
-            self._pending = []
-            block_size = self._block_size
-            ready: list[KVCacheEvent] = []
-            event_id = self._next_id
-            for item in pending:
-                data: EventData
-                if isinstance(item, _PendingStored):
-                    data = Stored(item.parent_hash, item.blocks, block_size)
-                elif isinstance(item, _PendingRemoved):
-                    data = Removed(item.block_hashes, item.cache_level)
-                else:
-                    data = item
-                ready.append(
-                    KVCacheEvent(event_id, data, self.window_size, self._algo_name, self.dp_rank)
-                )
-                event_id += 1
-            self._next_id = event_id
-            overflow = len(self._buffer) + len(ready) - self.max_entries
-            if overflow > 0:
-                self.dropped_events += overflow
-                self._dropped_untaken += overflow
-            self._buffer.extend(ready)  # the deque's maxlen discards the oldest
-            if self._waiters:
-                self._ready.notify_all()
-            return len(ready)
+            return self._flush()
+
+    def _flush(self) -> int:
+        """:meth:`flush`'s work; the caller holds the lock."""
+        pending = self._pending
+        if not pending:
+            return 0
+        self._pending = []
+        block_size = self._block_size
+        ready: list[KVCacheEvent] = []
+        event_id = self._next_id
+        for item in pending:
+            data: EventData
+            if isinstance(item, _PendingStored):
+                data = Stored(item.parent_hash, item.blocks, block_size)
+            elif isinstance(item, _PendingRemoved):
+                data = Removed(item.block_hashes, item.cache_level)
+            else:
+                data = item
+            ready.append(
+                KVCacheEvent(event_id, data, self.window_size, self._algo_name, self.dp_rank)
+            )
+            event_id += 1
+        self._next_id = event_id
+        overflow = len(self._buffer) + len(ready) - self.max_entries
+        if overflow > 0:
+            self.dropped_events += overflow
+            self._dropped_untaken += overflow
+        self._buffer.extend(ready)  # the deque's maxlen discards the oldest
+        if self._waiters:
+            self._ready.notify_all()
+        return len(ready)
+
+    def end_step(self) -> tuple[list[KVCacheEvent], int]:
+        """:meth:`flush`, then :meth:`take_dropped` and :meth:`get_latest_events` (without
+        waiting) in one call: an engine's end of iteration, once per step (three calls took
+        the lock three times, mostly to find nothing). Returns (events, dropped)."""
+        with self._lock:
+            if self._pending:
+                self._flush()
+            elif not self._buffer and not self._dropped_untaken:
+                return [], 0
+            dropped, self._dropped_untaken = self._dropped_untaken, 0
+            events = list(self._buffer)
+            self._buffer.clear()
+            return events, dropped
 
     def get_latest_events(self, timeout_ms: float = 0) -> list[KVCacheEvent]:
         """Drain the buffer, oldest first.

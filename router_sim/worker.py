@@ -119,10 +119,12 @@ class _Seq:
     """Tokens committed to the cache (``computed`` minus generated tokens not yet committed)."""
     generated: int = 0
     admitted_once: bool = False
-
-    @property
-    def decoding(self) -> bool:
-        return self.cache is not None and self.computed >= self.target and self.generated > 0
+    decoding: bool = False
+    """Whether the sequence decodes: it holds a cache, its KV reaches ``target`` and it has
+    generated a token (set where any of these changes, read every step)."""
+    cap: int = 0
+    """``cache.capacity`` (tokens its pages hold), kept here by the worker after each call
+    that may change it: the step compares it with every decoding sequence's position."""
 
     def span(self, start: int, stop: int) -> array[int]:
         """Tokens ``[start, stop)`` of the sequence (the prompt itself when that is all of it:
@@ -308,6 +310,7 @@ class SimWorker:
         requeue = sorted(self.running, key=lambda s: s.order) + list(self.waiting)
         for s in self.running:
             s.cache = None  # the pool dies with the engine; nothing to release
+            s.decoding = False
         self.running = []
         for s in requeue:
             s.computed = s.in_cache = 0
@@ -340,11 +343,9 @@ class SimWorker:
         return self.events.snapshot(self.manager.iter_blocks())
 
     def _publish(self) -> None:
-        self.events.flush()
-        lost = self.events.take_dropped()
+        batch, lost = self.events.end_step()
         if lost and self.publisher is not None:
             self.publisher.skip()  # a seq no batch carries: subscribers see the loss
-        batch = self.events.get_latest_events()
         if batch:
             self._send(batch)
         if lost:
@@ -479,8 +480,10 @@ class SimWorker:
             cache.close()
             return False
         s.cache = cache
+        s.cap = cache.capacity
         s.target = target
         s.computed = s.in_cache = cache.num_reused_tokens
+        s.decoding = s.computed >= target and s.generated > 0  # never: one token is computed
         if not s.admitted_once:
             s.admitted_once = True
             s.record.reused_tokens = min(cache.num_reused_tokens, req.input_length)
@@ -515,6 +518,7 @@ class SimWorker:
         if s.cache is not None:
             s.cache.close()
             s.cache = None
+        s.decoding = False
         self._admission_blocked = False
 
     def _preempt_for(self, needy: _Seq) -> bool:
@@ -535,21 +539,26 @@ class SimWorker:
     def _ensure_capacity(self, s: _Seq, tokens: int) -> bool:
         """Make ``s``'s cache hold ``tokens`` tokens, preempting others if needed; False when
         ``s`` had to be preempted itself."""
-        assert s.cache is not None
+        cache = s.cache
+        assert cache is not None
         tpb = self.config.tokens_per_block
-        while s.cache.capacity < tokens:
+        while cache.capacity < tokens:
             try:
-                s.cache.resize(-(-tokens // tpb) * tpb)
+                cache.resize(-(-tokens // tpb) * tpb)
             except OutOfPagesError:
                 if not self._preempt_for(s):
                     return False
+        s.cap = cache.capacity
         return True
 
     def _commit(self, s: _Seq, upto: int) -> None:
-        assert s.cache is not None
+        cache = s.cache
+        assert cache is not None
         if upto > s.in_cache:
-            s.cache.commit(s.span(s.in_cache, upto))
+            cache.commit(s.span(s.in_cache, upto))
             s.in_cache = upto
+            if upto > s.cap:  # the commit took pages (the worker reserves them first)
+                s.cap = cache.capacity
 
     def _finish(self, s: _Seq) -> None:
         self._commit(s, s.req.input_length + s.req.output_length)
@@ -571,40 +580,48 @@ class SimWorker:
 
     def _step(self, t_ms: float) -> bool:
         self._load = None
-        self._admit_waiting()
-        tpb = self.config.tokens_per_block
-        # Pages for this step's decode tokens first, oldest request first (``running`` is in
-        # admission order, see _preempt_for). Taking a page may preempt the newest request,
-        # which then has no cache and so is not decoding: iterate over a copy.
         running = self.running
-        for s in running[:]:
-            if s.decoding:
-                self._ensure_capacity(s, s.req.input_length + s.generated + 1)
+        cfg = self.config
+        if self.waiting and not self._admission_blocked and len(running) < cfg.max_running:
+            self._admit_waiting()
+        tpb = cfg.tokens_per_block
+        # One pass, oldest request first (``running`` is in admission order, see
+        # _preempt_for): a decoding request gets the page for this step's token when it has
+        # reached the end of its pages; taking one may preempt the newest requests, which
+        # leave the end of ``running`` before the pass reaches them (or ``s`` itself, the last
+        # one then).
         decodes: list[_Seq] = []
         prefills: list[_Seq] = []
         for s in running:
-            (decodes if s.decoding else prefills).append(s)
-        budget = self.config.max_batch_tokens - len(decodes)
+            if s.decoding:
+                need = s.req.input_length + s.generated + 1
+                if need > s.cap and not self._ensure_capacity(s, need):
+                    break
+                decodes.append(s)
+            else:
+                prefills.append(s)
+        budget = cfg.max_batch_tokens - len(decodes)
         chunks: list[tuple[_Seq, int]] = []
+        prefill_tokens = 0
         for s in prefills:
             if budget <= 0:
                 break
             n = min(max(1, s.target - s.computed), budget)
             chunks.append((s, n))
             budget -= n
+            prefill_tokens += n
         if not decodes and not chunks:
-            if self.waiting and not self.running:
+            if self.waiting and not running:
                 raise WorkerError(
                     f"worker {self.worker_id}: nothing runs but request "
                     f"{self.waiting[0].req.request_id} cannot be admitted"
                 )
             return False
-        prefill_tokens = sum(n for _, n in chunks)
         dt = self.timing.step_ms(prefill_tokens, len(decodes), self.manager.kv_usage(0))
         k = 1
         if (
-            self.config.fast_forward
-            and not chunks
+            not chunks
+            and cfg.fast_forward
             and (not self.waiting or self._admission_blocked)
             and dt > 0
             # a page taken for this step may have evicted a block: those events carry this
@@ -623,13 +640,15 @@ class SimWorker:
                     s.record.first_token_ms = self.clock_ms
                 if s.generated >= s.req.output_length:
                     self._finish(s)
+                else:
+                    s.decoding = True
         for s in decodes:
             s.generated += k
-            pos = s.req.input_length + s.generated
-            if s.generated >= s.req.output_length:
+            req = s.req
+            if s.generated >= req.output_length:
                 self._finish(s)
-            elif pos % tpb == 0:
-                self._commit(s, pos)
+            elif (req.input_length + s.generated) % tpb == 0:
+                self._commit(s, req.input_length + s.generated)
         self._publish()
         return True
 
@@ -638,10 +657,11 @@ class SimWorker:
         boundary, or the first step starting at or after ``t_ms``."""
         k = math.ceil((t_ms - self.clock_ms) / dt) if math.isfinite(t_ms) else 1 << 62
         for s in decodes:
-            assert s.cache is not None
-            k = min(
-                k,
-                s.req.output_length - s.generated,
-                s.cache.capacity - (s.req.input_length + s.generated),
-            )
+            req = s.req
+            left = req.output_length - s.generated
+            if left < k:
+                k = left
+            room = s.cap - (req.input_length + s.generated)  # ``cap``: the cache's capacity
+            if room < k:
+                k = room
         return max(1, k)
