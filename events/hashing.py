@@ -188,7 +188,8 @@ def v1_chain(tokens: Tokens, tokens_per_block: int, scope: ReuseScope | None = N
     scope = DEFAULT_SCOPE if scope is None else scope
     packed = _int32s(tokens)
     if _native is not None:
-        return list(_native.chain(packed, tokens_per_block, scope.lora_id, scope.salt))
+        chain: list[int] = _native.chain(packed, tokens_per_block, scope.lora_id, scope.salt)
+        return chain  # a new list: the caller may keep it
     return v1_chain_py(packed, tokens_per_block, scope)
 
 
@@ -228,7 +229,7 @@ def chain_hashes(
     parsed = HashAlgo.parse(algo)
     scope = DEFAULT_SCOPE if scope is None else scope
     if parsed is HashAlgo.V1_BLOCK_KEY:
-        return list(v1_chain(tokens, tokens_per_block, scope))
+        return v1_chain(tokens, tokens_per_block, scope)  # type: ignore[return-value]
     if tokens_per_block < 1:
         raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
     arr = _as_array(tokens)

@@ -38,7 +38,6 @@ from kvcache.scope import ReuseScope
 from router_sim.indexer import KvIndexer, MatchDetail, lora_name_id
 from router_sim.load import LoadSource
 from router_sim.policies import RouteRequest, RoutingPolicy, make_policy
-from router_sim.policies.base import content_key
 
 
 def _packed(tokens: Sequence[int]) -> Sequence[int] | bytes:
@@ -246,8 +245,9 @@ class Router:
         source = self.load_source
         loads = {w: source.load(w) for w in source.workers()}
         matches: dict[int, MatchDetail] = self.indexer.find_matches_detailed(hashes)
+        # the prompt itself, not its content key: the key is only made when a tie needs it
         request = RouteRequest(
-            hashes, len(tokens), self.tokens_per_block, matches, loads, now_ms, content_key(tokens)
+            hashes, len(tokens), self.tokens_per_block, matches, loads, now_ms, None, tokens
         )
         choice = self.policy.choose(request)
         # every candidate at 0, then the few the index matched (no lookup per candidate)

@@ -47,7 +47,9 @@ class RouteRequest:
     ``matches``: per worker what the event-fed index says it holds of the chain (absent: none).
     ``loads``: the candidate workers and their load. ``now_ms``: the injected current time.
     ``content_key``: :func:`content_key` of the prompt's token ids, given by the router for
-    tie-breaks (None: they use the last block hash).
+    tie-breaks (None: they use the last block hash). ``prompt``: the prompt's token ids, given
+    instead of ``content_key`` so that the key is only made for a tie (most decisions have
+    none); a given ``content_key`` wins.
     """
 
     block_hashes: Sequence[BlockHash]
@@ -57,6 +59,7 @@ class RouteRequest:
     loads: Mapping[int, WorkerLoad]
     now_ms: float = 0.0
     content_key: int | None = None
+    prompt: Sequence[int] | bytes | bytearray | memoryview | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -69,6 +72,8 @@ class RouteRequest:
         chain hash: it covers every full block) and the prompt's length. The same on every
         replica; no clock, no per-router state."""
         key = self.content_key
+        if key is None and self.prompt is not None:
+            key = content_key(self.prompt)
         if key is None:
             last = self.block_hashes[-1] if self.block_hashes else 0
             if isinstance(last, str):  # engine hashes as text: Python's str hash is per process
@@ -182,6 +187,8 @@ def lowest_cost(
     loads: Mapping[int, WorkerLoad],
     rank: Callable[[int], int] | None = None,
     prefer: Callable[[int], int] | None = None,
+    *,
+    rank_of: Callable[[], Callable[[int], int]] | None = None,
 ) -> int:
     """The worker of lowest cost; equal costs go to the least loaded, and workers still tied
     to the lowest ``rank(worker)`` (:func:`tie_rank` of the request: the same pick on every
@@ -191,17 +198,27 @@ def lowest_cost(
     Without ``rank`` a tie goes to the lowest worker id, which piles every tied decision
     on one worker: with spread-out arrivals most workers are idle and equally cheap when a
     request without cached blocks arrives, so a fixed order sends them all to worker 0.
+    ``rank_of`` (instead of ``rank``) makes the rank only when workers are still tied: most
+    decisions have one cheapest worker, and a request's rank costs two hashes to make.
     """
     best = min(costs.values())
-    tied = [w for w, c in costs.items() if math.isclose(c, best, rel_tol=1e-12, abs_tol=1e-9)]
+    isclose = math.isclose
+    tied = [w for w, c in costs.items() if isclose(c, best, rel_tol=1e-12, abs_tol=1e-9)]
+    if len(tied) == 1:
+        return tied[0]
     lightest = min(load_rank(loads[w]) for w in tied)
     tied = sorted(w for w in tied if load_rank(loads[w]) == lightest)
     if prefer is not None and len(tied) > 1:
         first = min(prefer(w) for w in tied)
         tied = [w for w in tied if prefer(w) == first]
-    if rank is None or len(tied) == 1:
+    if len(tied) == 1:
         return tied[0]
-    return min(tied, key=lambda w: (rank(w), w))
+    if rank is None and rank_of is not None:
+        rank = rank_of()
+    if rank is None:
+        return tied[0]
+    order = rank
+    return min(tied, key=lambda w: (order(w), w))
 
 
 class BoundedLoad:

@@ -142,8 +142,49 @@ class KvOverlapPolicy:
         }
 
     def choose(self, request: RouteRequest) -> PolicyChoice:
-        cached = self.cached(request)
+        if self.temperature > 0:
+            return self._sample(request)
+        # One pass per candidate: the credited blocks, overlap_cost's terms in its order (the
+        # same floats) and the balance price; choose_by_cost's lowest_cost then decides.
+        bounded = self.bounded
+        eligible = bounded.eligible(candidates(request))
         # balance: one request beyond the mean costs as much as one block to prefill
+        excess = bounded.excess(eligible)
+        matches = request.matches
+        loads = request.loads
+        device_credit = self.device_credit
+        slower_credit = self.slower_credit
+        weight = self.overlap_weight
+        recompute = 1.0 + self.recompute_weight
+        tpb = request.tokens_per_block
+        n = request.num_blocks
+        cached: dict[int, float] = {}
+        costs: dict[int, float] = {}
+        for w in eligible:
+            detail = matches.get(w)
+            c = (
+                0.0
+                if detail is None
+                else detail.device_blocks * device_credit + detail.slower_blocks * slower_credit
+            )
+            cached[w] = c
+            load = loads[w]
+            prefill_blocks = load.pending_prefill_tokens / tpb + recompute * max(0.0, n - c)
+            cost = weight * prefill_blocks + (load.decode_blocks + n)
+            x = excess[w]
+            if x > 0:
+                cost += weight * x
+            costs[w] = cost
+        seed = self.seed
+        chosen = lowest_cost(
+            costs, loads, None, bounded.prefer(), rank_of=lambda: tie_rank(request.tie_key(seed))
+        )
+        bounded.record(chosen)
+        return PolicyChoice(chosen, "lowest cost", costs=costs, predicted_overlap=cached)
+
+    def _sample(self, request: RouteRequest) -> PolicyChoice:
+        """:meth:`choose` at ``temperature > 0``: a softmax draw over the costs."""
+        cached = self.cached(request)
         excess = self.bounded.excess(list(cached))
         choice = choose_by_cost(
             self.seed,

@@ -136,8 +136,14 @@ class PredictedTtftPolicy:
             block_ms = self.chunked_prefill_ms(2 * tpb) - self.chunked_prefill_ms(tpb)
             for w, x in excess.items():
                 costs[w] += block_ms * x
-        rank = tie_rank(request.tie_key(self.seed))
-        chosen = lowest_cost(costs, request.loads, rank, self.bounded.prefer())
+        seed = self.seed
+        chosen = lowest_cost(
+            costs,
+            request.loads,
+            None,
+            self.bounded.prefer(),
+            rank_of=lambda: tie_rank(request.tie_key(seed)),
+        )
         self.bounded.record(chosen)
         reason = (
             f"earliest predicted first token ({predicted[chosen]:.1f} ms) "
