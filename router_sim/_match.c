@@ -24,6 +24,8 @@
  *                           the indexer's device-tier store / eviction loops (see below)
  *   .words                  64-bit words per mask;  len(table): keys held
  *
+ * It also writes the simulator's prompts and answers as array('i') (expand_array, id_run).
+ *
  * Linear probing, splitmix64-scrambled keys (so sequential or crafted hashes spread out),
  * load <= 3/4, deletion by backward shift (no tombstones), memory from PyMem_Raw* (traced).
  * A slot: the key, the any-tier mask, the device mask (each `words` uint64s), padded to a
@@ -1068,15 +1070,35 @@ static PyTypeObject MaskTableType = {
 };
 
 /* expand_ids(ids, count, per_id, shift, mask) -> bytes
+   expand_array(ids, count, per_id, shift, mask) -> array('i')
 
    The simulator's prompt of Mooncake-style hash ids (router_sim.workloads.expand_hash_ids):
    token j of the block of id h is (j << shift) | (h & mask), blocks in id order, `count`
-   tokens in all (the last block cut short), as native-order int32 bytes. */
-static PyObject *expand_ids(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
+   tokens in all (the last block cut short), as native-order int32s: bytes, or the array the
+   prompt is (written in place: no copy of a bytes object into an array). */
+static PyObject *ARRAY_TYPE;  /* array.array */
+static PyObject *ZERO_INT32;  /* array('i', [0]): repeated to make an array of n zeros */
+
+/* A new array('i') of n zeros, *data its storage (the array is ours alone: it stays put). */
+static PyObject *new_int32_array(Py_ssize_t n, uint32_t **data) {
+    PyObject *arr = PySequence_Repeat(ZERO_INT32, n);
+    if (arr == NULL)
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(arr, &view, PyBUF_WRITABLE) < 0) {
+        Py_DECREF(arr);
+        return NULL;
+    }
+    *data = (uint32_t *)view.buf;
+    PyBuffer_Release(&view);
+    return arr;
+}
+
+static PyObject *expand_common(PyObject *const *args, Py_ssize_t nargs, int as_array) {
     if (nargs != 5 || !PyTuple_Check(args[0])) {
         PyErr_SetString(PyExc_TypeError,
-                        "expand_ids(ids: tuple, count, per_id, shift, mask) -> bytes");
+                        as_array ? "expand_array(ids: tuple, count, per_id, shift, mask)"
+                                 : "expand_ids(ids: tuple, count, per_id, shift, mask) -> bytes");
         return NULL;
     }
     PyObject *ids = args[0];
@@ -1094,10 +1116,16 @@ static PyObject *expand_ids(PyObject *self, PyObject *const *args, Py_ssize_t na
                         "shift in [0, 31], mask < 2**32");
         return NULL;
     }
-    PyObject *out = PyBytes_FromStringAndSize(NULL, count * 4);
+    uint32_t *t;
+    PyObject *out;
+    if (as_array) {
+        out = new_int32_array(count, &t);
+    } else {
+        out = PyBytes_FromStringAndSize(NULL, count * 4);
+        t = out == NULL ? NULL : (uint32_t *)PyBytes_AS_STRING(out);
+    }
     if (out == NULL)
         return NULL;
-    uint32_t *t = (uint32_t *)PyBytes_AS_STRING(out);
     for (Py_ssize_t k = 0, done = 0; done < count; k++) {
         PyObject *h = PyTuple_GET_ITEM(ids, k);
         if (!PyLong_Check(h)) {
@@ -1118,9 +1146,48 @@ static PyObject *expand_ids(PyObject *self, PyObject *const *args, Py_ssize_t na
     return out;
 }
 
+static PyObject *expand_ids(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    return expand_common(args, nargs, 0);
+}
+
+static PyObject *expand_array(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    return expand_common(args, nargs, 1);
+}
+
+/* id_run(base, count) -> array('i') [base, base + 1, ..., base + count - 1]: a generated
+   answer (router_sim.workloads.Request.output_tokens), every id in [0, 2**31). */
+static PyObject *id_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "id_run(base, count) -> array('i')");
+        return NULL;
+    }
+    long long base = PyLong_AsLongLong(args[0]);
+    long long count = PyLong_AsLongLong(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (base < 0 || count < 0 || base > INT32_MAX || count > (long long)INT32_MAX + 1 - base) {
+        PyErr_SetString(PyExc_ValueError, "id_run: the ids must lie in [0, 2**31)");
+        return NULL;
+    }
+    uint32_t *t;
+    PyObject *out = new_int32_array((Py_ssize_t)count, &t);
+    if (out == NULL)
+        return NULL;
+    for (long long j = 0; j < count; j++)
+        t[j] = (uint32_t)(base + j);
+    return out;
+}
+
 static PyMethodDef module_methods[] = {
     {"expand_ids", (PyCFunction)(void (*)(void))expand_ids, METH_FASTCALL,
      "The int32 bytes of a prompt given by hash ids (see router_sim.workloads)."},
+    {"expand_array", (PyCFunction)(void (*)(void))expand_array, METH_FASTCALL,
+     "expand_ids' prompt as an array('i')."},
+    {"id_run", (PyCFunction)(void (*)(void))id_run, METH_FASTCALL,
+     "array('i') of count consecutive ids from base (see router_sim.workloads)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1136,6 +1203,16 @@ PyMODINIT_FUNC PyInit__match(void) {
     str_block_hash = PyUnicode_InternFromString("block_hash");
     one = PyLong_FromLong(1);
     if (str_cache_level == NULL || str_block_hash == NULL || one == NULL)
+        return NULL;
+    PyObject *array_module = PyImport_ImportModule("array");
+    if (array_module == NULL)
+        return NULL;
+    ARRAY_TYPE = PyObject_GetAttrString(array_module, "array");
+    Py_DECREF(array_module);
+    if (ARRAY_TYPE == NULL)
+        return NULL;
+    ZERO_INT32 = PyObject_CallFunction(ARRAY_TYPE, "s(i)", "i", 0);
+    if (ZERO_INT32 == NULL)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)

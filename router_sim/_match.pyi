@@ -1,5 +1,6 @@
 """Type stub of the native match loop of router_sim.indexer (built from _match.c)."""
 
+from array import array
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -85,3 +86,11 @@ class MaskTable:
 def expand_ids(ids: tuple[int, ...], count: int, per_id: int, shift: int, mask: int, /) -> bytes:
     """Native-order int32 bytes of ``count`` tokens: token ``j`` of the block of id ``h`` is
     ``(j << shift) | (h & mask)``, blocks in id order (the last one cut short)."""
+
+def expand_array(
+    ids: tuple[int, ...], count: int, per_id: int, shift: int, mask: int, /
+) -> array[int]:
+    """:func:`expand_ids`' tokens as an ``array('i')`` (written in place, not copied)."""
+
+def id_run(base: int, count: int, /) -> array[int]:
+    """``array('i')`` of ``base, base + 1, ..., base + count - 1`` (ids in [0, 2**31))."""

@@ -76,9 +76,11 @@ def _layout(tokens_per_hash_id: int) -> tuple[int, int]:
 
 
 try:  # the native expansion (router_sim/_match.c), when the extension is built
-    from router_sim._match import expand_ids as _expand_ids
+    from router_sim._match import expand_array as _expand_ids
+    from router_sim._match import id_run as _id_run
 except ImportError:  # pragma: no cover - depends on the install
     _expand_ids = None  # type: ignore[assignment]
+    _id_run = None  # type: ignore[assignment]
 
 
 def expand_hash_ids(
@@ -91,17 +93,16 @@ def expand_hash_ids(
     ids give equal tokens, distinct ids (below 2**b) give disjoint tokens, so two prompts share
     exactly the token prefix their hash ids share.
     The last block is cut so the prompt has ``input_length`` tokens. The native extension
-    writes the prompt in one pass; without it, numpy builds it as one vectorised OR of the ids
-    and the positions, and without numpy :func:`expand_hash_ids_py` builds the same tokens.
+    writes the prompt in one pass, into the array it returns; without it, numpy builds it as
+    one vectorised OR of the ids and the positions, and without numpy
+    :func:`expand_hash_ids_py` builds the same tokens.
     """
     n = tokens_per_hash_id
     k = _hash_ids_needed(hash_ids, input_length, n)
     if _expand_ids is not None:  # the native loop: one pass writing the tokens
         pos_bits, mask = _layout(n)
         ids = hash_ids if type(hash_ids) is tuple else tuple(hash_ids)
-        native: array[int] = array("i")
-        native.frombytes(_expand_ids(ids, input_length, n, PROMPT_TOKEN_BITS - pos_bits, mask))
-        return native
+        return _expand_ids(ids, input_length, n, PROMPT_TOKEN_BITS - pos_bits, mask)
     np = _numpy()
     if np is None:
         return expand_hash_ids_py(hash_ids, input_length, n)
@@ -213,6 +214,8 @@ class Request:
         if self.output is not None:
             return self.output
         base = (1 << 30) + (self.request_id * 4099) % ((1 << 30) - self.output_length)
+        if _id_run is not None:  # written in place natively (no numpy range, no copy)
+            return _id_run(base, self.output_length)
         np = _numpy()
         if np is None:
             return array("i", range(base, base + self.output_length))

@@ -1,0 +1,70 @@
+"""The native writers of the simulator's prompts and answers (router_sim/_match.c) give the
+arrays the plain forms give: ``expand_array`` the bytes of ``expand_ids`` (itself checked
+against the per-token formula in test_workloads.py), ``id_run`` Python's ``range``."""
+
+from __future__ import annotations
+
+from array import array
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router_sim import workloads
+from router_sim.workloads import Request
+
+_match = pytest.importorskip("router_sim._match")
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.sampled_from([1, 3, 16, 512]),
+    st.lists(st.integers(0, 2**40), min_size=1, max_size=6),
+    st.data(),
+)
+def test_expand_array_is_the_expanded_bytes(n: int, ids: list[int], data: st.DataObject) -> None:
+    count = data.draw(st.integers(0, n * len(ids)))
+    shift, mask = 22, 2**22 - 1
+    out = _match.expand_array(tuple(ids), count, n, shift, mask)
+    assert type(out) is array and out.typecode == "i"
+    assert out.tobytes() == _match.expand_ids(tuple(ids), count, n, shift, mask)
+    naive = [j << shift | (h & mask) for h in ids for j in range(n)][:count]
+    assert out.tolist() == naive
+
+
+def test_expand_array_refuses_as_expand_ids() -> None:
+    with pytest.raises(ValueError):
+        _match.expand_array((1, 2), 1025, 512, 22, 2**22 - 1)
+    with pytest.raises(TypeError):
+        _match.expand_array((1, "2"), 8, 4, 22, 2**22 - 1)
+    with pytest.raises(TypeError):
+        _match.expand_array([1], 1, 4, 22, 2**22 - 1)
+
+
+@given(st.integers(0, 2**31 - 1), st.integers(0, 3000))
+def test_id_run_is_the_range(base: int, count: int) -> None:
+    count = min(count, 2**31 - base)
+    out = _match.id_run(base, count)
+    assert type(out) is array and out.typecode == "i"
+    assert out == array("i", range(base, base + count))
+
+
+def test_id_run_refuses_ids_past_int32() -> None:
+    assert _match.id_run(2**31 - 2, 2).tolist() == [2**31 - 2, 2**31 - 1]
+    for base, count in [(2**31 - 2, 3), (-1, 1), (0, -1), (2**31, 0)]:
+        with pytest.raises(ValueError):
+            _match.id_run(base, count)
+
+
+@pytest.mark.parametrize("rid, length", [(0, 1), (7, 90), (123456, 4000), (2**40, 17)])
+def test_answers_are_the_same_with_and_without_the_native_run(
+    monkeypatch: pytest.MonkeyPatch, rid: int, length: int
+) -> None:
+    req = Request(rid, 0.0, 10, length, hash_ids=(1,))
+    native = req.output_tokens()
+    monkeypatch.setattr(workloads, "_id_run", None)
+    with_numpy = req.output_tokens()
+    monkeypatch.setattr(workloads, "_numpy", lambda: None)
+    plain = req.output_tokens()
+    assert native == with_numpy == plain
+    assert len(native) == length and min(native) >= 2**30
