@@ -236,13 +236,34 @@ class BlockPool:
         """A sequence lets go of ``blocks``: tree blocks stay cached, private pages are freed;
         a block no live sequence holds any more was last used now."""
         tick = self.next_tick()
-        holders = self._holders
+        if suspended:
+            holders = self._holders
+            for b in blocks:
+                if not b.in_tree:
+                    self.free(b)
+                    continue
+                refs = b.refs
+                holders(b, refs, b.susp - 1, None if refs else tick)
+            return
+        classes = self._classes
+        queues = self.queues
         for b in blocks:
             if not b.in_tree:
                 self.free(b)
                 continue
-            refs, susp = (b.refs, b.susp - 1) if suspended else (b.refs - 1, b.susp)
-            holders(b, refs, susp, None if refs else tick)
+            # _holders(b, b.refs - 1, b.susp, None if refs else tick), inlined: once per block
+            # of every finished sequence. ``b`` was pinned (this sequence held it live).
+            refs = b.refs - 1
+            b.refs = refs
+            b.gen += 1
+            if not refs:
+                t = b.tier
+                susp = b.susp
+                classes[0][t] -= 1
+                classes[1 if susp else 2][t] += 1
+                b.tick = tick
+                if b.here == 0 and b.page >= 0:
+                    queues[t][1 if susp else 0].push(b)
 
     # --------------------------------------------------------------------------- tree edits
 
