@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 
 from router_sim.indexer import MatchDetail
 from router_sim.load import WorkerLoad
-from router_sim.policies.base import RouteRequest, content_key, lowest_cost, tie_rank
+from router_sim.policies.base import BoundedLoad, RouteRequest, content_key, lowest_cost, tie_rank
 from router_sim.policies.overlap import KvOverlapPolicy, choose_by_cost
+from router_sim.policies.ttft import PredictedTtftPolicy
 
 _detail = st.builds(
     lambda run, dev, slow_share: MatchDetail(run, min(dev, run), run - slow_share, slow_share),
@@ -127,3 +128,41 @@ def test_prompt_gives_the_tie_key_of_its_content_key(ids: list[int], seed: int) 
     # a content key the caller gives wins over the prompt
     both = RouteRequest([5], 1, 16, {}, {}, content_key=11, prompt=ids)
     assert both.tie_key(seed) == RouteRequest([5], 1, 16, {}, {}, content_key=11).tie_key(seed)
+
+
+@given(
+    st.dictionaries(st.integers(0, 12), st.integers(0, 40), max_size=12),
+    st.lists(st.integers(0, 12), max_size=10, unique=True),
+    st.sampled_from([None, 0.05, 0.1, 1.0]),
+    st.integers(0, 3),
+)
+def test_eligible_counts_are_eligible_and_excess(
+    sent: dict[int, int], workers: list[int], epsilon: float | None, slack: int
+) -> None:
+    bounded = BoundedLoad(epsilon, slack)
+    bounded.sent.update(sent)
+    eligible, counts, mean = bounded.eligible_counts(workers)
+    assert eligible == bounded.eligible(workers)
+    assert counts == [sent.get(w, 0) for w in eligible] or epsilon is None
+    excess = bounded.excess(eligible)
+    if mean is None:
+        assert epsilon is None or not workers
+        assert not any(excess.values())
+    else:
+        assert {w: max(0.0, c - mean) for w, c in zip(eligible, counts, strict=True)} == excess
+
+
+@settings(max_examples=150, deadline=None)
+@given(_requests(), st.sampled_from([1, 16, 64]), st.sampled_from([0.0, 1.0, 0.5]))
+def test_predicted_ttft_figures_are_its_per_worker_terms(
+    request: RouteRequest, chunk_tokens: int, recompute_weight: float
+) -> None:
+    policy = PredictedTtftPolicy(
+        chunk_tokens=chunk_tokens, recompute_weight=recompute_weight, slower_credit=0.5
+    )
+    workers = sorted(request.loads)
+    costs, predicted, overlap = policy._figures(request, workers)
+    for w in workers:
+        cost, ms, cached, _ = policy._worker(request, w, None)
+        assert (costs[w], predicted[w], overlap[w]) == (cost, ms, cached)
+    assert list(costs) == workers

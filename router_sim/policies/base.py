@@ -264,6 +264,21 @@ class BoundedLoad:
         mean = sum(sent.get(w, 0) for w in workers) / len(workers)
         return {w: max(0.0, sent.get(w, 0) - mean) for w in workers}
 
+    def eligible_counts(self, workers: Sequence[int]) -> tuple[list[int], list[int], float | None]:
+        """:meth:`eligible`, each one's count and the mean count over them (None when the
+        balance is off): what :meth:`excess` prices, each worker's count read once."""
+        if self.epsilon is None or not workers:
+            return list(workers), [0] * len(workers), None
+        get = self.sent.get
+        counts = [get(w, 0) for w in workers]
+        total = sum(counts)
+        cap = math.ceil((1.0 + self.epsilon) * (total + 1) / len(workers)) + self.slack
+        if max(counts) < cap:  # the common case: every worker is under the cap
+            return list(workers), counts, total / len(workers)
+        chosen = [w for w in workers if get(w, 0) < cap] or list(workers)
+        counts = [get(w, 0) for w in chosen]
+        return chosen, counts, sum(counts) / len(chosen)
+
     def prefer(self) -> Callable[[int], int] | None:
         """Tie-break for :func:`lowest_cost`: the worker sent the fewest requests (a request
         no worker holds anything of can go anywhere: send it where it evens the counts)."""

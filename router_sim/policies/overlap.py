@@ -147,9 +147,8 @@ class KvOverlapPolicy:
         # One pass per candidate: the credited blocks, overlap_cost's terms in its order (the
         # same floats) and the balance price; choose_by_cost's lowest_cost then decides.
         bounded = self.bounded
-        eligible = bounded.eligible(candidates(request))
         # balance: one request beyond the mean costs as much as one block to prefill
-        excess = bounded.excess(eligible)
+        eligible, counts, mean = bounded.eligible_counts(candidates(request))
         matches = request.matches
         loads = request.loads
         device_credit = self.device_credit
@@ -158,22 +157,26 @@ class KvOverlapPolicy:
         recompute = 1.0 + self.recompute_weight
         tpb = request.tokens_per_block
         n = request.num_blocks
+        none_cached = recompute * max(0.0, n - 0.0)  # the term of a worker holding nothing
         cached: dict[int, float] = {}
         costs: dict[int, float] = {}
-        for w in eligible:
+        for w, sent in zip(eligible, counts, strict=True):
             detail = matches.get(w)
-            c = (
-                0.0
-                if detail is None
-                else detail.device_blocks * device_credit + detail.slower_blocks * slower_credit
-            )
-            cached[w] = c
+            if detail is None:
+                cached[w] = 0.0
+                uncached = none_cached
+            else:
+                c = detail.device_blocks * device_credit + detail.slower_blocks * slower_credit
+                cached[w] = c
+                uncached = recompute * max(0.0, n - c)
             load = loads[w]
-            prefill_blocks = load.pending_prefill_tokens / tpb + recompute * max(0.0, n - c)
-            cost = weight * prefill_blocks + (load.decode_blocks + n)
-            x = excess[w]
-            if x > 0:
-                cost += weight * x
+            cost = weight * (load.pending_prefill_tokens / tpb + uncached) + (
+                load.decode_blocks + n
+            )
+            if mean is not None:  # the balance's price: BoundedLoad.excess, when above 0
+                x = sent - mean
+                if x > 0:
+                    cost += weight * x
             costs[w] = cost
         seed = self.seed
         chosen = lowest_cost(

@@ -116,25 +116,58 @@ class PredictedTtftPolicy:
     def _figures(
         self, request: RouteRequest, workers: list[int]
     ) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
-        """Per worker: cost, predicted TTFT and credited cached blocks (the step time of a
-        full chunk computed once per decision)."""
-        chunk_ms = self.timing.prefill_ms(self.chunk_tokens)
+        """Per worker: cost, predicted TTFT and credited cached blocks: :meth:`_worker`'s
+        terms in its order (the same floats), with the step time of a full chunk computed once
+        per decision and each chunked prefill time once per token count (most candidates hold
+        nothing of the prompt and many queue nothing: they share their counts)."""
+        timing = self.timing
+        chunk = self.chunk_tokens
+        chunk_ms = timing.prefill_ms(chunk)
+        device_credit = self.device_credit
+        slower_credit = self.slower_credit
+        recompute = self.recompute_weight
+        matches = request.matches
+        loads = request.loads
+        num_tokens = request.num_tokens
+        tpb = request.tokens_per_block
+        chunked: dict[int, float] = {0: 0.0}  # tokens -> chunked_prefill_ms(tokens, chunk_ms)
         costs: dict[int, float] = {}
         predicted: dict[int, float] = {}
         overlap: dict[int, float] = {}
         for w in workers:
-            costs[w], predicted[w], overlap[w], _ = self._worker(request, w, chunk_ms)
+            detail = matches.get(w)
+            if detail is None:
+                cached = 0.0
+            else:
+                cached = detail.device_blocks * device_credit + detail.slower_blocks * slower_credit
+            uncached = num_tokens - round(cached * tpb)
+            if uncached < 0:  # max(0, ...) without the call
+                uncached = 0
+            load = loads[w]
+            queue = load.pending_prefill_tokens + uncached
+            ms = chunked.get(queue)
+            if ms is None:
+                ms = chunked[queue] = self.chunked_prefill_ms(queue, chunk_ms)
+            if load.decode_blocks > 0 and queue > 0:
+                ms += -(-queue // chunk) * timing.decode_ms(load.kv_usage)
+            own = chunked.get(uncached)
+            if own is None:
+                own = chunked[uncached] = self.chunked_prefill_ms(uncached, chunk_ms)
+            costs[w] = ms + recompute * own
+            predicted[w] = ms
+            overlap[w] = cached
         return costs, predicted, overlap
 
     def choose(self, request: RouteRequest) -> PolicyChoice:
-        workers = self.bounded.eligible(candidates(request))
+        workers, counts, mean = self.bounded.eligible_counts(candidates(request))
         costs, predicted, overlap = self._figures(request, workers)
-        excess = self.bounded.excess(workers)
-        if any(excess.values()):
+        # BoundedLoad.excess over the workers, from the counts it read
+        excess = [0.0 if mean is None else max(0.0, c - mean) for c in counts]
+        if any(excess):
             # balance: one request beyond the mean costs the compute time of one more block
             tpb = request.tokens_per_block
             block_ms = self.chunked_prefill_ms(2 * tpb) - self.chunked_prefill_ms(tpb)
-            for w, x in excess.items():
+            for w, x in zip(workers, excess, strict=True):
                 costs[w] += block_ms * x
         seed = self.seed
         chosen = lowest_cost(
