@@ -506,12 +506,41 @@ static PyObject *MaskTable_runs(MaskTable *t, PyObject *const *args, Py_ssize_t 
 }
 
 /* result[worker_of_bit[b]] = make(run, drun, on_device, run - on_device) */
-static int emit_detail(PyObject *result, PyObject *worker_of_bit, PyObject *make, long b,
-                       Py_ssize_t run, Py_ssize_t drun, Py_ssize_t on_device) {
+static PyObject *empty_tuple;
+
+/* make(a, b, c, d), or, with `fields` (a tuple of make's four data descriptors, in its
+   __init__'s order), a new make whose fields are set as its __init__ sets them (through their
+   descriptors, as object.__setattr__ does): for a class whose __init__ does nothing else
+   (router_sim.indexer.MatchDetail), without a Python call. */
+static PyObject *make4(PyObject *make, PyObject *fields, Py_ssize_t a, Py_ssize_t b,
+                       Py_ssize_t c, Py_ssize_t d) {
+    if (fields == NULL)
+        return PyObject_CallFunction(make, "nnnn", a, b, c, d);
+    PyTypeObject *type = (PyTypeObject *)make;
+    PyObject *obj = type->tp_new(type, empty_tuple, NULL);
+    if (obj == NULL)
+        return NULL;
+    const Py_ssize_t values[4] = {a, b, c, d};
+    for (int k = 0; k < 4; k++) {
+        PyObject *desc = PyTuple_GET_ITEM(fields, k);
+        PyObject *v = PyLong_FromSsize_t(values[k]);
+        int err = v == NULL ? -1 : Py_TYPE(desc)->tp_descr_set(desc, obj, v);
+        Py_XDECREF(v);
+        if (err < 0) {
+            Py_DECREF(obj);
+            return NULL;
+        }
+    }
+    return obj;
+}
+
+static int emit_detail(PyObject *result, PyObject *worker_of_bit, PyObject *make,
+                       PyObject *fields, long b, Py_ssize_t run, Py_ssize_t drun,
+                       Py_ssize_t on_device) {
     PyObject *w = worker_for_bit(worker_of_bit, b);
     if (w == NULL)
         return -1;
-    PyObject *v = PyObject_CallFunction(make, "nnnn", run, drun, on_device, run - on_device);
+    PyObject *v = make4(make, fields, run, drun, on_device, run - on_device);
     if (v == NULL)
         return -1;
     int err = PyDict_SetItem(result, w, v);
@@ -519,16 +548,27 @@ static int emit_detail(PyObject *result, PyObject *worker_of_bit, PyObject *make
     return err;
 }
 
-/* detailed(keys, worker_of_bit, make) -> {worker: make(run, device_run, on_device,
+/* detailed(keys, worker_of_bit, make[, fields]) -> {worker: make(run, device_run, on_device,
    run - on_device)} as KvIndexer.find_matches_detailed, or None when a key before the cut is
-   not an int in [0, 2**64). One pass: the prefix-AND of the any-tier masks cuts each
+   not an int in [0, 2**64). `fields`: see make4 (make must then be a class). One pass: the prefix-AND of the any-tier masks cuts each
    worker's run, that of the device masks its device run, and within its run each worker's
    device copies are counted; a worker is emitted when its run ends (low bits first, as
    runs() and the Python loop order them). */
 static PyObject *MaskTable_detailed(MaskTable *t, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || !PyDict_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "detailed(keys, worker_of_bit: dict, make)");
+    if (nargs < 3 || nargs > 4 || !PyDict_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "detailed(keys, worker_of_bit: dict, make[, fields])");
         return NULL;
+    }
+    PyObject *fields = nargs == 4 && args[3] != Py_None ? args[3] : NULL;
+    if (fields != NULL) {
+        int ok = PyType_Check(args[2]) && PyTuple_Check(fields) && PyTuple_GET_SIZE(fields) == 4;
+        for (Py_ssize_t k = 0; ok && k < 4; k++)
+            ok = Py_TYPE(PyTuple_GET_ITEM(fields, k))->tp_descr_set != NULL;
+        if (!ok) {
+            PyErr_SetString(PyExc_TypeError,
+                            "detailed: fields must be a tuple of make's 4 data descriptors");
+            return NULL;
+        }
     }
     PyObject *seq = PySequence_Fast(args[0], "keys must be a sequence");
     if (seq == NULL)
@@ -586,7 +626,8 @@ static PyObject *MaskTable_detailed(MaskTable *t, PyObject *const *args, Py_ssiz
             any_left |= next;
             for (; lost; lost &= lost - 1) {
                 size_t b = 64 * w + __builtin_ctzll(lost);
-                if (emit_detail(result, args[1], args[2], (long)b, i, druns[b], counts[b]) < 0)
+                if (emit_detail(result, args[1], args[2], fields, (long)b, i, druns[b],
+                                counts[b]) < 0)
                     goto fail;
             }
         }
@@ -598,7 +639,8 @@ static PyObject *MaskTable_detailed(MaskTable *t, PyObject *const *args, Py_ssiz
             druns[64 * w + __builtin_ctzll(left)] = n;
         for (uint64_t left = acc[w]; left; left &= left - 1) {
             size_t b = 64 * w + __builtin_ctzll(left);
-            if (emit_detail(result, args[1], args[2], (long)b, n, druns[b], counts[b]) < 0)
+            if (emit_detail(result, args[1], args[2], fields, (long)b, n, druns[b],
+                            counts[b]) < 0)
                 goto fail;
         }
     }
@@ -1202,6 +1244,9 @@ PyMODINIT_FUNC PyInit__match(void) {
     str_cache_level = PyUnicode_InternFromString("cache_level");
     str_block_hash = PyUnicode_InternFromString("block_hash");
     one = PyLong_FromLong(1);
+    empty_tuple = PyTuple_New(0);
+    if (empty_tuple == NULL)
+        return NULL;
     if (str_cache_level == NULL || str_block_hash == NULL || one == NULL)
         return NULL;
     PyObject *array_module = PyImport_ImportModule("array");

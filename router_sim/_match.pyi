@@ -42,9 +42,13 @@ class MaskTable:
         keys: Sequence[object],
         worker_of_bit: dict[int, int],
         make: Callable[[int, int, int, int], T],
+        fields: tuple[Any, Any, Any, Any] | None = None,
+        /,
     ) -> dict[int, T] | None:
         """{worker: make(run, device run, device copies, slower copies)} as
-        ``KvIndexer.find_matches_detailed``, or None when a key is not an int in [0, 2**64)."""
+        ``KvIndexer.find_matches_detailed``, or None when a key is not an int in [0, 2**64).
+        ``fields``: ``make``'s four data descriptors (``make`` a class whose ``__init__`` only
+        sets them, in this order): each value is set through them, without calling ``make``."""
 
     def remember(self, blocks: list[Any], keys: list[Any], keys_map: dict[Any, int]) -> bool:
         """True when each block's ``block_hash`` equals its key; else maps every block's hash

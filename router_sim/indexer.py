@@ -60,6 +60,7 @@ no known key) are counted per kind and per worker and never abort the rest of a 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from bisect import bisect_right
 from collections.abc import Callable, Iterator, Sequence
@@ -191,6 +192,13 @@ class MatchDetail:
     device_run: int
     device_blocks: int
     slower_blocks: int
+
+
+_MATCH_DETAIL_FIELDS: Final = tuple(
+    getattr(MatchDetail, f.name) for f in dataclasses.fields(MatchDetail)
+)
+"""MatchDetail's slots (data descriptors), in its ``__init__``'s order: the native table sets
+them as that ``__init__`` does (it does nothing else), without a Python call per worker."""
 
 
 class KvIndexer:
@@ -966,7 +974,9 @@ class KvIndexer:
         if not block_hashes:
             return {}
         if self._table is not None:
-            details = self._table.detailed(block_hashes, self._worker_of_bit, MatchDetail)
+            details = self._table.detailed(
+                block_hashes, self._worker_of_bit, MatchDetail, _MATCH_DETAIL_FIELDS
+            )
             if details is not None:
                 return details
         return self.find_matches_detailed_py(block_hashes)

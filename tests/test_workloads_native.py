@@ -1,6 +1,7 @@
-"""The native writers of the simulator's prompts and answers (router_sim/_match.c) give the
-arrays the plain forms give: ``expand_array`` the bytes of ``expand_ids`` (itself checked
-against the per-token formula in test_workloads.py), ``id_run`` Python's ``range``."""
+"""The native writers of router_sim/_match.c give what the plain forms give: the simulator's
+prompts and answers (``expand_array`` the bytes of ``expand_ids``, itself checked against the
+per-token formula in test_workloads.py; ``id_run`` Python's ``range``), and the index's match
+details set through their slots the details their class makes."""
 
 from __future__ import annotations
 
@@ -68,3 +69,26 @@ def test_answers_are_the_same_with_and_without_the_native_run(
     plain = req.output_tokens()
     assert native == with_numpy == plain
     assert len(native) == length and min(native) >= 2**30
+
+
+def test_match_details_made_through_their_slots_are_plain_match_details() -> None:
+    import dataclasses
+
+    from router_sim.indexer import _MATCH_DETAIL_FIELDS, MatchDetail
+
+    table = _match.MaskTable()
+    table.set_bit([11, 12, 13], 0)
+    table.set_bit([11, 12], 1)
+    by_call = table.detailed([11, 12, 13], {0: 5, 1: 9}, MatchDetail)
+    by_slots = table.detailed([11, 12, 13], {0: 5, 1: 9}, MatchDetail, _MATCH_DETAIL_FIELDS)
+    assert by_call == by_slots == {9: MatchDetail(2, 0, 0, 2), 5: MatchDetail(3, 0, 0, 3)}
+    assert list(by_call) == list(by_slots)
+    for detail in by_slots.values():
+        assert type(detail) is MatchDetail
+        assert hash(detail) == hash(MatchDetail(*dataclasses.astuple(detail)))
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            detail.matched_blocks = 0  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        table.detailed([11], {0: 5, 1: 9}, MatchDetail, (1, 2, 3, 4))
+    with pytest.raises(TypeError):
+        table.detailed([11], {0: 5, 1: 9}, MatchDetail, _MATCH_DETAIL_FIELDS[:3])
