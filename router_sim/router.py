@@ -39,6 +39,11 @@ from router_sim.indexer import KvIndexer, MatchDetail, lora_name_id
 from router_sim.load import LoadSource
 from router_sim.policies import RouteRequest, RoutingPolicy, make_policy
 
+try:  # the native V1 chain (events/_v1hash.c), for route's common case
+    from events._v1hash import chain as _v1_chain
+except ImportError:  # pragma: no cover - depends on the install
+    _v1_chain = None  # type: ignore[assignment]
+
 
 def _packed(tokens: Sequence[int]) -> Sequence[int] | bytes:
     """Token ids as packed native int32s, the hashing's fast input without the extension.
@@ -237,9 +242,25 @@ class Router:
         Raises ``router_sim.policies.NoWorkersError`` when the load source offers no worker.
         """
         start = time.perf_counter()
-        hashes = self.hash_request(
-            tokens, scope, lora_id=lora_id, cache_salt=cache_salt, lora_name=lora_name
-        )
+        if (
+            _v1_chain is not None
+            and scope is not None
+            and type(tokens) is array
+            and tokens.typecode == "i"
+            and self.hash_algo is HashAlgo.V1_BLOCK_KEY
+            and lora_id is None
+            and cache_salt is None
+            and lora_name is None
+        ):
+            # hash_request's common case, in one native call: a packed prompt under a scope
+            # (the extension checks the ids' sign; it raises what hash_request would)
+            hashes: list[BlockHash] = _v1_chain(  # type: ignore[assignment]
+                tokens, self.tokens_per_block, scope.lora_id, scope.salt
+            )
+        else:
+            hashes = self.hash_request(
+                tokens, scope, lora_id=lora_id, cache_salt=cache_salt, lora_name=lora_name
+            )
         if now_ms is None:
             now_ms = self.clock() if self.clock is not None else 0.0
         source = self.load_source
@@ -253,11 +274,13 @@ class Router:
         # every candidate at 0, then the few the index matched (no lookup per candidate)
         overlaps = dict.fromkeys(loads, 0)
         device = dict.fromkeys(loads, 0)
+        best = 0  # the most any candidate holds (0 when none holds anything)
         for w, detail in matches.items():
             if w in overlaps:
-                overlaps[w] = detail.matched_blocks
+                held = overlaps[w] = detail.matched_blocks
                 device[w] = detail.device_run
-        best = max(overlaps.values(), default=0)
+                if held > best:
+                    best = held
         chosen_overlap = overlaps.get(choice.worker, 0)
         elapsed_us = (time.perf_counter() - start) * 1e6
         stats = self.stats

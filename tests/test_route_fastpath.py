@@ -13,6 +13,7 @@ import random
 from array import array
 from collections.abc import Callable
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -166,3 +167,39 @@ def test_predicted_ttft_figures_are_its_per_worker_terms(
         cost, ms, cached, _ = policy._worker(request, w, None)
         assert (costs[w], predicted[w], overlap[w]) == (cost, ms, cached)
     assert list(costs) == workers
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(0, 2**31 - 1), max_size=80),
+    st.sampled_from([None, 7]),
+    st.sampled_from([None, "tenant"]),
+)
+def test_route_hashes_a_packed_prompt_as_hash_request(
+    ids: list[int], lora: int | None, salt: str | None
+) -> None:
+    from kvcache.scope import ReuseScope
+    from router_sim.load import StaticLoadSource
+    from router_sim.router import Router
+
+    router = Router(8, "kv_overlap", StaticLoadSource({0: WorkerLoad(), 1: WorkerLoad()}))
+    scope = ReuseScope.for_request(lora_id=lora, cache_salt=salt)
+    packed = array("i", ids)
+    decision = router.route(packed, scope)
+    assert decision.block_hashes == router.hash_request(ids, scope)
+    assert decision.block_hashes == router.route(list(ids), scope).block_hashes
+    assert decision.best_overlap == 0 == decision.chosen_overlap
+
+
+def test_route_refuses_a_negative_packed_id_as_hash_request() -> None:
+    from kvcache.scope import ReuseScope
+    from router_sim.load import StaticLoadSource
+    from router_sim.router import Router
+
+    router = Router(4, "kv_overlap", StaticLoadSource({0: WorkerLoad()}))
+    bad = array("i", [1, 2, -3, 4, 5])
+    with pytest.raises(ValueError) as by_hash:
+        router.hash_request(bad, ReuseScope.for_request())
+    with pytest.raises(ValueError) as by_route:
+        router.route(bad, ReuseScope.for_request())
+    assert str(by_route.value) == str(by_hash.value)
