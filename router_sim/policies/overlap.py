@@ -234,7 +234,9 @@ def choose_by_cost(
         chosen, probs = softmax_sample(costs, temperature, uniform())
         reason = f"sampled with p={probs[chosen]:.3f} at temperature {temperature}"
     else:
-        chosen = lowest_cost(costs, loads, tie_rank(request.tie_key(seed)), prefer)
+        chosen = lowest_cost(
+            costs, loads, None, prefer, rank_of=lambda: tie_rank(request.tie_key(seed))
+        )
         reason = "lowest cost"
     return PolicyChoice(chosen, reason, costs=costs, predicted_overlap=cached)
 
