@@ -20,9 +20,12 @@ class OptionalBuildExt(build_ext):
             print(f"warning: {ext.name} not built ({exc}); using pure Python")
 
 
+# the helpers the events package's native extensions share (a change to it rebuilds them)
+COMMON = ["events/_native_common.h"]
+
 setup(
     ext_modules=[
-        Extension("events._v1hash", sources=["events/_v1hash.c"], extra_compile_args=["-O3"], optional=True),
+        Extension("events._v1hash", sources=["events/_v1hash.c"], depends=COMMON, extra_compile_args=["-O3"], optional=True),
         # router_sim.indexer's match loop over a mirror of its masks (pure-Python fallback)
         Extension("router_sim._match", sources=["router_sim/_match.c"], extra_compile_args=["-O3"], optional=True),
         # kvcache.keys' pack-and-check of token arrays (pure-Python fallback)

@@ -17,13 +17,10 @@
  * written and read in one pass each way (encode_events beside events.codec.encode_batch_py,
  * decode_events beside events.wire_fast.decode_structs), and the router service's JSON prompts
  * read the same way (tokens_from_json, json_prompt_first).
+ *
+ * What it shares with the package's other native code is in _native_common.h.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
+#include "_native_common.h"
 
 #define M1 UINT64_C(0xbf58476d1ce4e5b9)
 #define M2 UINT64_C(0x94d049bb133111eb)
@@ -354,57 +351,7 @@ done:
     return result;
 }
 
-/* ---- packed token arrays ---------------------------------------------------------------
- *
- * The event path carries a block's token ids as an array('i') (native int32s) from the cache to
- * the wire and back, instead of one Python int per token: the records keep the cache's arrays,
- * the wire encoder writes a msgpack array straight from the int32s, and the typed wire decoder
- * reads one straight into an array. */
-
-static PyObject *ARRAY_TYPE; /* array.array */
-static PyObject *ZERO_INT32; /* array('i', [0]): repeated to make an array of n zeros */
-
-/* 1 with *view held when obj is an array('i') of 4-byte ints; 0 (nothing held) when it is not
- * one; -1 with an exception set. */
-static int int32_view(PyObject *obj, Py_buffer *view) {
-    if (!Py_IS_TYPE(obj, (PyTypeObject *)ARRAY_TYPE)) {
-        return 0;
-    }
-    if (PyObject_GetBuffer(obj, view, PyBUF_FORMAT) < 0) {
-        return -1;
-    }
-    if (view->itemsize == 4 && view->format != NULL && strcmp(view->format, "i") == 0) {
-        return 1;
-    }
-    PyBuffer_Release(view);
-    return 0;
-}
-
-/* A new array('i') of n zeros (n >= 0), *data its storage (valid while nothing resizes it). */
-static PyObject *new_int32_array(Py_ssize_t n, unsigned char **data) {
-    PyObject *arr = PySequence_Repeat(ZERO_INT32, n);
-    if (arr == NULL) {
-        return NULL;
-    }
-    Py_buffer view;
-    if (PyObject_GetBuffer(arr, &view, PyBUF_WRITABLE) < 0) {
-        Py_DECREF(arr);
-        return NULL;
-    }
-    *data = (unsigned char *)view.buf;
-    PyBuffer_Release(&view); /* the array is ours alone: its storage stays where it is */
-    return arr;
-}
-
-/* An array('i') copy of packed int32s (bytes, a memoryview: any contiguous buffer). */
-static PyObject *int32_array_of(const unsigned char *p, Py_ssize_t n) {
-    unsigned char *data;
-    PyObject *arr = new_int32_array(n, &data);
-    if (arr != NULL && n > 0) {
-        memcpy(data, p, 4 * (size_t)n);
-    }
-    return arr;
-}
+/* ---- packed token ids of the wire ------------------------------------------------------ */
 
 static inline uint64_t load_be(const unsigned char *p, int width) {
     uint64_t v = 0;
@@ -412,18 +359,6 @@ static inline uint64_t load_be(const unsigned char *p, int width) {
         v = (v << 8) | p[k];
     }
     return v;
-}
-
-/* Reads the limit argument of fn(data, limit) (the second of exactly two) into *limit: 0, or
- * -1 with an exception set when the call is not that. */
-static int limit_arg(const char *name, PyObject *const *args, Py_ssize_t nargs,
-                     Py_ssize_t *limit) {
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "%s takes 2 arguments, got %zd", name, nargs);
-        return -1;
-    }
-    *limit = PyLong_AsSsize_t(args[1]);
-    return *limit == -1 && PyErr_Occurred() ? -1 : 0;
 }
 
 /* Reads n msgpack ints in [0, 2**31), in any msgpack int form, from p into out (n int32s):
@@ -890,8 +825,6 @@ static PyObject *pack_tokens(PyObject *self, PyObject *obj) {
  * module events._records holds the readable reference and passes the type and its
  * descriptors, in field order, on every call. */
 
-#define RECORD_FIELDS 6 /* block_hash, tokens, lora_id, cache_level, priority, cache_salt_id */
-
 /* The token lists these builders make hold only ints, so they cannot be part of a reference
  * cycle and the cyclic collector gains nothing from them; yet, tracked, every young-generation
  * collection walks each of their items (a 32-token block costs the collector more than the
@@ -928,37 +861,6 @@ static int check_record_type(PyObject *cls, PyObject *setters) {
         }
     }
     return 0;
-}
-
-/* A new record of cls with its fields set from values[0..RECORD_FIELDS); steals nothing.
- * Like its token list, a record none of whose fields the collector tracks (ints, strings,
- * None, an untracked token list or array) cannot be part of a cycle, and is left out of it
- * too. An array holds no reference but its type's, so no cycle can run through it either: the
- * collector tracks arrays (their type is a heap type) and a token array is untracked here, the
- * way untrack_token_list untracks a list of ints. */
-static PyObject *new_record(PyObject *cls, PyObject *setters, PyObject *const *values) {
-    PyTypeObject *type = (PyTypeObject *)cls;
-    PyObject *obj = type->tp_alloc(type, 0);
-    if (obj == NULL) {
-        return NULL;
-    }
-    int atomic = 1;
-    for (Py_ssize_t i = 0; i < RECORD_FIELDS; i++) {
-        PyObject *d = PyTuple_GET_ITEM(setters, i);
-        if (Py_TYPE(d)->tp_descr_set(d, obj, values[i]) < 0) {
-            Py_DECREF(obj);
-            return NULL;
-        }
-        if (Py_IS_TYPE(values[i], (PyTypeObject *)ARRAY_TYPE) &&
-            PyObject_GC_IsTracked(values[i])) {
-            PyObject_GC_UnTrack(values[i]);
-        }
-        atomic = atomic && !PyObject_GC_IsTracked(values[i]);
-    }
-    if (atomic && PyType_IS_GC(type)) {
-        PyObject_GC_UnTrack(obj);
-    }
-    return obj;
 }
 
 /* stored_blocks(cls, setters, hashes, tokens, block_size, lora_id, cache_level, priority,
@@ -1165,9 +1067,6 @@ static PyObject *v1_stored_chain(PyObject *self, PyObject *const *args, Py_ssize
  * cache_salt_id; only a run's last block may be short), with each run's token ids concatenated
  * (an array('i') when every block of the run holds one, else a list) and its block hashes
  * listed. events.codec keeps the readable reference (_stored_runs_py). */
-
-static PyObject *STR_BLOCK_HASH, *STR_TOKENS, *STR_LORA_ID, *STR_CACHE_LEVEL, *STR_PRIORITY,
-    *STR_CACHE_SALT_ID;
 
 #define RUN_ATTRS 4 /* lora_id, cache_level, priority, cache_salt_id */
 
@@ -2610,13 +2509,10 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__v1hash(void) {
-    if ((STR_BLOCK_HASH = PyUnicode_InternFromString("block_hash")) == NULL ||
-        (STR_TOKENS = PyUnicode_InternFromString("tokens")) == NULL ||
-        (STR_LORA_ID = PyUnicode_InternFromString("lora_id")) == NULL ||
-        (STR_CACHE_LEVEL = PyUnicode_InternFromString("cache_level")) == NULL ||
-        (STR_PRIORITY = PyUnicode_InternFromString("priority")) == NULL ||
-        (STR_CACHE_SALT_ID = PyUnicode_InternFromString("cache_salt_id")) == NULL ||
-        (STR_EVENT_ID = PyUnicode_InternFromString("event_id")) == NULL ||
+    if (native_common_init() < 0) {
+        return NULL;
+    }
+    if ((STR_EVENT_ID = PyUnicode_InternFromString("event_id")) == NULL ||
         (STR_DATA = PyUnicode_InternFromString("data")) == NULL ||
         (STR_WINDOW_SIZE = PyUnicode_InternFromString("window_size")) == NULL ||
         (STR_HASH_ALGO = PyUnicode_InternFromString("hash_algo")) == NULL ||
@@ -2626,19 +2522,6 @@ PyMODINIT_FUNC PyInit__v1hash(void) {
         (STR_BLOCK_SIZE = PyUnicode_InternFromString("block_size")) == NULL ||
         (STR_BLOCK_HASHES = PyUnicode_InternFromString("block_hashes")) == NULL ||
         (STR_DEFAULT_ALGO = PyUnicode_InternFromString("v1_block_key")) == NULL) {
-        return NULL;
-    }
-    PyObject *array_module = PyImport_ImportModule("array");
-    if (array_module == NULL) {
-        return NULL;
-    }
-    ARRAY_TYPE = PyObject_GetAttrString(array_module, "array");
-    Py_DECREF(array_module);
-    if (ARRAY_TYPE == NULL || !PyType_Check(ARRAY_TYPE)) {
-        return NULL;
-    }
-    ZERO_INT32 = PyObject_CallFunction(ARRAY_TYPE, "s(i)", "i", 0);
-    if (ZERO_INT32 == NULL) {
         return NULL;
     }
     return PyModule_Create(&module);

@@ -1,0 +1,149 @@
+/*
+ * Helpers shared by the events package's native extensions: _v1hash.c (V1 hashes and the
+ * StoredBlock records), _wire.c (the msgpack wire codec) and _json_prompt.c (the router
+ * service's JSON prompts). Each of them includes this header, so the token-array builders, the
+ * limit-argument check, the record builder and the interned field names live here once rather
+ * than in a copy per file. Every function is static inline; the module-level objects below are
+ * per extension (each has its own copy), set by native_common_init() from its PyInit.
+ */
+#ifndef EVENTS_NATIVE_COMMON_H
+#define EVENTS_NATIVE_COMMON_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* ---- packed token arrays ---------------------------------------------------------------
+ *
+ * The event path carries a block's token ids as an array('i') (native int32s) from the cache to
+ * the wire and back, instead of one Python int per token: the records keep the cache's arrays,
+ * the wire encoder writes a msgpack array straight from the int32s, and the typed wire decoder
+ * reads one straight into an array. */
+
+static PyObject *ARRAY_TYPE; /* array.array */
+static PyObject *ZERO_INT32; /* array('i', [0]): repeated to make an array of n zeros */
+
+/* 1 with *view held when obj is an array('i') of 4-byte ints; 0 (nothing held) when it is not
+ * one; -1 with an exception set. */
+static inline int int32_view(PyObject *obj, Py_buffer *view) {
+    if (!Py_IS_TYPE(obj, (PyTypeObject *)ARRAY_TYPE)) {
+        return 0;
+    }
+    if (PyObject_GetBuffer(obj, view, PyBUF_FORMAT) < 0) {
+        return -1;
+    }
+    if (view->itemsize == 4 && view->format != NULL && strcmp(view->format, "i") == 0) {
+        return 1;
+    }
+    PyBuffer_Release(view);
+    return 0;
+}
+
+/* A new array('i') of n zeros (n >= 0), *data its storage (valid while nothing resizes it). */
+static inline PyObject *new_int32_array(Py_ssize_t n, unsigned char **data) {
+    PyObject *arr = PySequence_Repeat(ZERO_INT32, n);
+    if (arr == NULL) {
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(arr, &view, PyBUF_WRITABLE) < 0) {
+        Py_DECREF(arr);
+        return NULL;
+    }
+    *data = (unsigned char *)view.buf;
+    PyBuffer_Release(&view); /* the array is ours alone: its storage stays where it is */
+    return arr;
+}
+
+/* An array('i') copy of packed int32s (bytes, a memoryview: any contiguous buffer). */
+static inline PyObject *int32_array_of(const unsigned char *p, Py_ssize_t n) {
+    unsigned char *data;
+    PyObject *arr = new_int32_array(n, &data);
+    if (arr != NULL && n > 0) {
+        memcpy(data, p, 4 * (size_t)n);
+    }
+    return arr;
+}
+
+/* Reads the limit argument of fn(data, limit) (the second of exactly two) into *limit: 0, or
+ * -1 with an exception set when the call is not that. */
+static inline int limit_arg(const char *name, PyObject *const *args, Py_ssize_t nargs,
+                     Py_ssize_t *limit) {
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "%s takes 2 arguments, got %zd", name, nargs);
+        return -1;
+    }
+    *limit = PyLong_AsSsize_t(args[1]);
+    return *limit == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* ---- record builder (see _v1hash.c for why records are built this way) ---------------- */
+
+#define RECORD_FIELDS 6 /* block_hash, tokens, lora_id, cache_level, priority, cache_salt_id */
+
+/* A new record of cls with its fields set from values[0..RECORD_FIELDS); steals nothing.
+ * Like its token list, a record none of whose fields the collector tracks (ints, strings,
+ * None, an untracked token list or array) cannot be part of a cycle, and is left out of it
+ * too. An array holds no reference but its type's, so no cycle can run through it either: the
+ * collector tracks arrays (their type is a heap type) and a token array is untracked here, the
+ * way untrack_token_list untracks a list of ints. */
+static inline PyObject *new_record(PyObject *cls, PyObject *setters, PyObject *const *values) {
+    PyTypeObject *type = (PyTypeObject *)cls;
+    PyObject *obj = type->tp_alloc(type, 0);
+    if (obj == NULL) {
+        return NULL;
+    }
+    int atomic = 1;
+    for (Py_ssize_t i = 0; i < RECORD_FIELDS; i++) {
+        PyObject *d = PyTuple_GET_ITEM(setters, i);
+        if (Py_TYPE(d)->tp_descr_set(d, obj, values[i]) < 0) {
+            Py_DECREF(obj);
+            return NULL;
+        }
+        if (Py_IS_TYPE(values[i], (PyTypeObject *)ARRAY_TYPE) &&
+            PyObject_GC_IsTracked(values[i])) {
+            PyObject_GC_UnTrack(values[i]);
+        }
+        atomic = atomic && !PyObject_GC_IsTracked(values[i]);
+    }
+    if (atomic && PyType_IS_GC(type)) {
+        PyObject_GC_UnTrack(obj);
+    }
+    return obj;
+}
+
+/* The interned names of a block record's fields: stored_runs (_v1hash.c) reads them and
+ * encode_events (_wire.c) writes them. */
+static PyObject *STR_BLOCK_HASH, *STR_TOKENS, *STR_LORA_ID, *STR_CACHE_LEVEL, *STR_PRIORITY,
+    *STR_CACHE_SALT_ID;
+
+/* Sets this extension's copies of the objects above: 0, or -1 with an exception set. */
+static inline int native_common_init(void) {
+    if ((STR_BLOCK_HASH = PyUnicode_InternFromString("block_hash")) == NULL ||
+        (STR_TOKENS = PyUnicode_InternFromString("tokens")) == NULL ||
+        (STR_LORA_ID = PyUnicode_InternFromString("lora_id")) == NULL ||
+        (STR_CACHE_LEVEL = PyUnicode_InternFromString("cache_level")) == NULL ||
+        (STR_PRIORITY = PyUnicode_InternFromString("priority")) == NULL ||
+        (STR_CACHE_SALT_ID = PyUnicode_InternFromString("cache_salt_id")) == NULL) {
+        return -1;
+    }
+    PyObject *array_module = PyImport_ImportModule("array");
+    if (array_module == NULL) {
+        return -1;
+    }
+    ARRAY_TYPE = PyObject_GetAttrString(array_module, "array");
+    Py_DECREF(array_module);
+    if (ARRAY_TYPE == NULL || !PyType_Check(ARRAY_TYPE)) {
+        return -1;
+    }
+    ZERO_INT32 = PyObject_CallFunction(ARRAY_TYPE, "s(i)", "i", 0);
+    if (ZERO_INT32 == NULL) {
+        return -1;
+    }
+    return 0;
+}
+
+#endif /* EVENTS_NATIVE_COMMON_H */
