@@ -26,6 +26,8 @@ COMMON = ["events/_native_common.h"]
 setup(
     ext_modules=[
         Extension("events._v1hash", sources=["events/_v1hash.c"], depends=COMMON, extra_compile_args=["-O3"], optional=True),
+        # router_sim.service.protocol's JSON prompt readers (msgspec fallback)
+        Extension("events._json_prompt", sources=["events/_json_prompt.c"], depends=COMMON, extra_compile_args=["-O3"], optional=True),
         # router_sim.indexer's match loop over a mirror of its masks (pure-Python fallback)
         Extension("router_sim._match", sources=["router_sim/_match.c"], extra_compile_args=["-O3"], optional=True),
         # kvcache.keys' pack-and-check of token arrays (pure-Python fallback)

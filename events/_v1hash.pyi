@@ -52,15 +52,6 @@ def tokens_from_msgpack(data: Any, limit: int) -> array[int] | None:
     """The token ids of one msgpack array of at most ``limit`` ints in ``[0, 2**31)`` that is
     the whole of ``data`` (a buffer), as an ``array('i')``; None for anything else."""
 
-def json_prompt_first(body: bytes, limit: int) -> tuple[array[int], int] | None:
-    """When ``body`` is a JSON object whose first member is ``"prompt"`` with an array that
-    :func:`tokens_from_json` reads, its ids and the offset just past the array; else None."""
-
-def tokens_from_json(data: Any, limit: int) -> array[int] | None:
-    """The token ids of one JSON array of 1 to ``limit`` ints in ``[0, 2**31)`` written plainly
-    (no sign, fraction, exponent or leading zero) that is the whole of ``data`` (a buffer), as
-    an ``array('i')``; None for anything else."""
-
 def pack_tokens(tokens: object) -> bytes | None:
     """The msgpack array of an ``array('i')`` or a list of ints in ``[-2**63, 2**64)``, byte for
     byte as msgspec writes the same ints as a list; None for anything else."""
