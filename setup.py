@@ -20,12 +20,15 @@ class OptionalBuildExt(build_ext):
             print(f"warning: {ext.name} not built ({exc}); using pure Python")
 
 
-# the helpers the events package's native extensions share (a change to it rebuilds them)
+# the helpers the events package's three extensions share (a change to it rebuilds them)
 COMMON = ["events/_native_common.h"]
 
 setup(
     ext_modules=[
+        # events.hashing / events._records / events.codec's V1 hashes, records and runs (pure-Python fallback)
         Extension("events._v1hash", sources=["events/_v1hash.c"], depends=COMMON, extra_compile_args=["-O3"], optional=True),
+        # events.codec / events.wire_fast's msgpack codec of the event path (pure-Python fallback)
+        Extension("events._wire", sources=["events/_wire.c"], depends=COMMON, extra_compile_args=["-O3"], optional=True),
         # router_sim.service.protocol's JSON prompt readers (msgspec fallback)
         Extension("events._json_prompt", sources=["events/_json_prompt.c"], depends=COMMON, extra_compile_args=["-O3"], optional=True),
         # router_sim.indexer's match loop over a mirror of its masks (pure-Python fallback)

@@ -1,6 +1,5 @@
-"""Type stub of the native V1 block hash extension (built from _v1hash.c)."""
+"""Type stub of the native V1 block hash and record extension (built from _v1hash.c)."""
 
-from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,14 +47,6 @@ def stored_runs(blocks: Any, block_size: int) -> list[tuple[int, Sequence[int], 
     """The wire events of a Stored event's blocks: ``(end, token_ids, hashes)`` per run, the
     token ids an ``array('i')`` when every block of the run holds one, else a list."""
 
-def tokens_from_msgpack(data: Any, limit: int) -> array[int] | None:
-    """The token ids of one msgpack array of at most ``limit`` ints in ``[0, 2**31)`` that is
-    the whole of ``data`` (a buffer), as an ``array('i')``; None for anything else."""
-
-def pack_tokens(tokens: object) -> bytes | None:
-    """The msgpack array of an ``array('i')`` or a list of ints in ``[-2**63, 2**64)``, byte for
-    byte as msgspec writes the same ints as a list; None for anything else."""
-
 def v1_stored_chain(
     cls: type[Any],
     setters: tuple[Any, ...],
@@ -68,13 +59,3 @@ def v1_stored_chain(
 ) -> list[Any]:
     """The records of a chain of blocks of packed int32 token ids, each hashed under the
     previous one's hash (the first under ``parent_hash``)."""
-
-def decode_events(kit: tuple[Any, ...], payload: Any) -> Any:
-    """The DecodedBatch of a common map-form payload (``events.wire_fast.decode_native``), its
-    records built from ``kit``; None for anything else."""
-
-def encode_events(
-    kinds: tuple[type[Any], type[Any], type[Any]], events: list[Any], ts: float, dp_rank: int | None
-) -> bytes | None:
-    """The map-form payload ``events.codec.encode_batch_py`` writes for a list of Stored /
-    Removed / AllBlocksCleared events (``kinds``: those classes); None for anything else."""

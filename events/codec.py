@@ -88,11 +88,11 @@ try:  # one C pass splits a Stored event's blocks into wire events when the exte
 except ImportError:  # pragma: no cover - depends on the install
     _native_stored_runs = None  # type: ignore[assignment]
 try:  # and writes packed token ids as a msgpack array
-    from events._v1hash import pack_tokens as _native_pack_tokens
+    from events._wire import pack_tokens as _native_pack_tokens
 except ImportError:  # pragma: no cover - depends on the install
     _native_pack_tokens = None  # type: ignore[assignment]
 try:  # and writes a whole batch of the common events (an extension built before it lacks it)
-    from events._v1hash import encode_events as _native_encode_events
+    from events._wire import encode_events as _native_encode_events
 except ImportError:  # pragma: no cover - depends on the install
     _native_encode_events = None  # type: ignore[assignment]
 

@@ -13,7 +13,7 @@ the rules both paths share (``events.wire_values``), so both paths give equal ba
 The common batch (map-form ``BlockStored`` with int hashes and token ids that fill the named
 blocks, ``BlockRemoved`` with int hashes, ``AllBlocksCleared``; known fields each once, no
 ``extra_keys`` list, ``ts`` a float64: what this project's workers and V1 engines send) is read
-first by the native reader ``events._v1hash.decode_events`` (:func:`decode_native`), in one
+first by the native reader ``events._wire.decode_events`` (:func:`decode_native`), in one
 pass over the payload straight into the records :func:`decode_structs` builds: msgspec's
 structs cost a pass that skips every token id before the ids are read, and a Python frame per
 event builds the records. It takes a strict subset of what the structs take (anything else
@@ -69,11 +69,11 @@ from events.wire_values import build_stored, salt_from_extra_keys, wire_hash, wi
 from kvcache.keys import TOKEN_LIMIT
 
 try:  # the native parser of packed token ids, when the extension is built
-    from events._v1hash import tokens_from_msgpack as _native_tokens
+    from events._wire import tokens_from_msgpack as _native_tokens
 except ImportError:  # pragma: no cover - depends on the install
     _native_tokens = None  # type: ignore[assignment]
 try:  # and the native reader of a whole common batch (an extension built before it lacks it)
-    from events._v1hash import decode_events as _native_decode_events
+    from events._wire import decode_events as _native_decode_events
 except ImportError:  # pragma: no cover - depends on the install
     _native_decode_events = None  # type: ignore[assignment]
 

@@ -30,10 +30,13 @@ try:
     from events import _v1hash as native
 except ImportError:  # pragma: no cover - depends on the install
     native = None  # type: ignore[assignment]
+try:
+    from events import _wire as native_wire
+except ImportError:  # pragma: no cover - depends on the install
+    native_wire = None  # type: ignore[assignment]
 
-needs_native = pytest.mark.skipif(
-    native is None or not hasattr(native, "pack_tokens"), reason="native extension not built"
-)
+needs_native = pytest.mark.skipif(native is None, reason="native extension not built")
+needs_wire = pytest.mark.skipif(native_wire is None, reason="native wire codec not built")
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 TOKEN_EDGES = [0, 1, 127, 128, 255, 256, 65535, 65536, 2**31 - 1]
@@ -68,33 +71,33 @@ def _pack(obj: object) -> bytes:
 # --- encoding: the bytes msgspec writes for the list ---------------------------------------
 
 
-@needs_native
+@needs_wire
 @SETTINGS
 @given(tokens=st.lists(wide_int, max_size=40))
 def test_native_packer_writes_what_msgspec_writes_for_the_list(tokens: list[int]) -> None:
-    assert native.pack_tokens(tokens) == msgspec.msgpack.encode(tokens)
+    assert native_wire.pack_tokens(tokens) == msgspec.msgpack.encode(tokens)
 
 
-@needs_native
+@needs_wire
 @SETTINGS
 @given(tokens=st.lists(st.integers(-(2**31), 2**31 - 1), max_size=40))
 def test_native_packer_writes_int32_arrays_as_their_lists(tokens: list[int]) -> None:
     packed = array("i", tokens)
     expected = msgspec.msgpack.encode(tokens)
-    assert native.pack_tokens(packed) == expected == codec.pack_tokens_py(packed)
+    assert native_wire.pack_tokens(packed) == expected == codec.pack_tokens_py(packed)
 
 
-@needs_native
+@needs_wire
 @settings(max_examples=14, deadline=None)
 @given(n=length, fill=token)
 def test_native_packer_writes_each_array_header_as_msgspec_does(n: int, fill: int) -> None:
     tokens = [fill] * n
     expected = msgspec.msgpack.encode(tokens)
-    assert native.pack_tokens(array("i", tokens)) == expected
-    assert native.pack_tokens(tokens) == expected
+    assert native_wire.pack_tokens(array("i", tokens)) == expected
+    assert native_wire.pack_tokens(tokens) == expected
 
 
-@needs_native
+@needs_wire
 def test_native_packer_leaves_what_it_cannot_write_to_msgspec() -> None:
     for odd in (
         [1, True],
@@ -109,7 +112,7 @@ def test_native_packer_leaves_what_it_cannot_write_to_msgspec() -> None:
         b"\x01\x00\x00\x00",
         None,
     ):
-        assert native.pack_tokens(odd) is None, odd
+        assert native_wire.pack_tokens(odd) is None, odd
 
 
 @SETTINGS
@@ -234,11 +237,11 @@ def test_parser_refuses_everything_but_a_flat_array_of_tokens() -> None:
         assert packed_tokens_py(data) is None, data
 
 
-@needs_native
+@needs_wire
 def test_parser_refuses_more_items_than_the_limit() -> None:
     data = msgspec.msgpack.encode([1, 2, 3])
-    assert native.tokens_from_msgpack(data, 3) == array("i", [1, 2, 3])
-    assert native.tokens_from_msgpack(data, 2) is None
+    assert native_wire.tokens_from_msgpack(data, 3) == array("i", [1, 2, 3])
+    assert native_wire.tokens_from_msgpack(data, 2) is None
     over = msgspec.msgpack.encode([0] * (MAX_TOKENS + 1))
     assert wire_fast.packed_tokens(over) is None and packed_tokens_py(over) is None
 
@@ -441,28 +444,28 @@ def test_chain_lists_reads_arrays_as_lists_and_stops_at_an_empty_one() -> None:
 # --- references, buffers and the collector ---------------------------------------------------
 
 
-@needs_native
+@needs_wire
 def test_native_functions_release_buffers_and_references() -> None:
     # a bytearray or array with a buffer still exported cannot be resized: each call below
     # must have released its own
     data = bytearray(msgspec.msgpack.encode([1, 300, 70000]))
     before = sys.getrefcount(data)
     for _ in range(3):
-        assert native.tokens_from_msgpack(data, 10) == array("i", [1, 300, 70000])
-        assert native.tokens_from_msgpack(data[:-1], 10) is None
-        assert native.tokens_from_msgpack(data + b"\x00", 10) is None
+        assert native_wire.tokens_from_msgpack(data, 10) == array("i", [1, 300, 70000])
+        assert native_wire.tokens_from_msgpack(data[:-1], 10) is None
+        assert native_wire.tokens_from_msgpack(data + b"\x00", 10) is None
     assert sys.getrefcount(data) == before
     data.append(0)  # no export left
     packed = array("i", [1, 2, 3])
     before = sys.getrefcount(packed)
     for _ in range(3):
-        assert native.pack_tokens(packed) == b"\x93\x01\x02\x03"
+        assert native_wire.pack_tokens(packed) == b"\x93\x01\x02\x03"
     assert sys.getrefcount(packed) == before
     packed.append(4)
     big = [2**40 + i for i in range(4)]  # not cached small ints: their counts are ours
     counts = [sys.getrefcount(t) for t in big]
-    assert native.pack_tokens(big) == msgspec.msgpack.encode(big)
-    assert native.pack_tokens([*big, 1.5]) is None
+    assert native_wire.pack_tokens(big) == msgspec.msgpack.encode(big)
+    assert native_wire.pack_tokens([*big, 1.5]) is None
     assert [sys.getrefcount(t) for t in big] == counts
 
 

@@ -1,4 +1,4 @@
-"""The native whole-batch codec (``events._v1hash.encode_events`` / ``decode_events``) agrees
+"""The native whole-batch codec (``events._wire.encode_events`` / ``decode_events``) agrees
 with the msgspec paths it stands in front of: the writer gives, byte for byte, what
 ``encode_batch_py`` (msgspec) writes, and the reader gives batches equal to those of the typed
 structs (``decode_structs``) and the general path, on this project's payloads and on payloads
