@@ -71,7 +71,7 @@ static inline PyObject *int32_array_of(const unsigned char *p, Py_ssize_t n) {
 /* Reads the limit argument of fn(data, limit) (the second of exactly two) into *limit: 0, or
  * -1 with an exception set when the call is not that. */
 static inline int limit_arg(const char *name, PyObject *const *args, Py_ssize_t nargs,
-                     Py_ssize_t *limit) {
+                            Py_ssize_t *limit) {
     if (nargs != 2) {
         PyErr_Format(PyExc_TypeError, "%s takes 2 arguments, got %zd", name, nargs);
         return -1;
