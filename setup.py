@@ -1,4 +1,4 @@
-"""Builds the optional native V1 hash extension; the pure-Python reference is the fallback."""
+"""Builds the optional native extensions; each has a pure-Python (or msgspec) fallback."""
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -10,13 +10,13 @@ class OptionalBuildExt(build_ext):
     def run(self) -> None:
         try:
             super().run()
-        except Exception as exc:  # noqa: BLE001
-            print(f"warning: native hash extension not built ({exc}); using pure Python")
+        except Exception as exc:
+            print(f"warning: native extensions not built ({exc}); using pure Python")
 
     def build_extension(self, ext: Extension) -> None:
         try:
             super().build_extension(ext)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             print(f"warning: {ext.name} not built ({exc}); using pure Python")
 
 
@@ -25,16 +25,45 @@ COMMON = ["events/_native_common.h"]
 
 setup(
     ext_modules=[
-        # events.hashing / events._records / events.codec's V1 hashes, records and runs (pure-Python fallback)
-        Extension("events._v1hash", sources=["events/_v1hash.c"], depends=COMMON, extra_compile_args=["-O3"], optional=True),
+        # events.hashing / events._records / events.codec's V1 hashes, records and runs
+        # (pure-Python fallback)
+        Extension(
+            "events._v1hash",
+            sources=["events/_v1hash.c"],
+            depends=COMMON,
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
         # events.codec / events.wire_fast's msgpack codec of the event path (pure-Python fallback)
-        Extension("events._wire", sources=["events/_wire.c"], depends=COMMON, extra_compile_args=["-O3"], optional=True),
+        Extension(
+            "events._wire",
+            sources=["events/_wire.c"],
+            depends=COMMON,
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
         # router_sim.service.protocol's JSON prompt readers (msgspec fallback)
-        Extension("events._json_prompt", sources=["events/_json_prompt.c"], depends=COMMON, extra_compile_args=["-O3"], optional=True),
+        Extension(
+            "events._json_prompt",
+            sources=["events/_json_prompt.c"],
+            depends=COMMON,
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
         # router_sim.indexer's match loop over a mirror of its masks (pure-Python fallback)
-        Extension("router_sim._match", sources=["router_sim/_match.c"], extra_compile_args=["-O3"], optional=True),
+        Extension(
+            "router_sim._match",
+            sources=["router_sim/_match.c"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
         # kvcache.keys' pack-and-check of token arrays (pure-Python fallback)
-        Extension("kvcache._tokens", sources=["kvcache/_tokens.c"], extra_compile_args=["-O3"], optional=True),
+        Extension(
+            "kvcache._tokens",
+            sources=["kvcache/_tokens.c"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
     ],
     cmdclass={"build_ext": OptionalBuildExt},
 )
