@@ -39,7 +39,7 @@ from router_sim.indexer import KvIndexer, MatchDetail, lora_name_id
 from router_sim.load import LoadSource
 from router_sim.policies import RouteRequest, RoutingPolicy, make_policy
 
-try:  # the native V1 chain (events/_v1hash.c), for route's common case
+try:  # the native V1 chain (events/_v1hash.c), for hash_request's common case
     from events._v1hash import chain as _v1_chain
 except ImportError:  # pragma: no cover - depends on the install
     _v1_chain = None  # type: ignore[assignment]
@@ -205,9 +205,19 @@ class Router:
         """The request's full-block keys: as its worker announces them (V1 hashes), and as
         the index keys any engine's blocks by their tokens. An adapter may be named by its id
         or, as engines that send ``lora_name`` know it, by its name."""
-        if scope is not None and (
-            lora_id is not None or cache_salt is not None or lora_name is not None
-        ):
+        if scope is not None and lora_id is None and cache_salt is None and lora_name is None:
+            if (
+                _v1_chain is not None
+                and type(tokens) is array
+                and tokens.typecode == "i"
+                and self.hash_algo is HashAlgo.V1_BLOCK_KEY
+            ):
+                # the common case in one native call: a packed prompt under a scope (the
+                # extension checks the ids' sign and raises what the general path would)
+                return _v1_chain(  # type: ignore[return-value]  # ints are BlockHashes
+                    tokens, self.tokens_per_block, scope.lora_id, scope.salt
+                )
+        elif scope is not None:
             raise ValueError(
                 "give either a ReuseScope or lora_id/lora_name/cache_salt, not both (the scope "
                 "already holds the LoRA id and salt)"
@@ -242,25 +252,9 @@ class Router:
         Raises ``router_sim.policies.NoWorkersError`` when the load source offers no worker.
         """
         start = time.perf_counter()
-        if (
-            _v1_chain is not None
-            and scope is not None
-            and type(tokens) is array
-            and tokens.typecode == "i"
-            and self.hash_algo is HashAlgo.V1_BLOCK_KEY
-            and lora_id is None
-            and cache_salt is None
-            and lora_name is None
-        ):
-            # hash_request's common case, in one native call: a packed prompt under a scope
-            # (the extension checks the ids' sign; it raises what hash_request would)
-            hashes: list[BlockHash] = _v1_chain(  # type: ignore[assignment]
-                tokens, self.tokens_per_block, scope.lora_id, scope.salt
-            )
-        else:
-            hashes = self.hash_request(
-                tokens, scope, lora_id=lora_id, cache_salt=cache_salt, lora_name=lora_name
-            )
+        hashes = self.hash_request(
+            tokens, scope, lora_id=lora_id, cache_salt=cache_salt, lora_name=lora_name
+        )
         if now_ms is None:
             now_ms = self.clock() if self.clock is not None else 0.0
         source = self.load_source
