@@ -361,8 +361,7 @@ def encode_batch(
     (``encode_events``: no wire dicts, runs or Raw token arrays), byte for byte what
     :func:`encode_batch_py` writes (tested); any other batch is written by msgspec.
     """
-    if form not in ("map", "positional"):
-        raise ValueError(f"form must be 'map' or 'positional', got {form!r}")
+    # any other form is refused by encode_batch_py below
     if form == "map" and not extensions and _native_encode_events is not None:
         if type(events) is not list:
             events = list(events)

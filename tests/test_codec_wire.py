@@ -475,3 +475,14 @@ def test_the_limits_walk_measures_depth_as_msgpack_nests(value: Any, limit: int)
             wire_decode._unpack(payload[:-1], roomy)
     with pytest.raises(DecodeError, match="trailing bytes"):
         wire_decode._unpack(payload + b"\xc0", roomy)
+
+
+@pytest.mark.parametrize("form", ["", "Map", "msgpack"])
+def test_an_unknown_form_is_refused_on_every_path(form: str) -> None:
+    """The native writer only takes the map form: any other name reaches msgspec's path,
+    which refuses it (with or without events, with or without the extension events)."""
+    stored = KVCacheEvent(0, Stored(None, [StoredBlock(1, [1, 2])], 2))
+    for events in ([], [stored]):
+        for extensions in (False, True):
+            with pytest.raises(ValueError, match="form must be 'map' or 'positional'"):
+                encode_batch(events, 0.0, form=form, extensions=extensions)
