@@ -84,20 +84,21 @@ static inline int limit_arg(const char *name, PyObject *const *args, Py_ssize_t 
 
 #define RECORD_FIELDS 6 /* block_hash, tokens, lora_id, cache_level, priority, cache_salt_id */
 
-/* A new record of cls with its fields set from values[0..RECORD_FIELDS); steals nothing.
- * Like its token list, a record none of whose fields the collector tracks (ints, strings,
- * None, an untracked token list or array) cannot be part of a cycle, and is left out of it
- * too. An array holds no reference but its type's, so no cycle can run through it either: the
+/* A new record of cls with its n fields set from values[0..n); steals nothing. Like its
+ * token list, a record none of whose fields the collector tracks (ints, strings, None, an
+ * untracked token list or array) cannot be part of a cycle, and is left out of it too. An
+ * array holds no reference but its type's, so no cycle can run through it either: the
  * collector tracks arrays (their type is a heap type) and a token array is untracked here, the
  * way untrack_token_list untracks a list of ints. */
-static inline PyObject *new_record(PyObject *cls, PyObject *setters, PyObject *const *values) {
+static inline PyObject *new_record_n(PyObject *cls, PyObject *setters, PyObject *const *values,
+                                     Py_ssize_t n) {
     PyTypeObject *type = (PyTypeObject *)cls;
     PyObject *obj = type->tp_alloc(type, 0);
     if (obj == NULL) {
         return NULL;
     }
     int atomic = 1;
-    for (Py_ssize_t i = 0; i < RECORD_FIELDS; i++) {
+    for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *d = PyTuple_GET_ITEM(setters, i);
         if (Py_TYPE(d)->tp_descr_set(d, obj, values[i]) < 0) {
             Py_DECREF(obj);
@@ -113,6 +114,11 @@ static inline PyObject *new_record(PyObject *cls, PyObject *setters, PyObject *c
         PyObject_GC_UnTrack(obj);
     }
     return obj;
+}
+
+/* A new block record (its RECORD_FIELDS fields) of cls: see new_record_n. */
+static inline PyObject *new_record(PyObject *cls, PyObject *setters, PyObject *const *values) {
+    return new_record_n(cls, setters, values, RECORD_FIELDS);
 }
 
 /* The interned names of a block record's fields: stored_runs (_v1hash.c) reads them and

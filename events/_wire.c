@@ -629,29 +629,6 @@ enum {
 
 static PyObject *STR_DEFAULT_ALGO; /* "v1_block_key" */
 
-/* A new record of cls with its n fields set from values (see new_record). */
-static PyObject *new_record_n(PyObject *cls, PyObject *setters, PyObject *const *values,
-                              Py_ssize_t n) {
-    PyTypeObject *type = (PyTypeObject *)cls;
-    PyObject *obj = type->tp_alloc(type, 0);
-    if (obj == NULL) {
-        return NULL;
-    }
-    int atomic = 1;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *d = PyTuple_GET_ITEM(setters, i);
-        if (Py_TYPE(d)->tp_descr_set(d, obj, values[i]) < 0) {
-            Py_DECREF(obj);
-            return NULL;
-        }
-        atomic = atomic && !PyObject_GC_IsTracked(values[i]);
-    }
-    if (atomic && PyType_IS_GC(type)) {
-        PyObject_GC_UnTrack(obj);
-    }
-    return obj;
-}
-
 static int check_kit(PyObject *kit) {
     static const Py_ssize_t fields[][2] = {{KIT_BLOCK, RECORD_FIELDS}, {KIT_STORED, 7},
                                            {KIT_REMOVED, 3}, {KIT_EVENT, 5}, {KIT_BATCH, 4}};
