@@ -23,47 +23,32 @@ class OptionalBuildExt(build_ext):
 # the helpers the events package's three extensions share (a change to it rebuilds them)
 COMMON = ["events/_native_common.h"]
 
+
+def native(name: str, *, shared: bool = False) -> Extension:
+    """The optional extension ``name`` built from its one C file at -O3; ``shared``: it
+    includes :data:`COMMON`."""
+    path = name.replace(".", "/") + ".c"
+    depends = COMMON if shared else []
+    return Extension(
+        name, sources=[path], depends=depends, extra_compile_args=["-O3"], optional=True
+    )
+
+
 setup(
     ext_modules=[
         # events.hashing / events._records / events.codec's V1 hashes, records and runs
         # (pure-Python fallback)
-        Extension(
-            "events._v1hash",
-            sources=["events/_v1hash.c"],
-            depends=COMMON,
-            extra_compile_args=["-O3"],
-            optional=True,
-        ),
+        native("events._v1hash", shared=True),
         # events.codec / events.wire_fast's msgpack codec of the event path (pure-Python fallback)
-        Extension(
-            "events._wire",
-            sources=["events/_wire.c"],
-            depends=COMMON,
-            extra_compile_args=["-O3"],
-            optional=True,
-        ),
+        native("events._wire", shared=True),
         # router_sim.service.protocol's JSON prompt readers (msgspec fallback)
-        Extension(
-            "events._json_prompt",
-            sources=["events/_json_prompt.c"],
-            depends=COMMON,
-            extra_compile_args=["-O3"],
-            optional=True,
-        ),
-        # router_sim.indexer's match loop over a mirror of its masks (pure-Python fallback)
-        Extension(
-            "router_sim._match",
-            sources=["router_sim/_match.c"],
-            extra_compile_args=["-O3"],
-            optional=True,
-        ),
-        # kvcache.keys' pack-and-check of token arrays (pure-Python fallback)
-        Extension(
-            "kvcache._tokens",
-            sources=["kvcache/_tokens.c"],
-            extra_compile_args=["-O3"],
-            optional=True,
-        ),
+        native("events._json_prompt", shared=True),
+        # router_sim.indexer's match loop over a mirror of its masks, and the simulator's trace
+        # prompts and answers (pure-Python fallback)
+        native("router_sim._match"),
+        # kvcache.keys' pack-and-check of token arrays and SHA-256 chain keys where the CPU has
+        # SHA-NI (pure-Python / hashlib fallback)
+        native("kvcache._tokens"),
     ],
     cmdclass={"build_ext": OptionalBuildExt},
 )
