@@ -47,6 +47,11 @@ from router_sim.timing_model import PolynomialTiming
 from router_sim.worker import TRANSPORTS, SimWorker, WorkerConfig
 from router_sim.workloads import Request
 
+try:  # every worker's true overlap in one native call (router_sim/_match.c)
+    from router_sim._match import held_prefixes as _held_prefixes
+except ImportError:  # pragma: no cover - depends on the install
+    _held_prefixes = None  # type: ignore[assignment]
+
 ALL_POLICIES: Final[tuple[str, ...]] = (
     "round_robin",
     "random",
@@ -392,10 +397,7 @@ class Simulation:
                 prompt = req.tokens()
                 scope = req.scope if native else request_scope(self.config.engine, req)
                 decision = self.router.route(prompt, scope, now_ms=t)
-                hashes = decision.block_hashes
-                # most workers hold not even the first block: one set lookup each, no call
-                first = hashes[0] if hashes else None
-                true = [w.true_overlap(hashes) if first in w.held else 0 for w in self.workers]
+                true = self._true_overlaps(decision.block_hashes)
                 record = RequestRecord(
                     request_id=req.request_id,
                     worker=decision.worker,
@@ -435,6 +437,20 @@ class Simulation:
             index_mismatch=self.index_mismatch,
             wall_s=time.perf_counter() - started,
         )
+
+    def _true_overlaps(self, hashes: list[BlockHash]) -> list[int]:
+        """Per worker, the leading blocks of ``hashes`` its cache holds right now (what the
+        report's best and chosen overlaps are made of): natively, every worker's in one call
+        (each worker's held set is read at the call: a restart or snapshot replaces it)."""
+        if _held_prefixes is not None:
+            return _held_prefixes([w.held for w in self.workers], hashes)
+        return self._true_overlaps_py(hashes)
+
+    def _true_overlaps_py(self, hashes: list[BlockHash]) -> list[int]:
+        """:meth:`_true_overlaps` without the extension (and its reference in tests)."""
+        # most workers hold not even the first block: one set lookup each, no call
+        first = hashes[0] if hashes else None
+        return [w.true_overlap(hashes) if first in w.held else 0 for w in self.workers]
 
     def _wire_stats(self) -> WireStats:
         stats = WireStats(
