@@ -1,0 +1,66 @@
+"""The worker's step finds the length of a stretch of pure decoding in its one pass.
+
+``SimWorker._step`` computes, while it picks the decoding requests, the bound that
+``_fast_forward_steps`` takes (the fewest tokens any decoding request has left to generate or
+room for in its pages) instead of walking the decoding requests a second time. Every stretch it
+takes must be exactly what the definition gives, computed here from the requests themselves:
+longer would skip a completion or a page boundary, shorter would only cost steps, which the
+step-by-step comparison in test_sim cannot see.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+import router_sim.sim
+from router_sim.sim import Restart, SimConfig, simulate
+from router_sim.worker import SimWorker
+from router_sim.workloads import SyntheticSpec, synthetic_workload
+
+
+def _reference_steps(worker: SimWorker, dt: float, t_ms: float) -> int:
+    """The stretch by its definition, from the running requests that decode."""
+    k = math.ceil((t_ms - worker.clock_ms) / dt) if math.isfinite(t_ms) else 1 << 62
+    for s in worker.running:
+        if not s.decoding:
+            continue
+        req = s.req
+        k = min(k, req.output_length - s.generated)
+        k = min(k, s.cap - (req.input_length + s.generated))
+    return max(1, k)
+
+
+def _checked_worker(stretches: list[int]) -> type[SimWorker]:
+    class Checked(SimWorker):
+        def _fast_forward_steps(self, limit: int, dt: float, t_ms: float) -> int:
+            k = super()._fast_forward_steps(limit, dt, t_ms)
+            assert k == _reference_steps(self, dt, t_ms)
+            stretches.append(k)
+            return k
+
+    return Checked
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"device_blocks": 220},
+        {"device_blocks": 90, "host_blocks": 200},  # preemptions while pages run out
+        {"device_blocks": 220, "restarts": [Restart(0, 1500.0)]},
+    ],
+)
+def test_every_stretch_of_decoding_is_the_defined_length(
+    monkeypatch: pytest.MonkeyPatch, extra: dict[str, Any]
+) -> None:
+    stretches: list[int] = []
+    monkeypatch.setattr(router_sim.sim, "SimWorker", _checked_worker(stretches))
+    reqs = synthetic_workload("mixed", seed=7, spec=SyntheticSpec(num_requests=80, rate_per_s=40))
+    run = simulate(reqs, "kv_overlap", SimConfig(workers=2, tokens_per_block=16, **extra))
+    # the runs take stretches both longer than a step and cut short by a bound
+    assert len(stretches) > 50
+    assert max(stretches) > 1 and stretches.count(1) > 0
+    if extra["device_blocks"] < 100:
+        assert sum(r.preemptions for r in run.records) > 0
