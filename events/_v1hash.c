@@ -803,6 +803,169 @@ done:
     return result;
 }
 
+/* ---- the event manager's flush ---------------------------------------------------------
+ *
+ * build_events(spec, pending, first_id, block_size, window_size, hash_algo, dp_rank) -> list:
+ * KVCacheEventManager's pending items as numbered events, what events.manager._build_events_py
+ * does (the reference, compared in the tests) with a record builder per event instead of two
+ * frozen-dataclass constructors. spec is (PendingStored, PendingRemoved, Stored,
+ * Stored's setters, Stored's default tail, Removed, Removed's setters, Removed's default tail,
+ * KVCacheEvent, KVCacheEvent's setters): a pending Stored becomes Stored(parent_hash, blocks,
+ * block_size, *tail), a pending Removed Removed(block_hashes, cache_level, *tail), anything else
+ * is the event's data as it is; event i gets the id first_id + i. */
+
+#define MAX_EVENT_FIELDS 16
+
+static PyObject *STR_PARENT_HASH, *STR_BLOCKS, *STR_BLOCK_HASHES, *ONE_INT;
+
+/* Checks that setters is a tuple of n data descriptors: 0, or -1 with an exception set. */
+static int check_setters(PyObject *setters, Py_ssize_t n, const char *what) {
+    if (!PyTuple_CheckExact(setters) || PyTuple_GET_SIZE(setters) != n) {
+        PyErr_Format(PyExc_TypeError, "build_events: %s setters must be a tuple of %zd slot "
+                     "descriptors", what, n);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (Py_TYPE(PyTuple_GET_ITEM(setters, i))->tp_descr_set == NULL) {
+            PyErr_Format(PyExc_TypeError, "build_events: %s setter %zd is not a data descriptor",
+                         what, i);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* A record of cls whose fields are head[0..nhead) then tail's items; NULL with an exception. */
+static PyObject *record_with_tail(PyObject *cls, PyObject *setters, PyObject *const *head,
+                                  Py_ssize_t nhead, PyObject *tail) {
+    PyObject *values[MAX_EVENT_FIELDS];
+    Py_ssize_t n = nhead + PyTuple_GET_SIZE(tail);
+    for (Py_ssize_t k = 0; k < nhead; k++) {
+        values[k] = head[k];
+    }
+    for (Py_ssize_t k = nhead; k < n; k++) {
+        values[k] = PyTuple_GET_ITEM(tail, k - nhead);
+    }
+    return new_record_n(cls, setters, values, n);
+}
+
+/* The event data of one pending item (a new reference), or NULL with an exception set. */
+static PyObject *event_data(PyObject *item, PyObject *const *spec, PyObject *block_size) {
+    int is = PyObject_IsInstance(item, spec[0]);
+    if (is < 0) {
+        return NULL;
+    }
+    PyObject *a, *b, *data;
+    if (is) {
+        if ((a = PyObject_GetAttr(item, STR_PARENT_HASH)) == NULL) {
+            return NULL;
+        }
+        if ((b = PyObject_GetAttr(item, STR_BLOCKS)) == NULL) {
+            Py_DECREF(a);
+            return NULL;
+        }
+        PyObject *head[3] = {a, b, block_size};
+        data = record_with_tail(spec[2], spec[3], head, 3, spec[4]);
+    } else {
+        if ((is = PyObject_IsInstance(item, spec[1])) <= 0) {
+            return is < 0 ? NULL : Py_NewRef(item);
+        }
+        if ((a = PyObject_GetAttr(item, STR_BLOCK_HASHES)) == NULL) {
+            return NULL;
+        }
+        if ((b = PyObject_GetAttr(item, STR_CACHE_LEVEL)) == NULL) {
+            Py_DECREF(a);
+            return NULL;
+        }
+        PyObject *head[2] = {a, b};
+        data = record_with_tail(spec[5], spec[6], head, 2, spec[7]);
+    }
+    Py_DECREF(a);
+    Py_DECREF(b);
+    return data;
+}
+
+static PyObject *build_events(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "build_events takes 7 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *spec_obj = args[0], *pending = args[1], *first_id = args[2];
+    if (!PyTuple_CheckExact(spec_obj) || PyTuple_GET_SIZE(spec_obj) != 10) {
+        PyErr_SetString(PyExc_TypeError, "build_events: spec must be a tuple of 10 items");
+        return NULL;
+    }
+    PyObject *const *spec = &PyTuple_GET_ITEM(spec_obj, 0);
+    for (int k = 0; k < 10; k++) {
+        int want_type = k == 0 || k == 1 || k == 2 || k == 5 || k == 8;
+        if (want_type ? !PyType_Check(spec[k]) : !PyTuple_CheckExact(spec[k])) {
+            PyErr_Format(PyExc_TypeError, "build_events: spec item %d must be a %s", k,
+                         want_type ? "class" : "tuple");
+            return NULL;
+        }
+    }
+    if (PyTuple_GET_SIZE(spec[4]) > MAX_EVENT_FIELDS - 3 ||
+        PyTuple_GET_SIZE(spec[7]) > MAX_EVENT_FIELDS - 2) {
+        PyErr_SetString(PyExc_ValueError, "build_events: too many record fields");
+        return NULL;
+    }
+    if (check_setters(spec[3], 3 + PyTuple_GET_SIZE(spec[4]), "Stored") < 0 ||
+        check_setters(spec[6], 2 + PyTuple_GET_SIZE(spec[7]), "Removed") < 0 ||
+        check_setters(spec[9], 5, "event") < 0) {
+        return NULL;
+    }
+    if (!PyList_CheckExact(pending)) {
+        PyErr_Format(PyExc_TypeError, "build_events needs a list of pending items, got %s",
+                     Py_TYPE(pending)->tp_name);
+        return NULL;
+    }
+    if (!PyLong_Check(first_id)) {
+        PyErr_Format(PyExc_TypeError, "build_events: first_id must be an int, got %s",
+                     Py_TYPE(first_id)->tp_name);
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(pending);
+    PyObject *out = PyList_New(n);
+    if (out == NULL) {
+        return NULL;
+    }
+    PyObject *event_id = Py_NewRef(first_id);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        /* attribute reads and isinstance may run Python code that changes the list */
+        if (PyList_GET_SIZE(pending) != n) {
+            PyErr_SetString(PyExc_RuntimeError, "build_events: the pending list changed");
+            goto fail;
+        }
+        PyObject *item = Py_NewRef(PyList_GET_ITEM(pending, i));
+        PyObject *data = event_data(item, spec, args[3]);
+        Py_DECREF(item);
+        if (data == NULL) {
+            goto fail;
+        }
+        PyObject *values[5] = {event_id, data, args[4], args[5], args[6]};
+        PyObject *event = new_record_n(spec[8], spec[9], values, 5);
+        Py_DECREF(data);
+        if (event == NULL) {
+            goto fail;
+        }
+        PyList_SET_ITEM(out, i, event);
+        if (i + 1 < n) {
+            /* Python's int addition: ids are unbounded there too */
+            Py_SETREF(event_id, PyNumber_Add(event_id, ONE_INT));
+            if (event_id == NULL) {
+                goto fail;
+            }
+        }
+    }
+    Py_DECREF(event_id);
+    return out;
+fail:
+    Py_XDECREF(event_id);
+    Py_DECREF(out);
+    return NULL;
+}
+
 /* ---- wire encoder ---------------------------------------------------------------------
  *
  * stored_runs(blocks, block_size) -> list[(end, token_ids, hashes)]: the runs of a Stored
@@ -1062,6 +1225,9 @@ static PyMethodDef methods[] = {
      "v1_store_run(cls, setters, blocks, start, hashes, parent_hash) -> (records, stop): the "
      "run of blocks[start:] the event manager announces as one chain, hashed, recorded and "
      "entered in hashes."},
+    {"build_events", (PyCFunction)(void (*)(void))build_events, METH_FASTCALL,
+     "build_events(spec, pending, first_id, block_size, window_size, hash_algo, dp_rank) -> "
+     "list: the event manager's pending items as numbered events."},
     {"stored_runs", stored_runs, METH_VARARGS,
      "stored_runs(blocks, block_size) -> list[(end, token_ids, hashes)]: the wire events of a "
      "Stored event's blocks."},
@@ -1079,7 +1245,11 @@ PyMODINIT_FUNC PyInit__v1hash(void) {
         (STR_TIER = PyUnicode_InternFromString("tier")) == NULL ||
         (STR_SCOPE = PyUnicode_InternFromString("scope")) == NULL ||
         (STR_KEY = PyUnicode_InternFromString("key")) == NULL ||
-        (STR_SALT = PyUnicode_InternFromString("salt")) == NULL) {
+        (STR_SALT = PyUnicode_InternFromString("salt")) == NULL ||
+        (STR_PARENT_HASH = PyUnicode_InternFromString("parent_hash")) == NULL ||
+        (STR_BLOCKS = PyUnicode_InternFromString("blocks")) == NULL ||
+        (STR_BLOCK_HASHES = PyUnicode_InternFromString("block_hashes")) == NULL ||
+        (ONE_INT = PyLong_FromLong(1)) == NULL) {
         return NULL;
     }
     return PyModule_Create(&module);

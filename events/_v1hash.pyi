@@ -71,3 +71,16 @@ def v1_store_run(
     """The run of ``blocks[start:]`` the event manager announces as one chain (see
     ``events.manager._v1_run_py``): its records and the index of the first block not taken;
     each taken block's hash is entered in ``hashes`` under its key."""
+
+def build_events(
+    spec: tuple[Any, ...],
+    pending: list[Any],
+    first_id: int,
+    block_size: int | None,
+    window_size: int,
+    hash_algo: str,
+    dp_rank: int | None,
+) -> list[Any]:
+    """The event manager's pending items as events numbered from ``first_id`` (see
+    ``events.manager._build_events_py``); ``spec`` names the pending, data and event classes,
+    their slot descriptors and the data classes' default trailing fields."""

@@ -26,7 +26,7 @@ import threading
 from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from functools import partial
 from typing import Final, Literal
 
@@ -176,6 +176,67 @@ class _PendingRemoved:
 
 
 _Pending = _PendingStored | _PendingRemoved | EventData
+
+
+def _build_events_py(
+    pending: list[_Pending],
+    first_id: int,
+    block_size: int | None,
+    window_size: int,
+    hash_algo: str,
+    dp_rank: int | None,
+) -> list[KVCacheEvent]:
+    """An iteration's pending items as events numbered from ``first_id``: an open Stored
+    becomes a ``Stored`` of its chain, an open Removed a ``Removed``, anything else is the
+    event's data as it is. The readable reference of the native ``build_events``, which builds
+    each record through its slots (two frozen-dataclass constructors cost more than a
+    microsecond per event, once per step)."""
+    ready: list[KVCacheEvent] = []
+    event_id = first_id
+    for item in pending:
+        data: EventData
+        if isinstance(item, _PendingStored):
+            data = Stored(item.parent_hash, item.blocks, block_size)
+        elif isinstance(item, _PendingRemoved):
+            data = Removed(item.block_hashes, item.cache_level)
+        else:
+            data = item
+        ready.append(KVCacheEvent(event_id, data, window_size, hash_algo, dp_rank))
+        event_id += 1
+    return ready
+
+
+def _defaults_after(cls: type, count: int) -> tuple[object, ...]:
+    """The default values of a dataclass's fields after its first ``count`` (what the native
+    builder stores in the fields an event's constructor call leaves out)."""
+    tail = fields(cls)[count:]
+    assert all(f.default is not MISSING for f in tail)
+    return tuple(f.default for f in tail)
+
+
+_BuildEvents = Callable[[list[_Pending], int, int | None, int, str, int | None], list[KVCacheEvent]]
+NATIVE_EVENTS: Final[bool] = _native is not None and hasattr(_native, "build_events")
+"""True when the native event builder is loaded."""
+
+_build_events: _BuildEvents = (
+    partial(
+        _native.build_events,
+        (
+            _PendingStored,
+            _PendingRemoved,
+            Stored,
+            record_setters(Stored),
+            _defaults_after(Stored, 3),
+            Removed,
+            record_setters(Removed),
+            _defaults_after(Removed, 2),
+            KVCacheEvent,
+            record_setters(KVCacheEvent),
+        ),
+    )
+    if NATIVE_EVENTS
+    else _build_events_py
+)
 
 
 class KVCacheEventManager:
@@ -450,28 +511,26 @@ class KVCacheEventManager:
         with self._lock:
             return self._flush()
 
+    def _take_pending(self, pending: list[_Pending]) -> list[KVCacheEvent]:
+        """The iteration's ``pending`` items as numbered events; the iteration ends."""
+        self._pending = []
+        ready = _build_events(
+            pending,
+            self._next_id,
+            self._block_size,
+            self.window_size,
+            self._algo_name,
+            self.dp_rank,
+        )
+        self._next_id += len(ready)
+        return ready
+
     def _flush(self) -> int:
         """:meth:`flush`'s work; the caller holds the lock."""
         pending = self._pending
         if not pending:
             return 0
-        self._pending = []
-        block_size = self._block_size
-        ready: list[KVCacheEvent] = []
-        event_id = self._next_id
-        for item in pending:
-            data: EventData
-            if isinstance(item, _PendingStored):
-                data = Stored(item.parent_hash, item.blocks, block_size)
-            elif isinstance(item, _PendingRemoved):
-                data = Removed(item.block_hashes, item.cache_level)
-            else:
-                data = item
-            ready.append(
-                KVCacheEvent(event_id, data, self.window_size, self._algo_name, self.dp_rank)
-            )
-            event_id += 1
-        self._next_id = event_id
+        ready = self._take_pending(pending)
         overflow = len(self._buffer) + len(ready) - self.max_entries
         if overflow > 0:
             self.dropped_events += overflow
@@ -486,7 +545,17 @@ class KVCacheEventManager:
         waiting) in one call: an engine's end of iteration, once per step (three calls took
         the lock three times, mostly to find nothing). Returns (events, dropped)."""
         with self._lock:
-            if self._pending:
+            pending = self._pending
+            if pending:
+                if (
+                    not self._buffer
+                    and not self._dropped_untaken
+                    and len(pending) <= self.max_entries
+                ):
+                    # the usual step: nothing is buffered and nothing overflows, so the events
+                    # go straight out (the buffer would hand back just them, and a waiter in
+                    # get_latest_events would find it drained again)
+                    return self._take_pending(pending), 0
                 self._flush()
             elif not self._buffer and not self._dropped_untaken:
                 return [], 0

@@ -20,8 +20,24 @@ from hypothesis import strategies as st
 import events.manager as manager_module
 from events._records import record_setters
 from events.hashing import v1_block_hash_py
-from events.manager import NATIVE_RUN, KVCacheEventManager, _v1_run_py
-from events.model import KVCacheEvent, StoredBlock
+from events.manager import (
+    NATIVE_RUN,
+    KVCacheEventManager,
+    _build_events_py,
+    _PendingRemoved,
+    _PendingStored,
+    _v1_run_py,
+)
+from events.model import (
+    AllBlocksCleared,
+    Created,
+    EventDiff,
+    KVCacheEvent,
+    Removed,
+    Stored,
+    StoredBlock,
+    Updated,
+)
 from kvcache.scope import ReuseScope
 
 native = pytest.importorskip("events._v1hash") if NATIVE_RUN else None
@@ -279,3 +295,126 @@ def test_the_manager_gives_the_same_events_with_either_run_builder(
     monkeypatch.setattr(manager_module, "_v1_run", _v1_run_py)
     assert scenario() == native_events
     assert [len(e.data.blocks) for e in native_events] == [2, 3]  # type: ignore[union-attr]
+
+
+# ----------------------------------------------------------------------------- events
+
+
+def _pending_item(kind: int, n: int) -> Any:
+    sb = StoredBlock(n, array("i", [n, n + 1]), None, 0, 35, None)
+    if kind == 0:
+        return _PendingStored(None if n % 2 else n * 7, [sb] * (n % 3 + 1))
+    if kind == 1:
+        return _PendingRemoved([n, n + 1], n % 2)
+    if kind == 2:
+        return AllBlocksCleared()
+    if kind == 3:
+        return Created([n, 2 * n])
+    return Updated(n, cache_level=EventDiff(0, 1))
+
+
+@needs_native
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 4), st.integers(0, 50)), max_size=8),
+    st.sampled_from([0, 1, 254, 255, 256, 2**63 - 2, 2**70]),
+    st.sampled_from([None, 4, 512]),
+    st.sampled_from([0, 128]),
+    st.sampled_from(["v1_block_key", "v2_sha256"]),
+    st.sampled_from([None, 0, 3]),
+)
+def test_the_native_event_builder_equals_its_reference(
+    items: list[tuple[int, int]],
+    first_id: int,
+    block_size: int | None,
+    window: int,
+    algo: str,
+    dp_rank: int | None,
+) -> None:
+    pending = [_pending_item(kind, n) for kind, n in items]
+    args = (first_id, block_size, window, algo, dp_rank)
+    got = manager_module._build_events(list(pending), *args)
+    want = _build_events_py(list(pending), *args)
+    assert got == want
+    assert [type(e.data) for e in got] == [type(e.data) for e in want]
+    assert [e.event_id for e in got] == list(range(first_id, first_id + len(pending)))
+    for e, item in zip(got, pending, strict=True):
+        if isinstance(item, _PendingStored):
+            assert e.data.blocks is item.blocks  # type: ignore[union-attr]
+            assert e.data == Stored(item.parent_hash, item.blocks, block_size)
+        elif isinstance(item, _PendingRemoved):
+            assert e.data == Removed(item.block_hashes, item.cache_level)
+        else:
+            assert e.data is item
+
+
+@needs_native
+def test_the_native_event_builder_rejects_hostile_input() -> None:
+    assert native is not None
+    build: Any = manager_module._build_events
+    spec = build.args[0]
+    with pytest.raises(TypeError, match="7 arguments"):
+        native.build_events(spec, [], 0)
+    with pytest.raises(TypeError, match="list of pending"):
+        build((), 0, None, 0, "v1_block_key", None)
+    with pytest.raises(TypeError, match="first_id"):
+        build([], "0", None, 0, "v1_block_key", None)
+    with pytest.raises(TypeError, match="spec"):
+        native.build_events(spec[:9], [], 0, None, 0, "a", None)
+    bad = list(spec)
+    bad[3] = bad[3][:2]  # Stored's setters do not cover its fields
+    with pytest.raises(TypeError, match="Stored setters"):
+        native.build_events(tuple(bad), [], 0, None, 0, "a", None)
+    bad = list(spec)
+    bad[2] = 5
+    with pytest.raises(TypeError, match="spec item 2"):
+        native.build_events(tuple(bad), [], 0, None, 0, "a", None)
+    bad = list(spec)
+    bad[4] = (None,) * 20
+    with pytest.raises((TypeError, ValueError)):
+        native.build_events(tuple(bad), [], 0, None, 0, "a", None)
+
+    class Hostile:
+        """A pending item whose isinstance check empties the pending list."""
+
+        def __init__(self, pending: list[Any]) -> None:
+            self.pending = pending
+
+        @property  # type: ignore[misc]
+        def __class__(self) -> type:
+            self.pending.clear()
+            return Hostile
+
+    pending: list[Any] = []
+    pending += [Hostile(pending), AllBlocksCleared()]
+    with pytest.raises(RuntimeError, match="changed"):
+        build(pending, 0, None, 0, "v1_block_key", None)
+
+
+def _twin_events(mgr: KVCacheEventManager, step: int) -> None:
+    blocks: list[Any] = _chain(3, SCOPES[step % 4])
+    for i, b in enumerate(blocks):
+        b.key = bytes([step, i])
+    mgr.on_stored(blocks)
+    if step % 2:
+        mgr.on_removed(blocks[2:])
+    if step % 3 == 2:
+        mgr.on_cleared()
+
+
+@pytest.mark.parametrize("max_entries", [1, 2, 3, 100])
+def test_end_step_gives_what_flush_and_drain_give(max_entries: int) -> None:
+    """Step by step, through the path that skips the buffer and the one that overflows it."""
+    one = KVCacheEventManager(max_entries=max_entries, tokens_per_block=4)
+    twin = KVCacheEventManager(max_entries=max_entries, tokens_per_block=4)
+    for step in range(8):
+        _twin_events(one, step)
+        _twin_events(twin, step)
+        got = one.end_step()
+        twin.flush()
+        lost = twin.take_dropped()
+        assert got == (twin.get_latest_events(), lost)
+    assert one.dropped_events == twin.dropped_events
+    assert one.next_event_id == twin.next_event_id
+    if max_entries < 3:
+        assert one.dropped_events > 0
