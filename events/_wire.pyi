@@ -20,3 +20,7 @@ def encode_events(
 ) -> bytes | None:
     """The map-form payload ``events.codec.encode_batch_py`` writes for a list of Stored /
     Removed / AllBlocksCleared events (``kinds``: those classes); None for anything else."""
+
+def simd(on: bool | None = None, /) -> bool:
+    """Whether token ids are read and written with the SSSE3 loops (False without them);
+    ``on`` turns them on (where the CPU has them) or off, so both ways can be compared."""
