@@ -49,6 +49,9 @@ setup(
         # kvcache.keys' pack-and-check of token arrays and SHA-256 chain keys where the CPU has
         # SHA-NI (pure-Python / hashlib fallback)
         native("kvcache._tokens"),
+        # kvcache.tree's making of a run of blocks and linking of a committed chain
+        # (pure-Python fallback)
+        native("kvcache._tree"),
     ],
     cmdclass={"build_ext": OptionalBuildExt},
 )

@@ -32,7 +32,7 @@ from kvcache.pool import PagePool
 from kvcache.scope import ReuseScope
 from kvcache.sink import EventSink
 from kvcache.storage_protocol import PageStorage
-from kvcache.tree import Block, Node, RadixTree, full_children
+from kvcache.tree import Block, Node, RadixTree, full_children, new_blocks
 
 
 @dataclass(slots=True)
@@ -160,7 +160,7 @@ class BlockPool:
         uid = self._uid
         self._uid += count
         self.pinned[0] += count
-        return [Block(uid + i, scope, 0, page, priority) for i, page in enumerate(slots, 1)]
+        return new_blocks(uid + 1, scope, 0, slots, priority)
 
     def acquire(
         self, full: list[Block], src: Block | None, num_src: int, scope: ReuseScope, priority: int

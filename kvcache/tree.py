@@ -38,6 +38,11 @@ from typing import Final
 from kvcache.keys import BlockKey, chain_keys, root_key, tokens_to_bytes
 from kvcache.scope import ReuseScope
 
+try:  # native block making and chain linking (kvcache/_tree.c), when the extension is built
+    from kvcache._tree import Layout
+except ImportError:  # pragma: no cover - depends on the install
+    Layout = None  # type: ignore[assignment,misc]
+
 _LITTLE: Final = sys.byteorder == "little"
 # Up to this many full children are compared one by one rather than looked up by the query
 # block's key: a compare is ~0.1 us, hashing a 512-token block ~1.5 us.
@@ -132,6 +137,48 @@ class Block:
 
 Node = Block | ScopeRoot
 
+# Every slot of a Block, as new_blocks' native path sets them: the uid and the page (per
+# block), then the rest (_block_values), in Block.__init__'s values.
+_MAKE_NAMES: Final = (
+    "uid",
+    "page",
+    "scope",
+    "tier",
+    "priority",
+    "key",
+    "tokens",
+    "parent",
+    "child",
+    "children",
+    "firsts",
+    "partials",
+    "partial_firsts",
+    "is_full",
+    "in_tree",
+    "refs",
+    "susp",
+    "tick",
+    "here",
+    "gen",
+)
+# The slots attach_chain's native path writes, in the order kvcache/_tree.c's link takes them.
+_LINK_NAMES: Final = ("key", "tokens", "is_full", "parent", "in_tree", "child", "children")
+assert sorted(_MAKE_NAMES) == sorted(Block.__slots__)
+_maker = None if Layout is None else Layout(Block, _MAKE_NAMES)
+_linker = None if Layout is None else Layout(Block, _LINK_NAMES)
+
+
+def new_blocks(
+    first_uid: int, scope: ReuseScope, tier: int, pages: list[int], priority: int
+) -> list[Block]:
+    """One new private block per page of ``pages``, with uids from ``first_uid`` on: what
+    ``Block(first_uid + i, scope, tier, page, priority)`` makes for each, made in one native
+    call where the extension is built (a sequence grows by runs of pages)."""
+    if _maker is None:
+        return [Block(first_uid + i, scope, tier, page, priority) for i, page in enumerate(pages)]
+    values = (scope, tier, priority, _NO_KEY, _NO_TOKENS, None, None, None, None, None, None)
+    return _maker.new(first_uid, pages, (*values, False, False, 1, 0, 0, 0, 0))
+
 
 def full_children(node: Node) -> Collection[Block]:
     """``node``'s full children, in the order they joined."""
@@ -170,6 +217,22 @@ def _partials_starting(node: Node, first: int) -> Collection[Block]:
         return ()
     firsts = node.partial_firsts
     return partials.values() if firsts is not None and firsts.get(first) else ()
+
+
+def _adopt(node: Node, b: Block) -> None:
+    """Make the full block ``b`` (key and tokens set) a child of ``node``."""
+    children = node.children
+    if children is not None:
+        children[b.key] = b
+        _count(node.firsts, b, 1)
+    elif node.child is None:
+        node.child = b
+    else:  # a second full child: both go into a dict, the first one first
+        first = node.child
+        node.children = {first.key: first, b.key: b}
+        node.firsts = {first.tokens[0]: 1}
+        _count(node.firsts, b, 1)
+        node.child = None
 
 
 def has_children(node: Node) -> bool:
@@ -409,28 +472,27 @@ class RadixTree:
             keys = chain_keys(first_key, data, step, step, count - 1)
             keys.insert(0, first_key)  # type: ignore[arg-type]  # a BlockKey
         parent = node if isinstance(node, Block) else None
-        prev: Node = node
-        pos = start
-        for b, key in zip(blocks, keys, strict=True):
-            b.key = key
-            b.tokens = tokens[pos : pos + tpb]
-            b.is_full = True
-            b.parent = parent
-            b.in_tree = True
-            children = prev.children
-            if children is not None:
-                children[key] = b
-                _count(prev.firsts, b, 1)
-            elif prev.child is None:
-                prev.child = b
-            else:  # a second full child: both go into a dict, the first one first
-                first = prev.child
-                prev.children = {first.key: first, key: b}
-                prev.firsts = {first.tokens[0]: 1}
-                _count(prev.firsts, b, 1)
-                prev.child = None
-            prev = parent = b
-            pos += tpb
+        done = 0
+        if _linker is not None and type(blocks) is list and type(tokens) is array:
+            # blocks 1..done-1 linked, each as its predecessor's only child (and block 0's
+            # fields set): what the loop below does for them, in one native call
+            done = _linker.link(blocks, keys, tokens, start, tpb, parent)
+            _adopt(node, blocks[0])
+        if done < count:
+            prev: Node = blocks[done - 1] if done else node
+            if done:
+                parent = blocks[done - 1]
+            pos = start + done * tpb
+            for j in range(done, count):
+                b = blocks[j]
+                b.key = keys[j]
+                b.tokens = tokens[pos : pos + tpb]
+                b.is_full = True
+                b.parent = parent
+                b.in_tree = True
+                _adopt(prev, b)
+                prev = parent = b
+                pos += tpb
         self.num_blocks += len(blocks)
 
     def attach_partial(self, block: Block, node: Node, tokens: array[int]) -> None:
