@@ -26,7 +26,7 @@ import struct
 import time
 from array import array
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Protocol
@@ -36,7 +36,7 @@ from events.model import BlockHash, DecodedBatch
 from events.subscriber import BatchDelivery, ResyncRequired, SubscriberMessage
 from kvcache.scope import ReuseScope
 from router_sim.indexer import KvIndexer, MatchDetail, lora_name_id
-from router_sim.load import LoadSource
+from router_sim.load import LoadSource, WorkerLoad
 from router_sim.policies import RouteRequest, RoutingPolicy, make_policy
 
 try:  # the native V1 chain (events/_v1hash.c), for hash_request's common case
@@ -58,6 +58,38 @@ def _packed(tokens: Sequence[int]) -> Sequence[int] | bytes:
         return struct.pack(f"{len(tokens)}i", *tokens)
     except struct.error as exc:
         raise ValueError(f"token ids must be ints in [0, 2**31): {exc}") from exc
+
+
+class LazyLoads(Mapping[int, WorkerLoad]):
+    """The candidates' loads for a policy that declares ``reads_loads = False`` (it picks
+    among the candidates by their ids alone: round robin, random): each load is read from the
+    source only when asked for, then kept. A source's load can cost a walk of the worker's
+    queues, every decision, for every worker; such a policy asks for none. The keys are the
+    source's workers, in its order."""
+
+    __slots__ = ("_ids", "_known", "_source")
+
+    def __init__(self, source: LoadSource, workers: list[int]) -> None:
+        self._source = source
+        self._ids = dict.fromkeys(workers)  # ordered, with O(1) membership
+        self._known: dict[int, WorkerLoad] = {}
+
+    def __getitem__(self, worker: int) -> WorkerLoad:
+        load = self._known.get(worker)
+        if load is None:
+            if worker not in self._ids:
+                raise KeyError(worker)
+            load = self._known[worker] = self._source.load(worker)
+        return load
+
+    def __contains__(self, worker: object) -> bool:
+        return worker in self._ids
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._ids)
+
+    def __len__(self) -> int:
+        return len(self._ids)
 
 
 class EventSource(Protocol):
@@ -258,7 +290,11 @@ class Router:
         if now_ms is None:
             now_ms = self.clock() if self.clock is not None else 0.0
         source = self.load_source
-        loads = {w: source.load(w) for w in source.workers()}
+        loads: Mapping[int, WorkerLoad]
+        if getattr(self.policy, "reads_loads", True):
+            loads = {w: source.load(w) for w in source.workers()}
+        else:  # the policy picks by id: no load is read unless it asks (see LazyLoads)
+            loads = LazyLoads(source, source.workers())
         matches: dict[int, MatchDetail] = self.indexer.find_matches_detailed(hashes)
         # the prompt itself, not its content key: the key is only made when a tie needs it
         request = RouteRequest(

@@ -15,6 +15,8 @@ class RoundRobinPolicy:
     joining or leaving do not reset the rotation."""
 
     name = "round_robin"
+    reads_loads = False
+    """Picks by worker id alone: the router need not read any load for it."""
 
     def __init__(self) -> None:
         self._last: int | None = None
@@ -31,6 +33,8 @@ class RandomPolicy:
     """Uniformly random worker from a seeded generator."""
 
     name = "random"
+    reads_loads = False
+    """Picks by worker id alone: the router need not read any load for it."""
 
     def __init__(self, seed: int = 0) -> None:
         self._rng = random.Random(seed)
