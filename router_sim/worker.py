@@ -141,9 +141,6 @@ class _Seq:
 _block_hash: Final = attrgetter("block_hash")
 
 
-_NO_LIMIT: Final = 1 << 62
-"""Steps a stretch of pure decoding may take when nothing bounds it (no finite deadline)."""
-
 _MAX_HEARTBEATS: Final = 10_000
 """End-of-run heartbeats a worker sends at most (at the highest drop rate, 0.99, all 10,000
 are lost with probability ~2e-44)."""
@@ -593,26 +590,14 @@ class SimWorker:
         # reached the end of its pages; taking one may preempt the newest requests, which
         # leave the end of ``running`` before the pass reaches them (or ``s`` itself, the last
         # one then).
-        # The same pass finds how many decode steps could run as one (see
-        # _fast_forward_steps): the fewest tokens left to any decoding request, or room left
-        # in its pages (``cap`` is final once its page for this step is taken).
         decodes: list[_Seq] = []
         prefills: list[_Seq] = []
-        limit = _NO_LIMIT
         for s in running:
             if s.decoding:
-                req = s.req
-                generated = s.generated
-                pos = req.input_length + generated
-                if pos >= s.cap and not self._ensure_capacity(s, pos + 1):
+                need = s.req.input_length + s.generated + 1
+                if need > s.cap and not self._ensure_capacity(s, need):
                     break
                 decodes.append(s)
-                left = req.output_length - generated
-                if left < limit:
-                    limit = left
-                room = s.cap - pos
-                if room < limit:
-                    limit = room
             else:
                 prefills.append(s)
         budget = cfg.max_batch_tokens - len(decodes)
@@ -643,7 +628,7 @@ class SimWorker:
             # step's end time, not the stretch's
             and self.events.num_pending == 0
         ):
-            k = self._fast_forward_steps(limit, dt, t_ms)
+            k = self._fast_forward_steps(decodes, dt, t_ms)
         self.clock_ms += k * dt
         self.busy_ms += k * dt
         for s, n in chunks:
@@ -667,11 +652,16 @@ class SimWorker:
         self._publish()
         return True
 
-    def _fast_forward_steps(self, limit: int, dt: float, t_ms: float) -> int:
-        """Decode steps that can run as one: up to the first completion or page boundary
-        (``limit``: the fewest tokens any decoding request has left to generate or room for
-        in its pages), or the first step starting at or after ``t_ms``."""
-        k = math.ceil((t_ms - self.clock_ms) / dt) if math.isfinite(t_ms) else _NO_LIMIT
-        if limit < k:
-            k = limit
+    def _fast_forward_steps(self, decodes: list[_Seq], dt: float, t_ms: float) -> int:
+        """Decode steps that can run as one: up to the first completion, the first page
+        boundary, or the first step starting at or after ``t_ms``."""
+        k = math.ceil((t_ms - self.clock_ms) / dt) if math.isfinite(t_ms) else 1 << 62
+        for s in decodes:
+            req = s.req
+            left = req.output_length - s.generated
+            if left < k:
+                k = left
+            room = s.cap - (req.input_length + s.generated)  # ``cap``: the cache's capacity
+            if room < k:
+                k = room
         return max(1, k)

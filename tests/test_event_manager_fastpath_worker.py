@@ -1,10 +1,9 @@
-"""The worker's step finds the length of a stretch of pure decoding in its one pass.
+"""Every stretch of pure decoding the worker takes in one go has exactly its defined length.
 
-``SimWorker._step`` computes, while it picks the decoding requests, the bound that
-``_fast_forward_steps`` takes (the fewest tokens any decoding request has left to generate or
-room for in its pages) instead of walking the decoding requests a second time. Every stretch it
-takes must be exactly what the definition gives, computed here from the requests themselves:
-longer would skip a completion or a page boundary, shorter would only cost steps, which the
+``SimWorker._fast_forward_steps`` bounds a stretch by the fewest tokens any decoding request
+has left to generate or room for in its pages, and by the deadline. Every stretch must be
+exactly what that definition gives, computed here from the running requests themselves: longer
+would skip a completion or a page boundary, shorter would only cost steps, which the
 step-by-step comparison in test_sim cannot see.
 """
 
@@ -35,8 +34,8 @@ def _reference_steps(worker: SimWorker, dt: float, t_ms: float) -> int:
 
 def _checked_worker(stretches: list[int]) -> type[SimWorker]:
     class Checked(SimWorker):
-        def _fast_forward_steps(self, limit: int, dt: float, t_ms: float) -> int:
-            k = super()._fast_forward_steps(limit, dt, t_ms)
+        def _fast_forward_steps(self, decodes: list[Any], dt: float, t_ms: float) -> int:
+            k = super()._fast_forward_steps(decodes, dt, t_ms)
             assert k == _reference_steps(self, dt, t_ms)
             stretches.append(k)
             return k
