@@ -138,7 +138,7 @@ class Block:
 Node = Block | ScopeRoot
 
 # Every slot of a Block, as new_blocks' native path sets them: the uid and the page (per
-# block), then the rest (_block_values), in Block.__init__'s values.
+# block), then the rest, to the values Block.__init__ gives them (a test compares the two).
 _MAKE_NAMES: Final = (
     "uid",
     "page",
