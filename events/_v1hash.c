@@ -468,7 +468,7 @@ error:
 
 static PyObject *v1_record(PyObject *cls, PyObject *setters, PyObject *tokens_obj,
                            uint64_t parent, const scope_t *scope, PyObject *const *attrs,
-                           uint64_t *hash_out, PyObject **hash_obj);
+                           uint64_t *hash_out);
 
 /* v1_stored_block(cls, setters, tokens, parent_hash, lora_id, salt_id, cache_level, priority)
  * -> record: the V1 hash of packed int32 tokens chained to parent_hash (an int) and the record
@@ -492,16 +492,15 @@ static PyObject *v1_stored_block(PyObject *self, PyObject *const *args, Py_ssize
     /* the record's other fields: lora_id, cache_level, priority, cache_salt_id */
     PyObject *const attrs[4] = {args[4], args[6], args[7], args[5]};
     uint64_t h;
-    return v1_record(cls, setters, args[2], parent, &scope, attrs, &h, NULL);
+    return v1_record(cls, setters, args[2], parent, &scope, attrs, &h);
 }
 
 /* The record of one block of packed int32 tokens hashed under parent: values[] holds the
- * record's other fields (lora_id, cache_level, priority, cache_salt_id), *hash_out gets the
- * block's hash and, unless hash_obj is NULL, *hash_obj a new reference to the record's own
- * hash int. A new reference, or NULL with an exception set. */
+ * record's other fields (lora_id, cache_level, priority, cache_salt_id) and *hash_out gets the
+ * block's hash. A new reference, or NULL with an exception set. */
 static PyObject *v1_record(PyObject *cls, PyObject *setters, PyObject *tokens_obj,
                            uint64_t parent, const scope_t *scope, PyObject *const *attrs,
-                           uint64_t *hash_out, PyObject **hash_obj) {
+                           uint64_t *hash_out) {
     Py_buffer buf;
     if (PyObject_GetBuffer(tokens_obj, &buf, PyBUF_FORMAT) < 0) {
         return NULL;
@@ -536,9 +535,6 @@ static PyObject *v1_record(PyObject *cls, PyObject *setters, PyObject *tokens_ob
     PyObject *values[RECORD_FIELDS] = {hash, list, attrs[0], attrs[1], attrs[2], attrs[3]};
     result = new_record(cls, setters, values);
     *hash_out = h;
-    if (result != NULL && hash_obj != NULL) {
-        *hash_obj = Py_NewRef(hash);
-    }
 done:
     Py_XDECREF(hash);
     Py_XDECREF(list);
@@ -584,7 +580,7 @@ static PyObject *v1_stored_chain(PyObject *self, PyObject *const *args, Py_ssize
         }
         PyObject *tokens = Py_NewRef(PyList_GET_ITEM(arrays, i));
         uint64_t h = 0;
-        PyObject *rec = v1_record(cls, setters, tokens, parent, &scope, attrs, &h, NULL);
+        PyObject *rec = v1_record(cls, setters, tokens, parent, &scope, attrs, &h);
         Py_DECREF(tokens);
         if (rec == NULL) {
             Py_DECREF(out);
@@ -594,213 +590,6 @@ static PyObject *v1_stored_chain(PyObject *self, PyObject *const *args, Py_ssize
         parent = h;
     }
     return out;
-}
-
-/* ---- the event manager's runs -----------------------------------------------------------
- *
- * v1_store_run(cls, setters, blocks, start, hashes, parent_hash) -> (records, stop): the run of
- * a commit's blocks that KVCacheEventManager.on_stored announces as one chain, taken, hashed,
- * recorded and entered in hashes (block key -> the record's hash int) in one call, where the
- * manager's loop spent more per block on reading and checking it than on its hash.
- * blocks[start] opens the run (its parent hashed as parent_hash, 0 for a first block); each
- * next block extends it while it holds an array('i'), is the previous block's child, is full,
- * and has the first block's tier, priority and scope, and its key is not in hashes (read
- * before the run's own keys enter it); stop is the index of the first block not taken.
- * events.manager keeps the readable reference (_v1_run_py) and the tests compare the two. */
-
-static PyObject *STR_PARENT, *STR_IS_FULL, *STR_TIER, *STR_SCOPE, *STR_KEY, *STR_SALT;
-
-typedef struct {
-    PyObject *key;
-    PyObject *tokens;
-    PyObject *hash; /* the record's hash int, once built */
-} run_block_t;
-
-/* 1 when the attribute name of obj differs from want (Python's !=), 0 when equal, -1 on error. */
-static int attr_differs(PyObject *obj, PyObject *name, PyObject *want) {
-    PyObject *v = PyObject_GetAttr(obj, name);
-    if (v == NULL) {
-        return -1;
-    }
-    int ne = PyObject_RichCompareBool(v, want, Py_NE); /* identical objects are equal */
-    Py_DECREF(v);
-    return ne;
-}
-
-/* 1 when nxt extends the run ending in prev (b then holds new references to its key and
- * tokens), 0 when it does not, -1 with an exception set. The checks and their order are
- * _v1_run_py's. */
-static int extends_run(PyObject *nxt, PyObject *prev, PyObject *scope, PyObject *tier,
-                       PyObject *priority, PyObject *hashes, run_block_t *b) {
-    PyObject *tokens = NULL, *v = NULL, *key = NULL;
-    int r = -1, test;
-    if ((tokens = PyObject_GetAttr(nxt, STR_TOKENS)) == NULL) {
-        goto done;
-    }
-    if (!Py_IS_TYPE(tokens, (PyTypeObject *)ARRAY_TYPE)) {
-        r = 0;
-        goto done;
-    }
-    if ((v = PyObject_GetAttr(nxt, STR_PARENT)) == NULL) {
-        goto done;
-    }
-    if (v != prev) {
-        r = 0;
-        goto done;
-    }
-    Py_SETREF(v, PyObject_GetAttr(nxt, STR_IS_FULL));
-    if (v == NULL || (test = PyObject_IsTrue(v)) < 0) {
-        goto done;
-    }
-    if (!test) {
-        r = 0;
-        goto done;
-    }
-    Py_buffer view;
-    if ((test = int32_view(tokens, &view)) < 0) {
-        goto done;
-    }
-    if (!test) {
-        r = 0;
-        goto done;
-    }
-    PyBuffer_Release(&view);
-    if ((test = attr_differs(nxt, STR_TIER, tier)) != 0 ||
-        (test = attr_differs(nxt, STR_PRIORITY, priority)) != 0 ||
-        (test = attr_differs(nxt, STR_SCOPE, scope)) != 0) {
-        r = test < 0 ? -1 : 0;
-        goto done;
-    }
-    if ((key = PyObject_GetAttr(nxt, STR_KEY)) == NULL || (test = PyDict_Contains(hashes, key)) < 0) {
-        goto done;
-    }
-    if (test) {
-        r = 0;
-        goto done;
-    }
-    b->key = key;
-    b->tokens = tokens;
-    key = tokens = NULL;
-    r = 1;
-done:
-    Py_XDECREF(tokens);
-    Py_XDECREF(v);
-    Py_XDECREF(key);
-    return r;
-}
-
-static PyObject *v1_store_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    if (nargs != 6) {
-        PyErr_Format(PyExc_TypeError, "v1_store_run takes 6 arguments, got %zd", nargs);
-        return NULL;
-    }
-    PyObject *cls = args[0], *setters = args[1], *blocks = args[2], *hashes = args[4];
-    if (check_record_type(cls, setters) < 0) {
-        return NULL;
-    }
-    if (!PyList_CheckExact(blocks) && !PyTuple_CheckExact(blocks)) {
-        PyErr_Format(PyExc_TypeError, "v1_store_run needs a list or tuple of blocks, got %s",
-                     Py_TYPE(blocks)->tp_name);
-        return NULL;
-    }
-    if (!PyDict_CheckExact(hashes)) {
-        PyErr_Format(PyExc_TypeError, "v1_store_run needs a dict of hashes, got %s",
-                     Py_TYPE(hashes)->tp_name);
-        return NULL;
-    }
-    Py_ssize_t start = PyLong_AsSsize_t(args[3]);
-    if (start == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    Py_ssize_t count = PySequence_Fast_GET_SIZE(blocks);
-    if (start < 0 || start >= count) {
-        PyErr_Format(PyExc_IndexError, "v1_store_run: start %zd is not an index of %zd blocks",
-                     start, count);
-        return NULL;
-    }
-    PyObject *prev = Py_NewRef(PySequence_Fast_GET_ITEM(blocks, start));
-    PyObject *scope_obj = NULL, *tier = NULL, *priority = NULL, *lora = NULL, *salt = NULL;
-    PyObject *records = NULL, *result = NULL;
-    Py_ssize_t taken = 0;
-    run_block_t *run = PyMem_Calloc((size_t)(count - start), sizeof(run_block_t));
-    if (run == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    if ((scope_obj = PyObject_GetAttr(prev, STR_SCOPE)) == NULL ||
-        (tier = PyObject_GetAttr(prev, STR_TIER)) == NULL ||
-        (priority = PyObject_GetAttr(prev, STR_PRIORITY)) == NULL ||
-        (run[0].tokens = PyObject_GetAttr(prev, STR_TOKENS)) == NULL ||
-        (run[0].key = PyObject_GetAttr(prev, STR_KEY)) == NULL ||
-        (lora = PyObject_GetAttr(scope_obj, STR_LORA_ID)) == NULL ||
-        (salt = PyObject_GetAttr(scope_obj, STR_SALT)) == NULL) {
-        taken = 1; /* what run[0] holds is released below */
-        goto done;
-    }
-    taken = 1;
-    scope_t scope;
-    uint64_t parent;
-    if (parse_chain_start(args[5], lora, salt, &parent, &scope) < 0) {
-        goto done;
-    }
-    Py_ssize_t i = start + 1;
-    for (; i < count; i++) {
-        /* attribute reads and comparisons may run Python code that resizes the sequence */
-        if (PySequence_Fast_GET_SIZE(blocks) != count) {
-            PyErr_SetString(PyExc_RuntimeError, "v1_store_run: the blocks changed while in use");
-            goto done;
-        }
-        PyObject *nxt = Py_NewRef(PySequence_Fast_GET_ITEM(blocks, i));
-        int ext = extends_run(nxt, prev, scope_obj, tier, priority, hashes, &run[taken]);
-        if (ext <= 0) {
-            Py_DECREF(nxt);
-            if (ext < 0) {
-                goto done;
-            }
-            break;
-        }
-        Py_SETREF(prev, nxt);
-        taken++;
-    }
-    /* the record's fields besides hash and tokens: lora_id, cache_level, priority, salt */
-    PyObject *const attrs[4] = {lora, tier, priority, salt};
-    if ((records = PyList_New(taken)) == NULL) {
-        goto done;
-    }
-    for (Py_ssize_t k = 0; k < taken; k++) {
-        uint64_t h = 0;
-        PyObject *rec =
-            v1_record(cls, setters, run[k].tokens, parent, &scope, attrs, &h, &run[k].hash);
-        if (rec == NULL) {
-            goto done;
-        }
-        PyList_SET_ITEM(records, k, rec);
-        parent = h;
-    }
-    for (Py_ssize_t k = 0; k < taken; k++) {
-        if (PyDict_SetItem(hashes, run[k].key, run[k].hash) < 0) {
-            goto done;
-        }
-    }
-    result = Py_BuildValue("(On)", records, i);
-done:
-    if (run != NULL) {
-        for (Py_ssize_t k = 0; k < taken; k++) {
-            Py_XDECREF(run[k].key);
-            Py_XDECREF(run[k].tokens);
-            Py_XDECREF(run[k].hash);
-        }
-        PyMem_Free(run);
-    }
-    Py_XDECREF(records);
-    Py_XDECREF(prev);
-    Py_XDECREF(scope_obj);
-    Py_XDECREF(tier);
-    Py_XDECREF(priority);
-    Py_XDECREF(lora);
-    Py_XDECREF(salt);
-    return result;
 }
 
 /* ---- the event manager's flush ---------------------------------------------------------
@@ -1221,10 +1010,6 @@ static PyMethodDef methods[] = {
      "v1_stored_chain(cls, setters, token_arrays, parent_hash, lora_id, salt_id, cache_level, "
      "priority) -> list: the records of a chain of blocks of packed int32 token ids, each "
      "hashed under the previous one's hash."},
-    {"v1_store_run", (PyCFunction)(void (*)(void))v1_store_run, METH_FASTCALL,
-     "v1_store_run(cls, setters, blocks, start, hashes, parent_hash) -> (records, stop): the "
-     "run of blocks[start:] the event manager announces as one chain, hashed, recorded and "
-     "entered in hashes."},
     {"build_events", (PyCFunction)(void (*)(void))build_events, METH_FASTCALL,
      "build_events(spec, pending, first_id, block_size, window_size, hash_algo, dp_rank) -> "
      "list: the event manager's pending items as numbered events."},
@@ -1240,12 +1025,7 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__v1hash(void) {
-    if (native_common_init() < 0 || (STR_PARENT = PyUnicode_InternFromString("parent")) == NULL ||
-        (STR_IS_FULL = PyUnicode_InternFromString("is_full")) == NULL ||
-        (STR_TIER = PyUnicode_InternFromString("tier")) == NULL ||
-        (STR_SCOPE = PyUnicode_InternFromString("scope")) == NULL ||
-        (STR_KEY = PyUnicode_InternFromString("key")) == NULL ||
-        (STR_SALT = PyUnicode_InternFromString("salt")) == NULL ||
+    if (native_common_init() < 0 ||
         (STR_PARENT_HASH = PyUnicode_InternFromString("parent_hash")) == NULL ||
         (STR_BLOCKS = PyUnicode_InternFromString("blocks")) == NULL ||
         (STR_BLOCK_HASHES = PyUnicode_InternFromString("block_hashes")) == NULL ||

@@ -60,18 +60,6 @@ def v1_stored_chain(
     """The records of a chain of blocks of packed int32 token ids, each hashed under the
     previous one's hash (the first under ``parent_hash``)."""
 
-def v1_store_run(
-    cls: type[Any],
-    setters: tuple[Any, ...],
-    blocks: Sequence[Any],
-    start: int,
-    hashes: dict[Any, Any],
-    parent_hash: int,
-) -> tuple[list[Any], int]:
-    """The run of ``blocks[start:]`` the event manager announces as one chain (see
-    ``events.manager._v1_run_py``): its records and the index of the first block not taken;
-    each taken block's hash is entered in ``hashes`` under its key."""
-
 def build_events(
     spec: tuple[Any, ...],
     pending: list[Any],

@@ -49,7 +49,7 @@ from events.model import (
 from kvcache.keys import BlockKey
 from kvcache.sink import BlockView
 
-try:  # the optional extension (see events.hashing); absent, _v1_run_py does the same work
+try:  # the optional extension (see events.hashing); absent, _build_events_py does the work
     from events import _v1hash as _native
 except ImportError:  # pragma: no cover - depends on the install
     _native = None  # type: ignore[assignment]
@@ -102,61 +102,6 @@ def _parents_first(
             node = node.parent
         ordered.extend(reversed(run))
     return ordered
-
-
-def _v1_run_py(
-    blocks: Sequence[BlockView], start: int, hashes: dict[BlockKey, BlockHash], parent_hash: int
-) -> tuple[list[StoredBlock], int]:
-    """The run of a commit's blocks that :meth:`KVCacheEventManager.on_stored` announces as
-    one chain, from ``blocks[start]`` (whose parent's hash is ``parent_hash``, 0 for a first
-    block, and whose tokens are an ``array('i')``): its records, each block's hash entered in
-    ``hashes`` under its key, and the index of the first block not taken.
-
-    A commit lists a chain: each next block is the previous one's child, full, in the same
-    scope, tier and priority, and not announced yet; such a run is hashed and recorded in one
-    native call (packed int32 tokens, validated by kvcache on entry), skipping
-    v1_block_hash's per-call checks. This is the readable reference of the native
-    ``v1_store_run``, which also does the per-block reading and checking below in C.
-    """
-    block = blocks[start]
-    scope, tier, priority = block.scope, block.tier, block.priority
-    chain = [block]
-    arrays: list[array[int]] = [block.tokens]  # type: ignore[list-item]
-    i, count = start + 1, len(blocks)
-    while i < count:
-        nxt = blocks[i]
-        nxt_tokens = nxt.tokens
-        if (
-            type(nxt_tokens) is not array
-            or nxt.parent is not chain[-1]
-            or not nxt.is_full
-            or nxt_tokens.typecode != "i"
-            or nxt.tier != tier
-            or nxt.priority != priority
-            or (nxt.scope is not scope and nxt.scope != scope)
-            or nxt.key in hashes
-        ):
-            break  # the caller takes it from here
-        chain.append(nxt)
-        arrays.append(nxt_tokens)
-        i += 1
-    records = v1_stored_chain(arrays, parent_hash, scope.lora_id, scope.salt, tier, priority)
-    for b, rec in zip(chain, records, strict=True):
-        hashes[b.key] = rec.block_hash
-    return records, i
-
-
-_V1Run = Callable[
-    [Sequence[BlockView], int, dict[BlockKey, BlockHash], int], tuple[list[StoredBlock], int]
-]
-NATIVE_RUN: Final[bool] = _native is not None and hasattr(_native, "v1_store_run")
-"""True when the native run builder is loaded (an extension built before it lacks it)."""
-
-_v1_run: _V1Run = (
-    partial(_native.v1_store_run, StoredBlock, record_setters(StoredBlock))
-    if NATIVE_RUN
-    else _v1_run_py
-)
 
 
 @dataclass(slots=True)
@@ -392,9 +337,6 @@ class KVCacheEventManager:
     def on_stored(self, blocks: Sequence[BlockView]) -> None:
         """Announce blocks that joined the tree (partial ones only with ``announce_partial``)."""
         chains = self._v1  # v2_* hash block keys: one record per block
-        if type(blocks) is not list and type(blocks) is not tuple:
-            blocks = list(blocks)  # what the native run reads (the cache passes a list)
-        v1_run = _v1_run
         with self._lock:
             hashes = self._hashes
             pending = self._pending
@@ -425,9 +367,36 @@ class KVCacheEventManager:
                 tokens = block.tokens
                 records: list[StoredBlock] | None = None
                 if chains and type(tokens) is array and tokens.typecode == "i":
-                    # the run this block opens, in one call (see _v1_run_py)
+                    # A commit lists a chain: each next block is the previous one's child, in
+                    # the same scope, tier and priority. One native call hashes such a run of
+                    # blocks (packed int32 tokens, validated by kvcache on entry) and builds
+                    # its records, skipping v1_block_hash's per-call checks.
+                    scope, tier, priority = block.scope, block.tier, block.priority
+                    chain = [block]
+                    arrays: list[array[int]] = [tokens]
+                    while i < count:
+                        nxt = blocks[i]
+                        nxt_tokens = nxt.tokens
+                        if (
+                            type(nxt_tokens) is not array
+                            or nxt.parent is not chain[-1]
+                            or not nxt.is_full
+                            or nxt_tokens.typecode != "i"
+                            or nxt.tier != tier
+                            or nxt.priority != priority
+                            or (nxt.scope is not scope and nxt.scope != scope)
+                            or nxt.key in hashes
+                        ):
+                            break  # the outer loop takes it from here
+                        chain.append(nxt)
+                        arrays.append(nxt_tokens)
+                        i += 1
                     parent_int = 0 if parent_hash is None else int(parent_hash)
-                    records, i = v1_run(blocks, i - 1, hashes, parent_int)
+                    records = v1_stored_chain(
+                        arrays, parent_int, scope.lora_id, scope.salt, tier, priority
+                    )
+                    for b, rec in zip(chain, records, strict=True):
+                        hashes[b.key] = rec.block_hash
                     sb = records[0]
                 else:
                     sb = self._record(block, parent_hash)
