@@ -36,7 +36,7 @@ from itertools import islice
 from typing import Final
 
 from kvcache.keys import BlockKey, chain_keys, root_key, tokens_to_bytes
-from kvcache.scope import ReuseScope
+from kvcache.scope import DEFAULT_SCOPE, ReuseScope
 
 try:  # native block making and chain linking (kvcache/_tree.c), when the extension is built
     from kvcache._tree import Layout
@@ -138,7 +138,8 @@ class Block:
 Node = Block | ScopeRoot
 
 # Every slot of a Block, as new_blocks' native path sets them: the uid and the page (per
-# block), then the rest, to the values Block.__init__ gives them (a test compares the two).
+# block), the scope, tier and priority (per call), then the rest, to the values
+# Block.__init__ gives them (read from a block it made, below; a test compares the two).
 _MAKE_NAMES: Final = (
     "uid",
     "page",
@@ -166,6 +167,9 @@ _LINK_NAMES: Final = ("key", "tokens", "is_full", "parent", "in_tree", "child", 
 assert sorted(_MAKE_NAMES) == sorted(Block.__slots__)
 _maker = None if Layout is None else Layout(Block, _MAKE_NAMES)
 _linker = None if Layout is None else Layout(Block, _LINK_NAMES)
+_template = Block(0, DEFAULT_SCOPE, 0, -1, 0)
+_MADE: Final = tuple(getattr(_template, name) for name in _MAKE_NAMES[5:])
+del _template
 
 
 def new_blocks(
@@ -176,8 +180,7 @@ def new_blocks(
     call where the extension is built (a sequence grows by runs of pages)."""
     if _maker is None:
         return [Block(first_uid + i, scope, tier, page, priority) for i, page in enumerate(pages)]
-    values = (scope, tier, priority, _NO_KEY, _NO_TOKENS, None, None, None, None, None, None)
-    return _maker.new(first_uid, pages, (*values, False, False, 1, 0, 0, 0, 0))
+    return _maker.new(first_uid, pages, (scope, tier, priority, *_MADE))
 
 
 def full_children(node: Node) -> Collection[Block]:
