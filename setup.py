@@ -1,11 +1,42 @@
-"""Builds the optional native extensions; each has a pure-Python (or msgspec) fallback."""
+"""Builds the optional native extensions; each has a pure-Python (or msgspec) fallback.
+
+Two kinds: hand-written C extensions (one C file each), and the simulator's hot pure-Python
+modules compiled with mypyc (:data:`COMPILED`). A compiled module shadows its ``.py`` file when
+both are there; the source stays the reference and runs wherever the compile is skipped
+(``SCOPED_KV_PURE=1`` in the environment at install time) or fails.
+"""
+
+import os
+import runpy
+from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
+# The simulator's hot modules, compiled by mypyc as one group (calls between them are native);
+# the list lives in router_sim/build_info.py, which reports at run time what is compiled.
+COMPILED = [
+    name.replace(".", "/") + ".py"
+    for name in runpy.run_path(
+        str(Path(__file__).resolve().parent / "router_sim" / "build_info.py")
+    )["COMPILED"]
+]
+
 
 class OptionalBuildExt(build_ext):
-    """A failed compile must not fail the install: events.hashing falls back to pure Python."""
+    """A failed compile must not fail the install: events.hashing falls back to pure Python.
+
+    An extension that fails is dropped from the build (so an in-place build still copies the
+    others). The mypyc group is all or nothing: its modules load the group's shared library,
+    so when any of them fails, the whole group is dropped and all of them run as Python.
+    """
+
+    def finalize_options(self) -> None:
+        # made here, not at import: only a build compiles (metadata steps also run this file)
+        if not MYPYC:
+            MYPYC.extend(_mypyc_extensions())
+        self.distribution.ext_modules = [*(self.distribution.ext_modules or []), *MYPYC]
+        super().finalize_options()
 
     def run(self) -> None:
         try:
@@ -13,11 +44,55 @@ class OptionalBuildExt(build_ext):
         except Exception as exc:
             print(f"warning: native extensions not built ({exc}); using pure Python")
 
-    def build_extension(self, ext: Extension) -> None:
-        try:
-            super().build_extension(ext)
-        except Exception as exc:
-            print(f"warning: {ext.name} not built ({exc}); using pure Python")
+    def build_extensions(self) -> None:
+        failed: list[Extension] = []
+        for ext in [e for e in self.extensions if not _is_mypyc(e)]:
+            try:
+                self.build_extension(ext)
+            except Exception as exc:
+                print(f"warning: {ext.name} not built ({exc}); using pure Python")
+                failed.append(ext)
+        for ext in [e for e in self.extensions if _is_mypyc(e)]:
+            try:
+                self.build_extension(ext)
+            except Exception as exc:
+                print(f"warning: {ext.name} not built ({exc}); the group runs as pure Python")
+                failed.extend(MYPYC)
+                break
+        self.extensions = [e for e in self.extensions if e not in failed]
+
+
+def _is_mypyc(ext: Extension) -> bool:
+    return ext in MYPYC
+
+
+def _mypyc_extensions() -> list[Extension]:
+    """The :data:`COMPILED` group, or nothing (``SCOPED_KV_PURE=1``, or no mypyc here)."""
+    if os.environ.get("SCOPED_KV_PURE", "") not in ("", "0"):
+        print("SCOPED_KV_PURE is set: the simulator's modules stay pure Python")
+        return []
+    try:
+        from mypyc.build import mypycify
+    except ImportError:
+        print("warning: mypyc is not installed; the simulator's modules stay pure Python")
+        return []
+    try:
+        # The project's own mypy settings are for its linting (strict, with the stubs of the
+        # dev extra); the compile needs only the annotations: an install builds in an
+        # environment without the runtime dependencies, whose types are then unknown (Any).
+        return list(
+            mypycify(
+                ["--config-file=", "--ignore-missing-imports", *COMPILED],
+                opt_level="3",
+                group_name="router_sim._compiled",
+            )
+        )
+    except (Exception, SystemExit) as exc:  # mypy reports a type error by exiting
+        print(f"warning: mypyc could not compile ({exc}); the simulator stays pure Python")
+        return []
+
+
+MYPYC: list[Extension] = []
 
 
 # the helpers the events package's three extensions share (a change to it rebuilds them)

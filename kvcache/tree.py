@@ -164,9 +164,13 @@ _MAKE_NAMES: Final = (
 )
 # The slots attach_chain's native path writes, in the order kvcache/_tree.c's link takes them.
 _LINK_NAMES: Final = ("key", "tokens", "is_full", "parent", "in_tree", "child", "children")
-assert sorted(_MAKE_NAMES) == sorted(Block.__slots__)
-_maker = None if Layout is None else Layout(Block, _MAKE_NAMES)
-_linker = None if Layout is None else Layout(Block, _LINK_NAMES)
+# Compiled by mypyc (setup.py), Block is a native class: no slot descriptors for the Layout
+# to write through, and none needed (the compiled loops set its fields directly).
+COMPILED: Final = getattr(Block, "__slots__", None) is None
+if not COMPILED:
+    assert sorted(_MAKE_NAMES) == sorted(getattr(Block, "__slots__", ()))
+_maker = None if Layout is None or COMPILED else Layout(Block, _MAKE_NAMES)
+_linker = None if Layout is None or COMPILED else Layout(Block, _LINK_NAMES)
 _template = Block(0, DEFAULT_SCOPE, 0, -1, 0)
 _MADE: Final = tuple(getattr(_template, name) for name in _MAKE_NAMES[5:])
 del _template

@@ -38,6 +38,7 @@ from events.codec import decode_batch
 from events.model import BlockHash
 from events.subscriber import BatchDelivery, ResyncRequired, SubscriberMessage, ZmqEventSubscriber
 from router_sim.dialects import check_engine, request_scope
+from router_sim.errors import SimulationError as SimulationError
 from router_sim.load import WorkerLoad
 from router_sim.metrics import PolicySummary, RequestRecord, WireStats
 from router_sim.policies import make_policy
@@ -85,10 +86,6 @@ def _without_cyclic_gc() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
-
-
-class SimulationError(RuntimeError):
-    """The simulation cannot continue (for example the event stream stalled)."""
 
 
 @dataclass(slots=True)
@@ -145,7 +142,7 @@ class SimConfig:
             raise ValueError(f"event_delay_ms must be >= 0, got {self.event_delay_ms}")
         if not 0.0 <= self.drop_rate < 1.0:
             raise ValueError(f"drop_rate must be in [0, 1), got {self.drop_rate}")
-        if self.transport not in ("auto", *TRANSPORTS):
+        if self.transport != "auto" and self.transport not in TRANSPORTS:
             raise ValueError(
                 f"transport must be auto or one of {TRANSPORTS}, got {self.transport!r}"
             )

@@ -47,6 +47,7 @@ from kvcache.errors import OutOfPagesError
 from kvcache.manager import KVCacheManager
 from kvcache.sequence import KVCache
 from router_sim.dialects import check_engine, make_dialect
+from router_sim.errors import WorkerError as WorkerError
 from router_sim.load import WorkerLoad
 from router_sim.metrics import RequestRecord
 from router_sim.timing import StepTiming, default_step_timing
@@ -57,10 +58,6 @@ log = logging.getLogger(__name__)
 TRANSPORTS: Final[tuple[str, ...]] = ("memory", "inproc", "tcp")
 """``memory``: encoded frames are handed over in process (offline runs, no sockets);
 ``inproc`` / ``tcp``: a real :class:`ZmqEventPublisher` per worker."""
-
-
-class WorkerError(RuntimeError):
-    """A simulated worker reached a state it cannot continue from."""
 
 
 @dataclass(slots=True)

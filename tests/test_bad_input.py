@@ -91,6 +91,7 @@ def test_closed_cache() -> None:
     m.verify()
 
 
+@pytest.mark.pure
 def test_state_errors() -> None:
     m, _ = manager(2, 4)
     seq = m.create_kv_cache([])

@@ -471,7 +471,7 @@ def test_fast_stored_block_equals_the_constructor() -> None:
     [
         {"hash_algo": "md5"},
         {"max_entries": 0},
-        {"max_entries": True},
+        pytest.param({"max_entries": True}, marks=pytest.mark.pure),
         {"moves_as": "both"},
         {"tokens_per_block": 0},
     ],

@@ -43,6 +43,7 @@ def _checked_worker(stretches: list[int]) -> type[SimWorker]:
     return Checked
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(
     "extra",
     [

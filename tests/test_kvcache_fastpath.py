@@ -28,6 +28,9 @@ except ImportError:  # pragma: no cover - depends on the install
     native = None  # type: ignore[assignment]
 
 needs_native = pytest.mark.skipif(native is None, reason="kvcache._tree is not built")
+# the Layout writes through Block's slot descriptors: a mypyc-compiled Block has none (and its
+# compiled loops set the fields directly, the Layout unused)
+pytestmark = pytest.mark.pure
 
 
 @contextmanager

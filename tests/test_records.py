@@ -97,6 +97,7 @@ def test_native_hash_and_record_equal_the_reference(
     assert native.tokens == packed and native.tokens is packed  # the block's array, shared
 
 
+@pytest.mark.pure
 @needs_native
 def test_native_builders_refuse_bad_input() -> None:
     with pytest.raises(ValueError, match="negative"):

@@ -133,6 +133,7 @@ def _checked(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return seen
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("workload", ["shared-prompts", "multi-turn", "mixed"])
 def test_a_runs_native_overlaps_equal_the_loop_over_workers(
     monkeypatch: pytest.MonkeyPatch, workload: str

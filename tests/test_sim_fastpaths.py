@@ -89,6 +89,7 @@ def test_a_young_collection_frees_a_finished_runs_caches() -> None:
     assert blocks() == before
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("restarts", [[], [Restart(0, 2000.0), Restart(1, 4000.0)]])
 def test_running_requests_stay_in_admission_order(
     monkeypatch: pytest.MonkeyPatch, restarts: list[Restart]

@@ -41,6 +41,7 @@ def _checked_worker(counts: dict[str, int]) -> type[SimWorker]:
     return Checked
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(
     "extra",
     [

@@ -1,0 +1,91 @@
+"""The mypyc-compiled simulator against its pure-Python source (the reference)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from router_sim.build_info import COMPILED, compiled_modules, is_compiled
+from router_sim.sim import Restart, SimConfig, simulate
+from router_sim.workloads import synthetic_workload
+
+ROOT = Path(__file__).resolve().parent.parent
+PURE = [sys.executable, str(ROOT / "scripts" / "pure_python.py")]
+
+# report fields that are wall-clock measurements, not results of the simulation
+_WALL = {"wall_s", "decision_us_p50", "decision_us_p99", "decision_us_mean"}
+
+# workloads and configurations that take different paths: eviction under a small device tier,
+# a host tier, restarts, another engine's dialect, delayed events, step by step
+CASES: dict[str, tuple[str, str, dict[str, object]]] = {
+    "kv-small": ("mixed", "kv_overlap", {"workers": 3, "device_blocks": 96}),
+    "rr-host": (
+        "multi-turn",
+        "round_robin",
+        {"workers": 2, "device_blocks": 64, "host_blocks": 96},
+    ),
+    "pt-restart": (
+        "shared-prompts",
+        "predicted_ttft",
+        {"workers": 3, "device_blocks": 128, "restarts": [Restart(1, 3000.0)]},
+    ),
+    "kv-vllm-delay": (
+        "mixed",
+        "kv_overlap",
+        {"workers": 2, "device_blocks": 128, "engine": "vllm", "event_delay_ms": 20.0},
+    ),
+    "cache-aware-steps": (
+        "tenants",
+        "cache_aware",
+        {"workers": 2, "device_blocks": 96, "fast_forward": False},
+    ),
+}
+
+
+def digest(case: str) -> str:
+    """A digest of everything ``case``'s run reports, wall-clock figures left out."""
+    workload, policy, options = CASES[case]
+    requests = synthetic_workload(workload, seed=3)[:150]
+    config = SimConfig(tokens_per_block=16, **options)  # type: ignore[arg-type]
+    summary = simulate(requests, policy, config)
+    report = {k: v for k, v in summary.as_dict().items() if k not in _WALL}
+    records = [
+        (r.request_id, r.worker, r.first_token_ms, r.finish_ms, r.reused_tokens, r.preemptions)
+        for r in summary.records
+    ]
+    text = json.dumps([report, records], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _pure(*args: str) -> str:
+    done = subprocess.run(
+        [*PURE, *args], capture_output=True, text=True, timeout=300, cwd=ROOT, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_pure_python_runs_the_source_of_every_compiled_module() -> None:
+    lines = _pure("router_sim.build_info").splitlines()
+    assert lines == [f"{name}: pure Python" for name in COMPILED]
+
+
+def test_the_group_is_compiled_whole_or_not_at_all() -> None:
+    assert len(set(compiled_modules().values())) == 1
+
+
+@pytest.mark.skipif(not is_compiled(), reason="the compiled modules are not built here")
+def test_compiled_and_pure_python_give_the_same_reports() -> None:
+    here = {case: digest(case) for case in CASES}
+    # this file run as a script under pure_python.py prints the same digests from the source
+    there = json.loads(_pure(str(Path(__file__).resolve())))
+    assert there == here
+
+
+if __name__ == "__main__":
+    print(json.dumps({case: digest(case) for case in CASES}))
