@@ -6,6 +6,8 @@ both are there; the source stays the reference and runs wherever the compile is 
 (``SCOPED_KV_PURE=1`` in the environment at install time) or fails.
 """
 
+import hashlib
+import json
 import os
 import runpy
 from pathlib import Path
@@ -15,11 +17,11 @@ from setuptools.command.build_ext import build_ext
 
 # The simulator's hot modules, compiled by mypyc as one group (calls between them are native);
 # the list lives in router_sim/build_info.py, which reports at run time what is compiled.
+HERE = Path(__file__).resolve().parent
+MANIFEST = "_compiled_sources.json"
 COMPILED = [
     name.replace(".", "/") + ".py"
-    for name in runpy.run_path(
-        str(Path(__file__).resolve().parent / "router_sim" / "build_info.py")
-    )["COMPILED"]
+    for name in runpy.run_path(str(HERE / "router_sim" / "build_info.py"))["COMPILED"]
 ]
 
 
@@ -39,10 +41,22 @@ class OptionalBuildExt(build_ext):
         super().finalize_options()
 
     def run(self) -> None:
+        inplace = self.inplace  # setuptools builds in build_lib, then copies when in place
         try:
             super().run()
         except Exception as exc:
             print(f"warning: native extensions not built ({exc}); using pure Python")
+            self.extensions = [e for e in self.extensions if not _is_mypyc(e)]
+        if not any(_is_mypyc(e) for e in self.extensions):
+            if inplace:
+                _remove_compiled_in_place()
+            return
+        # what the group was compiled from, for router_sim.build_info.stale_modules
+        out = HERE if inplace else Path(self.build_lib)
+        sources = {
+            path: hashlib.sha256((HERE / path).read_bytes()).hexdigest() for path in COMPILED
+        }
+        (out / "router_sim" / MANIFEST).write_text(json.dumps(sources, indent=1) + "\n")
 
     def build_extensions(self) -> None:
         failed: list[Extension] = []
@@ -64,6 +78,18 @@ class OptionalBuildExt(build_ext):
 
 def _is_mypyc(ext: Extension) -> bool:
     return ext in MYPYC
+
+
+def _remove_compiled_in_place() -> None:
+    """Delete compiled modules an earlier in-place build left beside the sources: an import
+    would take them first and run old code where this build meant the pure source."""
+    for path in COMPILED:
+        for built in (HERE / path).parent.glob(Path(path).stem + ".*.so"):
+            print(f"removing {built.relative_to(HERE)} (an earlier compiled build)")
+            built.unlink()
+    for built in (HERE / "router_sim").glob("_compiled__mypyc.*.so"):
+        built.unlink()
+    (HERE / "router_sim" / MANIFEST).unlink(missing_ok=True)
 
 
 def _mypyc_extensions() -> list[Extension]:

@@ -8,7 +8,11 @@ where the compile was skipped (``SCOPED_KV_PURE=1`` at install time) or failed, 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import sys
+import warnings
+from pathlib import Path
 from typing import Final
 
 COMPILED: Final = (
@@ -40,6 +44,46 @@ def compiled_modules() -> dict[str, bool]:
         module = importlib.import_module(name)
         out[name] = not str(getattr(module, "__file__", "")).endswith(".py")
     return out
+
+
+MANIFEST: Final = "_compiled_sources.json"
+"""Written beside this file by a build that compiled the group: each compiled module's source
+path and the SHA-256 of the source it was compiled from."""
+
+
+def stale_modules() -> list[str]:
+    """Modules of :data:`COMPILED` whose ``.py`` file changed since the compiled group was built
+    from it: an import takes the compiled module, so an edit does not run until a rebuild
+    (``python3 setup.py build_ext --inplace`` or ``pip install -e .``). Empty where nothing was
+    compiled. Hashes the sources (a few hundred KB)."""
+    here = Path(__file__).resolve().parent
+    try:
+        built = json.loads((here / MANIFEST).read_text())
+    except (OSError, ValueError):  # not compiled, or by hand without the manifest
+        return []
+    root = here.parent
+    out = []
+    for name in COMPILED:
+        path = name.replace(".", "/") + ".py"
+        try:
+            digest = hashlib.sha256((root / path).read_bytes()).hexdigest()
+        except OSError:
+            continue
+        if built.get(path) != digest:
+            out.append(name)
+    return out
+
+
+def warn_if_stale() -> None:
+    """A warning naming :func:`stale_modules`, if any."""
+    stale = stale_modules()
+    if stale:
+        warnings.warn(
+            f"compiled modules older than their source (edits not in effect until a rebuild, "
+            f"python3 setup.py build_ext --inplace): {', '.join(stale)}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def is_compiled() -> bool:

@@ -37,6 +37,7 @@ import zmq
 from events.codec import decode_batch
 from events.model import BlockHash
 from events.subscriber import BatchDelivery, ResyncRequired, SubscriberMessage, ZmqEventSubscriber
+from router_sim.build_info import warn_if_stale
 from router_sim.dialects import check_engine, request_scope
 from router_sim.errors import SimulationError as SimulationError
 from router_sim.load import WorkerLoad
@@ -500,6 +501,7 @@ def simulate(
     moved out of the collector's reach (``gc.freeze``) and never freed in this process: a
     process that goes on running simulations must leave this False.
     """
+    warn_if_stale()  # an edited source whose compiled module would run instead
     # the collector resumes once the simulation is gone: its one walk over what the run built
     # then also frees the workers' caches (cyclic trees), instead of a walk that finds them
     # alive and a later full one that frees them

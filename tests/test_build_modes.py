@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from router_sim.build_info import COMPILED, compiled_modules, is_compiled
+from router_sim import build_info
+from router_sim.build_info import COMPILED, compiled_modules, is_compiled, stale_modules
 from router_sim.sim import Restart, SimConfig, simulate
 from router_sim.workloads import synthetic_workload
 
@@ -77,6 +79,36 @@ def test_pure_python_runs_the_source_of_every_compiled_module() -> None:
 
 def test_the_group_is_compiled_whole_or_not_at_all() -> None:
     assert len(set(compiled_modules().values())) == 1
+
+
+def test_no_compiled_module_is_older_than_its_source() -> None:
+    # an edit after the last build would be tested as the old compiled code
+    assert stale_modules() == []
+
+
+def test_an_edited_source_is_reported_stale(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "router_sim").mkdir()
+    (tmp_path / "kvcache").mkdir()
+    monkeypatch.setattr(build_info, "__file__", str(tmp_path / "router_sim" / "build_info.py"))
+    assert build_info.stale_modules() == []  # no manifest: nothing was compiled
+    source = tmp_path / "kvcache" / "tree.py"
+    source.write_text("x = 1\n")
+    digest = hashlib.sha256(b"x = 1\n").hexdigest()
+    (tmp_path / "router_sim" / build_info.MANIFEST).write_text(
+        json.dumps({"kvcache/tree.py": digest})
+    )
+    assert "kvcache.tree" not in build_info.stale_modules()
+    os.utime(source, (2_000_000_000, 2_000_000_000))  # touched, same text: not stale
+    assert "kvcache.tree" not in build_info.stale_modules()
+    source.write_text("x = 2\n")
+    assert "kvcache.tree" in build_info.stale_modules()
+    with pytest.warns(RuntimeWarning, match="kvcache.tree"):
+        build_info.warn_if_stale()
+    # a run warns too (the simulator calls the check)
+    with pytest.warns(RuntimeWarning, match="kvcache.tree"):
+        simulate(synthetic_workload("mixed", seed=1)[:3], "round_robin", SimConfig())
 
 
 @pytest.mark.skipif(not is_compiled(), reason="the compiled modules are not built here")
