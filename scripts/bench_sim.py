@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from router_sim.bound import compulsory_bound
+from router_sim.build_info import is_compiled
 from router_sim.sim import SimConfig, simulate
 from router_sim.trace import load_trace, resolve_trace
 
@@ -108,6 +109,13 @@ def _dynamo(python: str, trace: Path, args: argparse.Namespace, mode: str, speed
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _build() -> str:
+    """Whether the simulator's hot modules run compiled (router_sim.build_info)."""
+    if is_compiled():
+        return "hot modules compiled (mypyc)"
+    return "hot modules pure Python (compare: python3 scripts/pure_python.py scripts/bench_sim.py)"
+
+
 def _median(runs: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
@@ -121,6 +129,7 @@ def against_dynamo(args: argparse.Namespace) -> None:
             f"trace {args.trace}, {args.workers} workers, {tpb}-token blocks, {blocks} device "
             f"blocks per worker; medians of {args.repeats} run(s); CPU = user + system seconds"
         )
+        print(f"ours: {_build()}")
         print(
             f"{'speedup':>7} {'policy':<18}{'ours wall':>10}{'Dynamo':>8}{'ratio':>7}"
             f"{'ours CPU':>10}{'Dynamo':>8}{'hit %':>7}{'Dynamo':>8}{'TTFT p50':>9}{'Dynamo':>8}"
@@ -194,7 +203,8 @@ def _sweep(args: argparse.Namespace, speedup: float) -> None:
     )
     print(
         f"loaded {len(requests)} requests in {time.perf_counter() - t0:.2f} s "
-        f"(speed-up {speedup:g}, spread {args.spread_ms:g} ms, {args.workers} workers)"
+        f"(speed-up {speedup:g}, spread {args.spread_ms:g} ms, {args.workers} workers); "
+        f"{_build()}"
     )
     header = (
         f"{'policy':<34}{'tpb':>5}{'dev blocks':>11}{'wall s':>8}{'CPU s':>7}{'hit %':>7}"
