@@ -14,6 +14,7 @@ import pytest
 from router_sim import build_info
 from router_sim.build_info import COMPILED, compiled_modules, is_compiled, stale_modules
 from router_sim.sim import Restart, SimConfig, simulate
+from router_sim.trace import load_trace
 from router_sim.workloads import synthetic_workload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,14 +47,25 @@ CASES: dict[str, tuple[str, str, dict[str, object]]] = {
         "cache_aware",
         {"workers": 2, "device_blocks": 96, "fast_forward": False},
     ),
+    "approximate-lora": ("lora", "approximate", {"workers": 3, "device_blocks": 96}),
+    # the bundled Mooncake trace's first requests at 4x speed-up, 512-token blocks, under
+    # eviction: the simulator's main job (workload "mooncake" is read by digest below)
+    "mooncake-oracle": (
+        "mooncake",
+        "oracle",
+        {"workers": 4, "device_blocks": 300, "tokens_per_block": 512},
+    ),
 }
 
 
 def digest(case: str) -> str:
     """A digest of everything ``case``'s run reports, wall-clock figures left out."""
     workload, policy, options = CASES[case]
-    requests = synthetic_workload(workload, seed=3)[:150]
-    config = SimConfig(tokens_per_block=16, **options)  # type: ignore[arg-type]
+    if workload == "mooncake":
+        requests = load_trace("mooncake", max_requests=300, speedup=4)
+    else:
+        requests = synthetic_workload(workload, seed=3)[:150]
+    config = SimConfig(**{"tokens_per_block": 16, **options})  # type: ignore[arg-type]
     summary = simulate(requests, policy, config)
     report = {k: v for k, v in summary.as_dict().items() if k not in _WALL}
     records = [
