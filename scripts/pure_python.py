@@ -6,12 +6,15 @@ argument ending in ``.py`` is run as a script).
 setup.py compiles the simulator's hot modules with mypyc; a compiled module sits beside its
 ``.py`` file and the import system takes it first. Here the three packages' folders get an
 import finder that takes a ``.py`` file first instead (the hand-written C extensions have no
-``.py`` of the same name, so they still load). Subprocesses are not affected: set it up in each.
+``.py`` of the same name, so they still load). The Python processes it starts do the same:
+``scripts/pure_site`` goes first on their ``PYTHONPATH``, and its ``sitecustomize`` sets the
+finder up at their start (unless a process is given an environment without it).
 """
 
 from __future__ import annotations
 
 import importlib.machinery as machinery
+import os
 import runpy
 import sys
 from collections.abc import Callable
@@ -47,6 +50,9 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 2
     source_first()
+    site = str(ROOT / "scripts" / "pure_site")
+    inherited = os.environ.get("PYTHONPATH", "")
+    os.environ["PYTHONPATH"] = site + (os.pathsep + inherited if inherited else "")
     target, sys.argv = argv[0], argv
     if target.endswith(".py"):  # a script, as ``python3 path.py`` runs it
         sys.path.insert(0, str(Path(target).resolve().parent))

@@ -89,6 +89,11 @@ def test_pure_python_runs_the_source_of_every_compiled_module() -> None:
     assert lines == [f"{name}: pure Python" for name in COMPILED]
 
 
+def test_processes_a_pure_run_starts_run_the_source_too() -> None:
+    lines = _pure(str(Path(__file__).resolve()), "child").splitlines()
+    assert lines == [f"{name}: pure Python" for name in COMPILED]
+
+
 def test_the_group_is_compiled_whole_or_not_at_all() -> None:
     assert len(set(compiled_modules().values())) == 1
 
@@ -133,4 +138,8 @@ def test_compiled_and_pure_python_give_the_same_reports() -> None:
 
 
 if __name__ == "__main__":
-    print(json.dumps({case: digest(case) for case in CASES}))
+    if sys.argv[1:] == ["child"]:  # what a process this one starts loads
+        child = [sys.executable, "-m", "router_sim.build_info"]
+        print(subprocess.run(child, capture_output=True, text=True, check=True).stdout, end="")
+    else:
+        print(json.dumps({case: digest(case) for case in CASES}))
