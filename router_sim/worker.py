@@ -138,6 +138,9 @@ class _Seq:
 _block_hash: Final = attrgetter("block_hash")
 
 
+_UNLIMITED_REPLAYS: Final = 1e12
+"""Replay requests per second the workers' publishers allow (no limit that a run reaches)."""
+
 _MAX_HEARTBEATS: Final = 10_000
 """End-of-run heartbeats a worker sends at most (at the highest drop rate, 0.99, all 10,000
 are lost with probability ~2e-44)."""
@@ -244,6 +247,11 @@ class SimWorker:
             context=self._context,
             drop_live=(lambda seq: _frame_dropped(seed, wid, seq, rate)) if rate > 0 else None,
             snapshot_provider=self._engine_snapshot,
+            # A per-second request limit guards a live publisher against floods; here its one
+            # client is the simulator's, which runs faster than the clock (a drain can fill
+            # gap after gap in a few milliseconds): a request over the limit would go
+            # unanswered and end in a resync, after a wait, as the host's speed decides.
+            replay_rate=_UNLIMITED_REPLAYS,
         )
 
     def announce(self) -> None:

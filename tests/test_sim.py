@@ -262,3 +262,37 @@ def test_a_lost_last_frame_is_recovered_at_the_end_of_a_run(seed: int) -> None:
     assert fields["dropped_frames"] > 0
     assert fields["index_mismatch_blocks"] == 0
     assert fields["completed"] == 120
+
+
+def test_a_workers_publisher_answers_replays_as_fast_as_the_simulator_asks() -> None:
+    """The simulator runs faster than the clock and can fill gap after gap within a few
+    milliseconds; a publisher's per-second request limit (500/s after a burst of 8 by
+    default) would leave such a request unanswered, and the run would resync after a wait
+    that depends on the host's speed. The workers' publishers take them all."""
+    import zmq
+
+    from events.publisher import END_SEQ, SEQ
+
+    sim = Simulation("round_robin", _config(transport="inproc", workers=1))
+    try:
+        publisher = sim.workers[0].publisher
+        assert publisher is not None and publisher.replay_endpoint is not None
+        dealer = sim._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(publisher.replay_endpoint)
+        try:
+            answered = 0
+            for _ in range(200):  # one at a time, each after the last one's end marker
+                dealer.send_multipart([b"", SEQ.pack(0)])
+                while dealer.poll(2000):
+                    if dealer.recv_multipart()[-2] == END_SEQ:
+                        answered += 1
+                        break
+                else:
+                    break  # unanswered: refused
+        finally:
+            dealer.close(linger=0)
+        assert answered == 200
+        assert publisher.stats.replay_refused == 0
+    finally:
+        sim.close()
