@@ -61,6 +61,8 @@ def stale_modules() -> list[str]:
         built = json.loads((here / MANIFEST).read_text())
     except (OSError, ValueError):  # not compiled, or by hand without the manifest
         return []
+    if not isinstance(built, dict):  # not what a build writes: as unreadable as bad JSON
+        return []
     root = here.parent
     out = []
     for name in COMPILED:

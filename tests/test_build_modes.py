@@ -111,6 +111,8 @@ def test_an_edited_source_is_reported_stale(
     (tmp_path / "kvcache").mkdir()
     monkeypatch.setattr(build_info, "__file__", str(tmp_path / "router_sim" / "build_info.py"))
     assert build_info.stale_modules() == []  # no manifest: nothing was compiled
+    (tmp_path / "router_sim" / build_info.MANIFEST).write_text("[1, 2]")
+    assert build_info.stale_modules() == []  # not a build's manifest: read as none, no crash
     source = tmp_path / "kvcache" / "tree.py"
     source.write_text("x = 1\n")
     digest = hashlib.sha256(b"x = 1\n").hexdigest()
