@@ -165,6 +165,13 @@ class StreamSequencer(Generic[T]):
         self.received = 0
         self.gaps = 0
         self.replayed = 0
+        """Batches taken from replies to gap replays, some of which may also have come live
+        meanwhile: how many depends on when the gap was seen, a matter of timing."""
+        self.recovered = 0
+        """Batches only a replay delivered: lost on the live socket (or sent before this
+        consumer joined). Live frames arrive in order, so a replayed batch below the highest
+        seq received live can no longer come live: the count depends on what was lost, not on
+        timing."""
         self.duplicates = 0
         self.restarts = 0
         self.resyncs = 0
@@ -571,12 +578,13 @@ class StreamSequencer(Generic[T]):
         held = pending.pop(seq, None)
         if held is not None:  # it also arrived live: delivered as such
             self._apply(seq, held, out, now, replayed=False)
-        else:
-            self._apply(seq, payload, out, now, replayed=True)
+        elif self._apply(seq, payload, out, now, replayed=True):
+            self.recovered += 1
 
     def _apply(
         self, seq: int, payload: bytes, out: list[Output[T]], now: float, *, replayed: bool
-    ) -> None:
+    ) -> bool:
+        """Decode and deliver batch ``seq``; False when it does not decode."""
         try:
             item = self._decode(payload)
         except ValueError as exc:
@@ -586,7 +594,7 @@ class StreamSequencer(Generic[T]):
                 self.next_seq = seq + 1
             elif self.mode == "live":
                 self._request_replay(out, now)  # a fresh copy may decode; if not, it is lost
-            return
+            return False
         if seq == 0 or self._is_clear(item):
             self.complete = True
         self.next_seq = seq + 1
@@ -596,6 +604,7 @@ class StreamSequencer(Generic[T]):
         if len(self._digest_order) > self._window:
             self._digests.pop(self._digest_order.popleft(), None)
         out.append(Deliver(seq, item, replayed=replayed))
+        return True
 
     def _lost(
         self,

@@ -108,6 +108,8 @@ class WorkerStatus:
     decode_errors: int
     snapshots: int = 0
     incarnation: int | None = None
+    recovered: int = 0
+    """Batches only a replay delivered (lost live): see ``StreamSequencer.recovered``."""
 
 
 class SubscriberError(RuntimeError):
@@ -260,6 +262,7 @@ class ZmqEventSubscriber:
             received=q.received,
             gaps=q.gaps,
             replayed=q.replayed,
+            recovered=q.recovered,
             duplicates=q.duplicates,
             restarts=q.restarts,
             resyncs=q.resyncs,

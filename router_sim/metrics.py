@@ -1,8 +1,9 @@
 """Per-request records of a simulation and the per-policy summary computed from them.
 
 Every figure here is a function of simulated time and counts, so two runs with one seed give
-identical summaries; the only wall-clock figures (routing decision time) are kept in their own
-fields (:data:`WALL_CLOCK_FIELDS`) so that determinism checks can leave them out.
+identical summaries; the few that depend on the host's timing (routing decision time, run
+time, the transport's replay count) are listed in :data:`WALL_CLOCK_FIELDS` so that
+determinism checks can leave them out.
 """
 
 from __future__ import annotations
@@ -17,8 +18,12 @@ WALL_CLOCK_FIELDS: Final[tuple[str, ...]] = (
     "decision_us_p99",
     "decision_us_mean",
     "wall_s",
+    "replayed",
 )
-"""Summary fields measured on the wall clock: they differ between identical runs."""
+"""Summary fields that depend on the host's timing: they differ between identical runs. The
+wall-clock ones, and ``replayed`` (batches received through replays over ZeroMQ: a replay
+re-sends batches after the gap too, and how many of those had already come live depends on
+when the subscriber saw the gap; ``recovered`` counts the lost ones alone, deterministically)."""
 
 
 @dataclass(slots=True)
@@ -55,6 +60,9 @@ class WireStats:
     """Live frames removed by fault injection."""
     gaps: int = 0
     replayed: int = 0
+    """Batches received through replays (timing-dependent, see WALL_CLOCK_FIELDS)."""
+    recovered: int = 0
+    """Batches lost live that a replay delivered."""
     resyncs: int = 0
     restarts: int = 0
     decode_errors: int = 0
@@ -137,6 +145,7 @@ class PolicySummary:
             "dropped_frames": w.dropped_frames,
             "gaps": w.gaps,
             "replayed": w.replayed,
+            "recovered": w.recovered,
             "resyncs": w.resyncs,
             "restarts": w.restarts,
             "decode_errors": w.decode_errors,

@@ -8,9 +8,10 @@
                          "e2e_p50_ms": ..., "load_max_over_mean": ...,
                          "decision_us_p50": ..., ...}}}
 
-Every figure is computed from simulated time and counts, except the wall-clock ones named in
-:data:`router_sim.metrics.WALL_CLOCK_FIELDS` (routing decision time, run time):
-:func:`deterministic_view` removes them, and two runs with one seed give identical views.
+Every figure is computed from simulated time and counts, except those named in
+:data:`router_sim.metrics.WALL_CLOCK_FIELDS` (routing decision time, run time, the ZeroMQ
+transport's replay count): :func:`deterministic_view` removes them, and two runs with one seed
+give identical views.
 Plots need matplotlib (the ``plot`` extra); without it they are skipped with a note.
 """
 
@@ -43,7 +44,7 @@ _TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("wire_events", "events", "{:d}"),
     ("wire_bytes", "MB wire", "{:.1f}"),
     ("gaps", "gaps", "{:d}"),
-    ("replayed", "replay", "{:d}"),
+    ("recovered", "recov", "{:d}"),
     ("decision_us_p50", "dec us", "{:.0f}"),
 )
 

@@ -360,6 +360,7 @@ class Simulation:
                 st = self.subscriber.status(w.worker_id)  # its counters end with this connection
                 self._carried.gaps += st.gaps
                 self._carried.replayed += st.replayed
+                self._carried.recovered += st.recovered
                 self._carried.resyncs += st.resyncs
                 self._carried.decode_errors += st.decode_errors
                 self.subscriber.remove_worker(w.worker_id)
@@ -454,6 +455,7 @@ class Simulation:
         stats = WireStats(
             gaps=self._carried.gaps,
             replayed=self._carried.replayed,
+            recovered=self._carried.recovered,
             resyncs=self._carried.resyncs,
             decode_errors=self._carried.decode_errors,
         )
@@ -472,6 +474,7 @@ class Simulation:
                 continue
             stats.gaps += st.gaps
             stats.replayed += st.replayed
+            stats.recovered += st.recovered
             stats.resyncs += st.resyncs
             stats.decode_errors += st.decode_errors
         return stats

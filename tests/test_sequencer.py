@@ -319,3 +319,37 @@ def test_a_live_frame_during_a_replay_does_not_turn_an_ignored_replayed_frame_in
     outputs += seq.replay_end(a.info(), 0.0)
     delivered = [o.seq for o in outputs if isinstance(o, Deliver)]
     assert delivered[:5] == [0, 1, 2, 3, 4] and seq.resyncs == 0
+
+
+def test_recovered_counts_the_frames_lost_live_whatever_else_a_replay_resends() -> None:
+    """``recovered`` counts the batches only a replay delivered; ``replayed`` also counts the
+    re-sent copies of batches that had come live, which depend on when the gap was seen. Two
+    timings of the same loss (seq 1 and 4 lost live) give the same ``recovered``."""
+
+    def run(live_before_replay: int) -> StreamSequencer[Ops]:
+        a = ModelPublisher(1, 100, False)
+        seq: StreamSequencer[Ops] = StreamSequencer(decode, is_clear=is_clear)
+        frames = [a.publish([["s", i]], ringed=True) for i in range(8)]
+        lost = {1, 4}
+        arrived = [f for f in frames if f[0] not in lost]
+        early, late = arrived[:live_before_replay], arrived[live_before_replay:]
+        asks: list[int] = []
+
+        def take(outputs: list[Any]) -> None:
+            asks.extend(o.start for o in outputs if isinstance(o, Request))
+
+        for f in early:
+            take(seq.live(*f, 0.0))
+        while asks or late:
+            if asks:  # the publisher answers with everything from the ask on
+                for f in frames[asks.pop(0) :]:
+                    take(seq.replayed_frame(*f, 0.0))
+                take(seq.replay_end(a.info(), 0.0))
+            else:
+                take(seq.live(*late.pop(0), 0.0))
+        assert seq.next_seq == 8 and seq.resyncs == 0
+        return seq
+
+    first, second = run(2), run(6)
+    assert first.recovered == second.recovered == 2
+    assert first.replayed != second.replayed  # the transport-level count moved with timing

@@ -72,7 +72,14 @@ class _IndexCollector(Collector):
                 "router_stream_gaps", "gaps in a worker's seq numbers", labels=["worker"]
             ),
             "replayed": CounterMetricFamily(
-                "router_stream_replayed", "batches recovered by replay", labels=["worker"]
+                "router_stream_replayed",
+                "batches received through gap replays (some may also have come live)",
+                labels=["worker"],
+            ),
+            "recovered": CounterMetricFamily(
+                "router_stream_recovered",
+                "batches lost live that a replay delivered",
+                labels=["worker"],
             ),
             "resyncs": CounterMetricFamily(
                 "router_stream_resyncs", "unrecoverable losses", labels=["worker"]
