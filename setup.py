@@ -51,6 +51,8 @@ class OptionalBuildExt(build_ext):
             if inplace:
                 _remove_compiled_in_place()
             return
+        if inplace:
+            _remove_stale_in_place()
         # what the group was compiled from, for router_sim.build_info.stale_modules
         out = HERE if inplace else Path(self.build_lib)
         sources = {
@@ -90,6 +92,20 @@ def _remove_compiled_in_place() -> None:
     for built in (HERE / "router_sim").glob("_compiled__mypyc.*.so"):
         built.unlink()
     (HERE / "router_sim" / MANIFEST).unlink(missing_ok=True)
+
+
+def _remove_stale_in_place() -> None:
+    """Delete the compiled twin of a module an earlier in-place build compiled and this one no
+    longer does (it left COMPILED): it would shadow the source and load a group that no longer
+    holds it. A compiled module is one with a ``.py`` twin; the hand-written extensions have
+    none and stay."""
+    compiled = {HERE / path for path in COMPILED}
+    for package in ("kvcache", "events", "router_sim"):
+        for built in (HERE / package).rglob("*.so"):
+            source = built.parent / (built.name.split(".", 1)[0] + ".py")
+            if source.exists() and source not in compiled:
+                print(f"removing {built.relative_to(HERE)} (compiled by an earlier build)")
+                built.unlink()
 
 
 def _mypyc_extensions() -> list[Extension]:

@@ -27,12 +27,12 @@ from __future__ import annotations
 import importlib
 from array import array
 from collections.abc import Iterable, Iterator
-from typing import Any, Final
+from typing import Any
 
 from kvcache.block_pool import BlockPool
 from kvcache.config import KVCacheManagerConfig
 from kvcache.errors import KVCacheError
-from kvcache.keys import checked_token_array, pack_range
+from kvcache.keys import checked_token_array
 from kvcache.owner import ThreadOwner
 from kvcache.pool import PagePool
 from kvcache.scope import DEFAULT_SCOPE, ReuseScope
@@ -40,13 +40,13 @@ from kvcache.sequence import KVCache
 from kvcache.sink import BlockView, EventSink
 from kvcache.stats import KVCacheStats, TierUsage
 from kvcache.storage_protocol import PageStorage
-from kvcache.tree import Block, Node, RadixTree
+from kvcache.tree import Block, RadixTree
 from kvcache.verify import verify
 
 DEFAULT_PRIORITY = 35
-# The first window of a prompt packed for matching (see KVCacheManager._match): a few blocks
-# of a common block size, about what most prompts share with the tree.
-_FIRST_WINDOW_TOKENS: Final = 1024
+# The first window of a prompt packed for matching (RadixTree.match_prefix): a few blocks of
+# a common block size, about what most prompts share with the tree.
+_FIRST_WINDOW_TOKENS = 1024
 
 
 def _check_priority(priority: object) -> int:
@@ -90,7 +90,6 @@ class KVCacheManager:
             raise TypeError(f"config must be a KVCacheManagerConfig, got {type(config).__name__}")
         self.config = config
         self.tokens_per_block = config.tokens_per_block
-        self._step = 4 * config.tokens_per_block
         self._tree = RadixTree()
         self._storage: PageStorage | None = storage
         if storage is None and config.kv_layout is not None:
@@ -111,47 +110,17 @@ class KVCacheManager:
         self, tokens: array[int], scope: ReuseScope
     ) -> tuple[list[Block], Block | None, int, list[bytes]]:
         """(full blocks reused, copy-on-write source, tokens reused from it, the packed
-        4-byte LE encoding of the tokens as far as they were compared: at least the full
-        blocks reused).
-
-        The tokens are packed window by window, each window four times the last, while every
-        block of the window matches: a long prompt that shares only its first blocks with the
-        tree (most of them) is not packed to its end, and one that shares all of them is
-        packed about once."""
-        n = len(tokens)
-        root = self._tree.root(scope)
-        if root is None or n < 2:
-            return [], None, 0, []
-        tpb = self.tokens_per_block
-        step = self._step
-        max_full = (n - 1) // tpb
-        match_full = self._tree.match_full
-        full: list[Block] = []
-        packed: list[bytes] = []
-        node: Node = root
-        done = 0
-        window = max(1, _FIRST_WINDOW_TOKENS // tpb)
-        while done < max_full:
-            take = min(window, max_full - done)
-            data = pack_range(tokens, done * tpb, (done + take) * tpb)
-            packed.append(data)
-            found = match_full(node, data, take, step)
-            full += found
-            if len(found) < take:
-                break
-            node = found[-1]
-            done += take
-            window *= 4
+        4-byte LE encoding of the tokens as far as they were compared): see
+        :meth:`RadixTree.match_prefix`."""
         cfg = self.config
-        if not cfg.enable_partial_reuse:
-            return full, None, 0, packed
-        start = len(full) * tpb
-        limit = min(tpb, n - 1 - start)
-        node = full[-1] if full else root
-        src, m = self._tree.match_partial(
-            node, tokens[start : start + limit], limit, cfg.max_partial_scan
+        return self._tree.match_prefix(
+            tokens,
+            scope,
+            self.tokens_per_block,
+            cfg.enable_partial_reuse,
+            cfg.max_partial_scan,
+            _FIRST_WINDOW_TOKENS,
         )
-        return full, src, m, packed
 
     def probe_reuse(
         self, input_tokens: Iterable[int], reuse_scope: ReuseScope | None = None

@@ -35,7 +35,7 @@ from hashlib import sha256
 from itertools import islice
 from typing import Final
 
-from kvcache.keys import BlockKey, chain_keys, root_key, tokens_to_bytes
+from kvcache.keys import BlockKey, chain_keys, pack_range, root_key, tokens_to_bytes
 from kvcache.scope import DEFAULT_SCOPE, ReuseScope
 
 try:  # native block making and chain linking (kvcache/_tree.c), when the extension is built
@@ -300,6 +300,55 @@ class RadixTree:
         if root is None and create:
             root = self.roots[scope] = ScopeRoot(scope)
         return root
+
+    def match_prefix(
+        self,
+        tokens: array[int],
+        scope: ReuseScope,
+        tpb: int,
+        partial: bool,
+        max_scan: int,
+        first_window: int,
+    ) -> tuple[list[Block], Block | None, int, list[bytes]]:
+        """The longest reusable prefix of ``tokens`` under ``scope``: (its full blocks, the
+        block to copy a partial prefix from (with ``partial``, scanning at most ``max_scan``
+        children), the tokens reused from it, the packed 4-byte LE encoding of the tokens as
+        far as they were compared: at least the full blocks reused).
+
+        At most ``len(tokens) - 1`` tokens are reused. The tokens are packed window by window,
+        the first of ``first_window`` tokens, each next four times the last, while every block
+        of the window matches: a long prompt that shares only its first blocks with the tree
+        (most of them) is not packed to its end, and one that shares all of them is packed
+        about once."""
+        n = len(tokens)
+        root = self.roots.get(scope)
+        if root is None or n < 2:
+            return [], None, 0, []
+        step = 4 * tpb
+        max_full = (n - 1) // tpb
+        full: list[Block] = []
+        packed: list[bytes] = []
+        node: Node = root
+        done = 0
+        window = max(1, first_window // tpb)
+        while done < max_full:
+            take = min(window, max_full - done)
+            data = pack_range(tokens, done * tpb, (done + take) * tpb)
+            packed.append(data)
+            found = RadixTree.match_full_key(node, data, take, step, want_key=False)[0]
+            full += found
+            if len(found) < take:
+                break
+            node = found[-1]
+            done += take
+            window *= 4
+        if not partial:
+            return full, None, 0, packed
+        start = len(full) * tpb
+        limit = min(tpb, n - 1 - start)
+        node = full[-1] if full else root
+        src, m = RadixTree.match_partial(node, tokens[start : start + limit], limit, max_scan)
+        return full, src, m, packed
 
     @staticmethod
     def match_full(node: Node, data: bytes, max_blocks: int, step: int) -> list[Block]:

@@ -18,6 +18,7 @@ from typing import Final
 COMPILED: Final = (
     "kvcache.block_pool",
     "kvcache.eviction",
+    "kvcache.owner",
     "kvcache.pool",
     "kvcache.sequence",
     "kvcache.tree",

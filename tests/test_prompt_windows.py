@@ -1,5 +1,5 @@
 """A new request's prompt is checked whole but packed only as far as the manager matches it
-(``KVCacheManager._match``: windows that grow fourfold while every block matches), with the
+(``RadixTree.match_prefix``: windows that grow fourfold while every block matches), with the
 native check (``kvcache._tokens.all_nonneg``) or its pure fallback. Whatever the windows, the
 reuse, the sequence's record of its tokens and the refusals must be those of a prompt matched
 in one piece."""
