@@ -26,6 +26,7 @@ COMPILED: Final = (
     "events.manager",
     "router_sim.dialects",
     "router_sim.indexer",
+    "router_sim.policies.kernels",
     "router_sim.router",
     "router_sim.sim",
     "router_sim.timing_model",

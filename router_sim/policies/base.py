@@ -28,6 +28,9 @@ import xxhash
 from events.model import BlockHash
 from router_sim.indexer import MatchDetail
 from router_sim.load import WorkerLoad
+from router_sim.policies.kernels import credited_blocks as credited_blocks  # re-exported
+from router_sim.policies.kernels import load_rank as load_rank  # re-exported
+from router_sim.policies.kernels import lowest_cost as lowest_cost  # re-exported
 
 
 class RoutingError(RuntimeError):
@@ -117,15 +120,6 @@ def candidates(request: RouteRequest) -> list[int]:
     return sorted(request.loads)
 
 
-def credited_blocks(
-    detail: MatchDetail | None, device_credit: float, slower_credit: float
-) -> float:
-    """Cached blocks of the chain, a slower-tier block counting as partly cached."""
-    if detail is None:
-        return 0.0
-    return detail.device_blocks * device_credit + detail.slower_blocks * slower_credit
-
-
 CONTENT_TAIL: Final = 32
 """Token ids at the end of a prompt that :func:`content_key` reads (with the length)."""
 
@@ -175,50 +169,6 @@ def tie_rank(key: int) -> Callable[[int], int]:
     worker's rank depends on the key and its own id only, so removing a worker moves only the
     ties it won, and the pick is uniform over the tied workers across requests."""
     return lambda worker: mix64(key ^ mix64(worker + _GOLDEN))
-
-
-def load_rank(load: WorkerLoad) -> tuple[int, int, int]:
-    """Sort key of 'least loaded first' without a worker id: equal keys are true ties."""
-    return (load.active_requests, load.pending_prefill_tokens, load.decode_blocks)
-
-
-def lowest_cost(
-    costs: Mapping[int, float],
-    loads: Mapping[int, WorkerLoad],
-    rank: Callable[[int], int] | None = None,
-    prefer: Callable[[int], int] | None = None,
-    *,
-    rank_of: Callable[[], Callable[[int], int]] | None = None,
-) -> int:
-    """The worker of lowest cost; equal costs go to the least loaded, and workers still tied
-    to the lowest ``rank(worker)`` (:func:`tie_rank` of the request: the same pick on every
-    replica). With ``prefer``, the tied workers of lowest ``prefer(worker)`` are kept before
-    the rank decides.
-
-    Without ``rank`` a tie goes to the lowest worker id, which piles every tied decision
-    on one worker: with spread-out arrivals most workers are idle and equally cheap when a
-    request without cached blocks arrives, so a fixed order sends them all to worker 0.
-    ``rank_of`` (instead of ``rank``) makes the rank only when workers are still tied: most
-    decisions have one cheapest worker, and a request's rank costs two hashes to make.
-    """
-    best = min(costs.values())
-    isclose = math.isclose
-    tied = [w for w, c in costs.items() if isclose(c, best, rel_tol=1e-12, abs_tol=1e-9)]
-    if len(tied) == 1:
-        return tied[0]
-    lightest = min(load_rank(loads[w]) for w in tied)
-    tied = sorted(w for w in tied if load_rank(loads[w]) == lightest)
-    if prefer is not None and len(tied) > 1:
-        first = min(prefer(w) for w in tied)
-        tied = [w for w in tied if prefer(w) == first]
-    if len(tied) == 1:
-        return tied[0]
-    if rank is None and rank_of is not None:
-        rank = rank_of()
-    if rank is None:
-        return tied[0]
-    order = rank
-    return min(tied, key=lambda w: (order(w), w))
 
 
 class BoundedLoad:

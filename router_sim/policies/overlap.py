@@ -47,6 +47,7 @@ from router_sim.policies.base import (
     softmax_sample,
     tie_rank,
 )
+from router_sim.policies.kernels import overlap_costs
 
 DEFAULT_OVERLAP_WEIGHT: Final = 16.0
 """Decode blocks one prefill block is worth, by default.
@@ -149,35 +150,20 @@ class KvOverlapPolicy:
         bounded = self.bounded
         # balance: one request beyond the mean costs as much as one block to prefill
         eligible, counts, mean = bounded.eligible_counts(candidates(request))
-        matches = request.matches
         loads = request.loads
-        device_credit = self.device_credit
-        slower_credit = self.slower_credit
-        weight = self.overlap_weight
-        recompute = 1.0 + self.recompute_weight
-        tpb = request.tokens_per_block
-        n = request.num_blocks
-        none_cached = recompute * max(0.0, n - 0.0)  # the term of a worker holding nothing
-        cached: dict[int, float] = {}
-        costs: dict[int, float] = {}
-        for w, sent in zip(eligible, counts, strict=True):
-            detail = matches.get(w)
-            if detail is None:
-                cached[w] = 0.0
-                uncached = none_cached
-            else:
-                c = detail.device_blocks * device_credit + detail.slower_blocks * slower_credit
-                cached[w] = c
-                uncached = recompute * max(0.0, n - c)
-            load = loads[w]
-            cost = weight * (load.pending_prefill_tokens / tpb + uncached) + (
-                load.decode_blocks + n
-            )
-            if mean is not None:  # the balance's price: BoundedLoad.excess, when above 0
-                x = sent - mean
-                if x > 0:
-                    cost += weight * x
-            costs[w] = cost
+        costs, cached = overlap_costs(
+            eligible,
+            counts,
+            mean,
+            request.matches,
+            loads,
+            self.device_credit,
+            self.slower_credit,
+            self.overlap_weight,
+            1.0 + self.recompute_weight,
+            request.tokens_per_block,
+            request.num_blocks,
+        )
         seed = self.seed
         chosen = lowest_cost(
             costs, loads, None, bounded.prefer(), rank_of=lambda: tie_rank(request.tie_key(seed))

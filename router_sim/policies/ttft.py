@@ -35,6 +35,7 @@ from router_sim.policies.base import (
     lowest_cost,
     tie_rank,
 )
+from router_sim.policies.kernels import chunked_prefill_ms, ttft_costs
 from router_sim.policies.overlap import DEFAULT_BALANCE, DEFAULT_RECOMPUTE_WEIGHT, check_credits
 from router_sim.timing_model import PolynomialTiming
 
@@ -79,8 +80,7 @@ class PredictedTtftPolicy:
             return 0.0
         if chunk_ms is None:
             chunk_ms = self.timing.prefill_ms(self.chunk_tokens)
-        full, rest = divmod(tokens, self.chunk_tokens)
-        return full * chunk_ms + self.timing.prefill_ms(rest)
+        return chunked_prefill_ms(self.timing, self.chunk_tokens, tokens, chunk_ms)
 
     def uncached_tokens(self, request: RouteRequest, worker: int) -> int:
         """Prompt tokens of ``request`` that ``worker`` would compute."""
@@ -117,46 +117,20 @@ class PredictedTtftPolicy:
         self, request: RouteRequest, workers: list[int]
     ) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
         """Per worker: cost, predicted TTFT and credited cached blocks: :meth:`_worker`'s
-        terms in its order (the same floats), with the step time of a full chunk computed once
-        per decision and each chunked prefill time once per token count (most candidates hold
-        nothing of the prompt and many queue nothing: they share their counts)."""
-        timing = self.timing
-        chunk = self.chunk_tokens
-        chunk_ms = timing.prefill_ms(chunk)
-        device_credit = self.device_credit
-        slower_credit = self.slower_credit
-        recompute = self.recompute_weight
-        matches = request.matches
-        loads = request.loads
-        num_tokens = request.num_tokens
-        tpb = request.tokens_per_block
-        chunked: dict[int, float] = {0: 0.0}  # tokens -> chunked_prefill_ms(tokens, chunk_ms)
-        costs: dict[int, float] = {}
-        predicted: dict[int, float] = {}
-        overlap: dict[int, float] = {}
-        for w in workers:
-            detail = matches.get(w)
-            if detail is None:
-                cached = 0.0
-            else:
-                cached = detail.device_blocks * device_credit + detail.slower_blocks * slower_credit
-            uncached = num_tokens - round(cached * tpb)
-            if uncached < 0:  # max(0, ...) without the call
-                uncached = 0
-            load = loads[w]
-            queue = load.pending_prefill_tokens + uncached
-            ms = chunked.get(queue)
-            if ms is None:
-                ms = chunked[queue] = self.chunked_prefill_ms(queue, chunk_ms)
-            if load.decode_blocks > 0 and queue > 0:
-                ms += -(-queue // chunk) * timing.decode_ms(load.kv_usage)
-            own = chunked.get(uncached)
-            if own is None:
-                own = chunked[uncached] = self.chunked_prefill_ms(uncached, chunk_ms)
-            costs[w] = ms + recompute * own
-            predicted[w] = ms
-            overlap[w] = cached
-        return costs, predicted, overlap
+        terms in its order (the same floats), computed by
+        :func:`~router_sim.policies.kernels.ttft_costs`."""
+        return ttft_costs(
+            workers,
+            request.matches,
+            request.loads,
+            request.num_tokens,
+            request.tokens_per_block,
+            self.device_credit,
+            self.slower_credit,
+            self.recompute_weight,
+            self.timing,
+            self.chunk_tokens,
+        )
 
     def choose(self, request: RouteRequest) -> PolicyChoice:
         workers, counts, mean = self.bounded.eligible_counts(candidates(request))

@@ -1,0 +1,166 @@
+"""The per-decision loops of the cost policies, in a module the simulator's build compiles.
+
+The policy classes stay plain Python (users subclass them, and options are read off their
+constructors' signatures); what they run for every candidate of every decision lives here:
+:func:`overlap_costs` (kv_overlap), :func:`ttft_costs` (predicted_ttft) and
+:func:`lowest_cost` (their pick). Each computes the same floats, in the same order, as the
+formulas in the policies' docstrings.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+
+from router_sim.indexer import MatchDetail
+from router_sim.load import TimingModel, WorkerLoad
+
+
+def credited_blocks(
+    detail: MatchDetail | None, device_credit: float, slower_credit: float
+) -> float:
+    """Cached blocks of the chain, a slower-tier block counting as partly cached."""
+    if detail is None:
+        return 0.0
+    return detail.device_blocks * device_credit + detail.slower_blocks * slower_credit
+
+
+def load_rank(load: WorkerLoad) -> tuple[int, int, int]:
+    """Sort key of 'least loaded first' without a worker id: equal keys are true ties."""
+    return (load.active_requests, load.pending_prefill_tokens, load.decode_blocks)
+
+
+def lowest_cost(
+    costs: Mapping[int, float],
+    loads: Mapping[int, WorkerLoad],
+    rank: Callable[[int], int] | None = None,
+    prefer: Callable[[int], int] | None = None,
+    *,
+    rank_of: Callable[[], Callable[[int], int]] | None = None,
+) -> int:
+    """The worker of lowest cost; equal costs go to the least loaded, and workers still tied
+    to the lowest ``rank(worker)`` (:func:`~router_sim.policies.base.tie_rank` of the
+    request: the same pick on every replica). With ``prefer``, the tied workers of lowest
+    ``prefer(worker)`` are kept before the rank decides.
+
+    Without ``rank`` a tie goes to the lowest worker id, which piles every tied decision
+    on one worker: with spread-out arrivals most workers are idle and equally cheap when a
+    request without cached blocks arrives, so a fixed order sends them all to worker 0.
+    ``rank_of`` (instead of ``rank``) makes the rank only when workers are still tied: most
+    decisions have one cheapest worker, and a request's rank costs two hashes to make.
+    """
+    best = min(costs.values())
+    isclose = math.isclose
+    tied = [w for w, c in costs.items() if isclose(c, best, rel_tol=1e-12, abs_tol=1e-9)]
+    if len(tied) == 1:
+        return tied[0]
+    lightest = min(load_rank(loads[w]) for w in tied)
+    tied = sorted(w for w in tied if load_rank(loads[w]) == lightest)
+    if prefer is not None and len(tied) > 1:
+        first = min(prefer(w) for w in tied)
+        tied = [w for w in tied if prefer(w) == first]
+    if len(tied) == 1:
+        return tied[0]
+    if rank is None and rank_of is not None:
+        rank = rank_of()
+    if rank is None:
+        return tied[0]
+    order = rank
+    return min(tied, key=lambda w: (order(w), w))
+
+
+def overlap_costs(
+    workers: list[int],
+    counts: list[int],
+    mean: float | None,
+    matches: Mapping[int, MatchDetail],
+    loads: Mapping[int, WorkerLoad],
+    device_credit: float,
+    slower_credit: float,
+    weight: float,
+    recompute: float,
+    tpb: int,
+    n: int,
+) -> tuple[dict[int, float], dict[int, float]]:
+    """kv_overlap's (cost, credited cached blocks) per worker: ``weight`` x (queued prefill
+    blocks + ``recompute`` x uncached blocks) + decode blocks + the request's ``n`` blocks,
+    plus ``weight`` x the requests the worker was sent beyond ``mean`` (``counts``, the
+    balance's price; ``mean`` None: off)."""
+    none_cached = recompute * max(0.0, n - 0.0)  # the term of a worker holding nothing
+    cached: dict[int, float] = {}
+    costs: dict[int, float] = {}
+    for i, w in enumerate(workers):
+        detail = matches.get(w)
+        c = cached[w] = credited_blocks(detail, device_credit, slower_credit)
+        uncached = none_cached if detail is None else recompute * max(0.0, n - c)
+        load = loads[w]
+        cost = weight * (load.pending_prefill_tokens / tpb + uncached) + (load.decode_blocks + n)
+        if mean is not None:  # the balance's price: BoundedLoad.excess, when above 0
+            x = counts[i] - mean
+            if x > 0:
+                cost += weight * x
+        costs[w] = cost
+    return costs, cached
+
+
+def chunked_prefill_ms(timing: TimingModel, chunk: int, tokens: int, chunk_ms: float) -> float:
+    """Compute time of ``tokens`` prompt tokens run in steps of ``chunk`` tokens, one full
+    step taking ``chunk_ms``."""
+    if tokens <= 0:
+        return 0.0
+    full, rest = divmod(tokens, chunk)
+    return full * chunk_ms + timing.prefill_ms(rest)
+
+
+def ttft_costs(
+    workers: list[int],
+    matches: Mapping[int, MatchDetail],
+    loads: Mapping[int, WorkerLoad],
+    num_tokens: int,
+    tpb: int,
+    device_credit: float,
+    slower_credit: float,
+    recompute: float,
+    timing: TimingModel,
+    chunk: int,
+) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
+    """predicted_ttft's (cost, predicted TTFT, credited cached blocks) per worker: the queued
+    and uncached prompt tokens in chunks, each step with one decode iteration when requests
+    are decoding there, plus ``recompute`` x the uncached tokens' chunked prefill time. The
+    step time of a full chunk is computed once per decision and each chunked prefill time
+    once per token count (most candidates hold nothing of the prompt and many queue
+    nothing: they share their counts)."""
+    chunk_ms = timing.prefill_ms(chunk)
+    chunked: dict[int, float] = {0: 0.0}  # tokens -> chunked_prefill_ms(tokens)
+    costs: dict[int, float] = {}
+    predicted: dict[int, float] = {}
+    overlap: dict[int, float] = {}
+    for w in workers:
+        cached = credited_blocks(matches.get(w), device_credit, slower_credit)
+        uncached = num_tokens - round(cached * tpb)
+        if uncached < 0:
+            uncached = 0
+        load = loads[w]
+        queue = load.pending_prefill_tokens + uncached
+        ms = chunked.get(queue)
+        if ms is None:
+            ms = chunked[queue] = chunked_prefill_ms(timing, chunk, queue, chunk_ms)
+        if load.decode_blocks > 0 and queue > 0:
+            ms += -(-queue // chunk) * timing.decode_ms(load.kv_usage)
+        own = chunked.get(uncached)
+        if own is None:
+            own = chunked[uncached] = chunked_prefill_ms(timing, chunk, uncached, chunk_ms)
+        costs[w] = ms + recompute * own
+        predicted[w] = ms
+        overlap[w] = cached
+    return costs, predicted, overlap
+
+
+__all__ = [
+    "chunked_prefill_ms",
+    "credited_blocks",
+    "load_rank",
+    "lowest_cost",
+    "overlap_costs",
+    "ttft_costs",
+]
