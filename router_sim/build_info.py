@@ -29,6 +29,7 @@ COMPILED: Final = (
     "router_sim.policies.kernels",
     "router_sim.router",
     "router_sim.sim",
+    "router_sim.timing",
     "router_sim.timing_model",
     "router_sim.worker",
 )
