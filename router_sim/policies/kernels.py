@@ -2,15 +2,15 @@
 
 The policy classes stay plain Python (users subclass them, and options are read off their
 constructors' signatures); what they run for every candidate of every decision lives here:
-:func:`overlap_costs` (kv_overlap), :func:`ttft_costs` (predicted_ttft) and
-:func:`lowest_cost` (their pick). Each computes the same floats, in the same order, as the
-formulas in the policies' docstrings.
+:func:`overlap_costs` (kv_overlap), :func:`ttft_costs` (predicted_ttft), :func:`lowest_cost`
+(their pick) and :class:`BoundedLoad` (their balance). Each computes the same floats, in the
+same order, as the formulas in the policies' docstrings.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from router_sim.indexer import MatchDetail
 from router_sim.load import TimingModel, WorkerLoad
@@ -156,7 +156,83 @@ def ttft_costs(
     return costs, predicted, overlap
 
 
+class BoundedLoad:
+    """Keeps each worker's share of the decisions within ``1 + epsilon`` of the fleet's mean.
+
+    Two parts. A hard cap, consistent hashing with bounded loads (Mirrokni, Thorup and
+    Zadimoghaddam, SODA 2018) applied to cache affinity: a worker may take the next request
+    only while the requests it was sent stay under ``ceil((1 + epsilon) * (sent to the fleet
+    + 1) / workers) + slack`` (the slack, a few requests, keeps a small fleet's first
+    decisions with the cache: without it the second request sharing a prefix could not follow
+    the first). And a soft price, :meth:`excess`: the requests a worker was sent beyond
+    the mean, which the policy adds to its cost in its own units. The price moves the requests
+    that gain little from a busy worker's cache first (a new conversation sharing only a
+    system prompt, which then gets a second home for the price of one recomputation), while a
+    long conversation whose history the worker holds outweighs it and stays; the cap alone
+    would displace whichever request comes next, long histories included. Counts are the
+    policy's own decisions (a live router knows what it sent); ``None`` turns both off.
+    """
+
+    def __init__(self, epsilon: float | None, slack: int = 2) -> None:
+        if epsilon is not None and not epsilon > 0:
+            raise ValueError(f"balance (epsilon) must be > 0 or None, got {epsilon}")
+        if slack < 0:
+            raise ValueError(f"slack must be >= 0, got {slack}")
+        self.epsilon = epsilon
+        self.slack = slack
+        self.sent: dict[int, int] = {}
+
+    def eligible(self, workers: Sequence[int]) -> list[int]:
+        """The workers under the cap (never empty: the least-sent worker is below the mean)."""
+        if self.epsilon is None or not workers:
+            return list(workers)
+        sent = self.sent
+        total = sum(sent.get(w, 0) for w in workers)
+        cap = math.ceil((1.0 + self.epsilon) * (total + 1) / len(workers)) + self.slack
+        return [w for w in workers if sent.get(w, 0) < cap] or list(workers)
+
+    def excess(self, workers: Sequence[int]) -> dict[int, float]:
+        """Requests each worker was sent beyond the mean over ``workers`` (0 when below)."""
+        if self.epsilon is None or not workers:
+            return dict.fromkeys(workers, 0.0)
+        sent = self.sent
+        mean = sum(sent.get(w, 0) for w in workers) / len(workers)
+        return {w: max(0.0, sent.get(w, 0) - mean) for w in workers}
+
+    def eligible_counts(self, workers: Sequence[int]) -> tuple[list[int], list[int], float | None]:
+        """:meth:`eligible`, each one's count and the mean count over them (None when the
+        balance is off): what :meth:`excess` prices, each worker's count read once."""
+        if self.epsilon is None or not workers:
+            return list(workers), [0] * len(workers), None
+        get = self.sent.get
+        counts = [get(w, 0) for w in workers]
+        total = sum(counts)
+        cap = math.ceil((1.0 + self.epsilon) * (total + 1) / len(workers)) + self.slack
+        if max(counts) < cap:  # the common case: every worker is under the cap
+            return list(workers), counts, total / len(workers)
+        chosen = [w for w in workers if get(w, 0) < cap] or list(workers)
+        counts = [get(w, 0) for w in chosen]
+        return chosen, counts, sum(counts) / len(chosen)
+
+    def prefer(self) -> Callable[[int], int] | None:
+        """Tie-break for :func:`lowest_cost`: the worker sent the fewest requests (a request
+        no worker holds anything of can go anywhere: send it where it evens the counts)."""
+        if self.epsilon is None:
+            return None
+        sent = self.sent
+        return lambda w: sent.get(w, 0)
+
+    def record(self, worker: int) -> None:
+        """Count a decision for ``worker``."""
+        self.sent[worker] = self.sent.get(worker, 0) + 1
+
+    def forget(self, worker: int) -> None:
+        """``worker`` left the fleet: its count goes with it."""
+        self.sent.pop(worker, None)
+
+
 __all__ = [
+    "BoundedLoad",
     "chunked_prefill_ms",
     "credited_blocks",
     "load_rank",
