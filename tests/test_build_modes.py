@@ -5,11 +5,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import setuptools
 
 from router_sim import build_info
 from router_sim.build_info import COMPILED, compiled_modules, is_compiled, stale_modules
@@ -145,3 +147,36 @@ if __name__ == "__main__":
         print(subprocess.run(child, capture_output=True, text=True, check=True).stdout, end="")
     else:
         print(json.dumps({case: digest(case) for case in CASES}))
+
+
+def test_an_in_place_build_removes_the_compiled_twin_of_a_module_no_longer_compiled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A module taken off the compiled list keeps the compiled twin an earlier in-place build
+    left beside it, which would shadow its source and load a group that no longer holds it:
+    the next build deletes it, and keeps the compiled modules and the hand-written extensions
+    (no ``.py`` twin)."""
+    (tmp_path / "router_sim").mkdir()
+    (tmp_path / "router_sim" / "build_info.py").write_text('COMPILED = ("kvcache.tree",)\n')
+    (tmp_path / "setup.py").write_text((ROOT / "setup.py").read_text())
+    (tmp_path / "kvcache").mkdir()
+    (tmp_path / "events").mkdir()
+    files = {
+        "kvcache/tree.py": "",
+        "kvcache/tree.cpython-311-x86_64-linux-gnu.so": "compiled, listed",
+        "kvcache/manager.py": "",
+        "kvcache/manager.cpython-311-x86_64-linux-gnu.so": "compiled earlier, not listed now",
+        "kvcache/_tokens.cpython-311-x86_64-linux-gnu.so": "hand-written extension",
+        "events/_wire.cpython-311-x86_64-linux-gnu.so": "hand-written extension",
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(setuptools, "setup", lambda **_: None)
+    namespace = runpy.run_path(str(tmp_path / "setup.py"))
+    namespace["_remove_stale_in_place"]()
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.so"))
+    assert left == [
+        "events/_wire.cpython-311-x86_64-linux-gnu.so",
+        "kvcache/_tokens.cpython-311-x86_64-linux-gnu.so",
+        "kvcache/tree.cpython-311-x86_64-linux-gnu.so",
+    ]
