@@ -123,19 +123,34 @@ def ttft_costs(
     recompute: float,
     timing: TimingModel,
     chunk: int,
+    counts: list[int] | None = None,
+    mean: float | None = None,
 ) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
     """predicted_ttft's (cost, predicted TTFT, credited cached blocks) per worker: the queued
     and uncached prompt tokens in chunks, each step with one decode iteration when requests
     are decoding there, plus ``recompute`` x the uncached tokens' chunked prefill time. The
     step time of a full chunk is computed once per decision and each chunked prefill time
     once per token count (most candidates hold nothing of the prompt and many queue
-    nothing: they share their counts)."""
+    nothing: they share their counts). With ``counts`` (requests each worker was sent) and
+    their ``mean``, the balance's price is added to each cost: one request beyond the mean
+    costs the compute time of one more block."""
     chunk_ms = timing.prefill_ms(chunk)
+    # BoundedLoad.excess over the workers, from the counts it read
+    excess: list[float] = []
+    block_ms = 0.0
+    if counts is not None and mean is not None:
+        excess = [max(0.0, c - mean) for c in counts]
+        if any(excess):
+            block_ms = chunked_prefill_ms(timing, chunk, 2 * tpb, chunk_ms) - chunked_prefill_ms(
+                timing, chunk, tpb, chunk_ms
+            )
+        else:
+            excess = []
     chunked: dict[int, float] = {0: 0.0}  # tokens -> chunked_prefill_ms(tokens)
     costs: dict[int, float] = {}
     predicted: dict[int, float] = {}
     overlap: dict[int, float] = {}
-    for w in workers:
+    for i, w in enumerate(workers):
         cached = credited_blocks(matches.get(w), device_credit, slower_credit)
         uncached = num_tokens - round(cached * tpb)
         if uncached < 0:
@@ -150,7 +165,10 @@ def ttft_costs(
         own = chunked.get(uncached)
         if own is None:
             own = chunked[uncached] = chunked_prefill_ms(timing, chunk, uncached, chunk_ms)
-        costs[w] = ms + recompute * own
+        cost = ms + recompute * own
+        if excess:
+            cost += block_ms * excess[i]
+        costs[w] = cost
         predicted[w] = ms
         overlap[w] = cached
     return costs, predicted, overlap

@@ -134,15 +134,22 @@ class PredictedTtftPolicy:
 
     def choose(self, request: RouteRequest) -> PolicyChoice:
         workers, counts, mean = self.bounded.eligible_counts(candidates(request))
-        costs, predicted, overlap = self._figures(request, workers)
-        # BoundedLoad.excess over the workers, from the counts it read
-        excess = [0.0 if mean is None else max(0.0, c - mean) for c in counts]
-        if any(excess):
-            # balance: one request beyond the mean costs the compute time of one more block
-            tpb = request.tokens_per_block
-            block_ms = self.chunked_prefill_ms(2 * tpb) - self.chunked_prefill_ms(tpb)
-            for w, x in zip(workers, excess, strict=True):
-                costs[w] += block_ms * x
+        # _figures' terms, and the balance's price added: one request beyond the mean costs
+        # the compute time of one more block
+        costs, predicted, overlap = ttft_costs(
+            workers,
+            request.matches,
+            request.loads,
+            request.num_tokens,
+            request.tokens_per_block,
+            self.device_credit,
+            self.slower_credit,
+            self.recompute_weight,
+            self.timing,
+            self.chunk_tokens,
+            counts,
+            mean,
+        )
         seed = self.seed
         chosen = lowest_cost(
             costs,
