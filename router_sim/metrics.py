@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, TypedDict
 
 WALL_CLOCK_FIELDS: Final[tuple[str, ...]] = (
     "decision_us_p50",
@@ -86,6 +86,48 @@ def _ratio_max_mean(values: Sequence[float]) -> float:
     return max(values) / mean if mean > 0 else 1.0
 
 
+class SummaryFields(TypedDict):
+    """The report fields of one policy's run (:meth:`PolicySummary.as_dict`), each typed."""
+
+    requests: int
+    completed: int
+    hit_rate: float
+    prompt_tokens: int
+    reused_tokens: int
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+    ttft_p99_ms: float
+    e2e_p50_ms: float
+    e2e_p90_ms: float
+    e2e_p99_ms: float
+    throughput_tok_s: float
+    throughput_req_s: float
+    makespan_s: float
+    load_max_over_mean: float
+    busy_max_over_mean: float
+    requests_per_worker: list[int]
+    busy_ms_per_worker: list[float]
+    locality_given_up: float
+    decisions_off_best: int
+    preemptions: int
+    wire_batches: int
+    wire_events: int
+    wire_bytes: int
+    dropped_frames: int
+    gaps: int
+    replayed: int
+    recovered: int
+    resyncs: int
+    restarts: int
+    decode_errors: int
+    overflowed_events: int
+    index_mismatch_blocks: int
+    decision_us_p50: float
+    decision_us_p99: float
+    decision_us_mean: float
+    wall_s: float
+
+
 @dataclass(slots=True)
 class PolicySummary:
     """The figures of one policy's run (see :meth:`as_dict` for the report fields)."""
@@ -98,7 +140,7 @@ class PolicySummary:
     """Blocks the router's index got wrong once every event arrived (0: it recovered)."""
     wall_s: float = 0.0
 
-    def as_dict(self) -> dict[str, float | int | list[float] | list[int]]:
+    def as_dict(self) -> SummaryFields:
         """Report fields; hit rates are token-weighted fractions in [0, 1]."""
         done = [r for r in self.records if r.finish_ms is not None]
         ttft = [r.first_token_ms - r.arrival_ms for r in done if r.first_token_ms is not None]

@@ -21,7 +21,7 @@ import itertools
 import json
 import multiprocessing
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -210,7 +210,9 @@ def run_point(spec: SweepSpec, point: dict[str, Any]) -> dict[str, Any]:
     # a trace does not depend on the seed: share one loaded copy between seeds
     seed = point["seed"] if spec.workload.synthetic is not None else 0
     reqs = list(_requests(spec.workload, speedup, rate, seed))
-    figures = simulate(reqs, point["policy"], point_config(spec, point)).as_dict()
+    figures: Mapping[str, object] = simulate(
+        reqs, point["policy"], point_config(spec, point)
+    ).as_dict()
     row = dict(point)
     row["bound"] = _bound(spec.workload, rate, seed, spec.tokens_per_block)
     for name in ROW_METRICS:
