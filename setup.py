@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import runpy
+from collections.abc import Collection
 from pathlib import Path
 
 from setuptools import Extension, setup
@@ -52,7 +53,7 @@ class OptionalBuildExt(build_ext):
                 _remove_compiled_in_place()
             return
         if inplace:
-            _remove_stale_in_place()
+            _remove_compiled_in_place(COMPILED)
         # what the group was compiled from, for router_sim.build_info.stale_modules
         out = HERE if inplace else Path(self.build_lib)
         sources = {
@@ -82,30 +83,24 @@ def _is_mypyc(ext: Extension) -> bool:
     return ext in MYPYC
 
 
-def _remove_compiled_in_place() -> None:
-    """Delete compiled modules an earlier in-place build left beside the sources: an import
-    would take them first and run old code where this build meant the pure source."""
-    for path in COMPILED:
-        for built in (HERE / path).parent.glob(Path(path).stem + ".*.so"):
-            print(f"removing {built.relative_to(HERE)} (an earlier compiled build)")
-            built.unlink()
-    for built in (HERE / "router_sim").glob("_compiled__mypyc.*.so"):
-        built.unlink()
-    (HERE / "router_sim" / MANIFEST).unlink(missing_ok=True)
-
-
-def _remove_stale_in_place() -> None:
-    """Delete the compiled twin of a module an earlier in-place build compiled and this one no
-    longer does (it left COMPILED): it would shadow the source and load a group that no longer
-    holds it. A compiled module is one with a ``.py`` twin; the hand-written extensions have
-    none and stay."""
-    compiled = {HERE / path for path in COMPILED}
+def _remove_compiled_in_place(built_now: Collection[str] = ()) -> None:
+    """Delete the compiled twin an earlier in-place build left beside a module this build does
+    not compile (``built_now``: the sources it compiled): an import would take it first and
+    run old code, or load a group that no longer holds it. A compiled module is one with a
+    ``.py`` twin; the hand-written extensions have none and stay. With nothing compiled now,
+    the group's library and its manifest go too."""
+    kept = {HERE / path for path in built_now}
     for package in ("kvcache", "events", "router_sim"):
         for built in (HERE / package).rglob("*.so"):
             source = built.parent / (built.name.split(".", 1)[0] + ".py")
-            if source.exists() and source not in compiled:
+            if source.exists() and source not in kept:
                 print(f"removing {built.relative_to(HERE)} (compiled by an earlier build)")
                 built.unlink()
+    if built_now:
+        return
+    for built in (HERE / "router_sim").glob("_compiled__mypyc.*.so"):
+        built.unlink()
+    (HERE / "router_sim" / MANIFEST).unlink(missing_ok=True)
 
 
 def _mypyc_extensions() -> list[Extension]:

@@ -335,7 +335,7 @@ class RadixTree:
             take = min(window, max_full - done)
             data = pack_range(tokens, done * tpb, (done + take) * tpb)
             packed.append(data)
-            found = RadixTree.match_full_key(node, data, take, step, want_key=False)[0]
+            found = RadixTree.match_full(node, data, take, step)
             full += found
             if len(found) < take:
                 break

@@ -173,10 +173,21 @@ def test_an_in_place_build_removes_the_compiled_twin_of_a_module_no_longer_compi
         (tmp_path / name).write_text(text)
     monkeypatch.setattr(setuptools, "setup", lambda **_: None)
     namespace = runpy.run_path(str(tmp_path / "setup.py"))
-    namespace["_remove_stale_in_place"]()
+    namespace["_remove_compiled_in_place"](["kvcache/tree.py"])
     left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.so"))
     assert left == [
         "events/_wire.cpython-311-x86_64-linux-gnu.so",
         "kvcache/_tokens.cpython-311-x86_64-linux-gnu.so",
         "kvcache/tree.cpython-311-x86_64-linux-gnu.so",
     ]
+    # a build that compiles nothing (SCOPED_KV_PURE=1, or a failed group) leaves no compiled
+    # module, group library or manifest behind, and still the hand-written extensions
+    (tmp_path / "router_sim" / "_compiled__mypyc.cpython-311-x86_64-linux-gnu.so").write_text("")
+    (tmp_path / "router_sim" / "_compiled_sources.json").write_text("{}")
+    namespace["_remove_compiled_in_place"]()
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.so"))
+    assert left == [
+        "events/_wire.cpython-311-x86_64-linux-gnu.so",
+        "kvcache/_tokens.cpython-311-x86_64-linux-gnu.so",
+    ]
+    assert not (tmp_path / "router_sim" / "_compiled_sources.json").exists()

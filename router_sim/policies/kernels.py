@@ -136,16 +136,15 @@ def ttft_costs(
     costs the compute time of one more block."""
     chunk_ms = timing.prefill_ms(chunk)
     # BoundedLoad.excess over the workers, from the counts it read
-    excess: list[float] = []
+    excess: list[float] = []  # empty: no worker pays a price
     block_ms = 0.0
     if counts is not None and mean is not None:
-        excess = [max(0.0, c - mean) for c in counts]
-        if any(excess):
+        over = [max(0.0, c - mean) for c in counts]
+        if any(over):
+            excess = over
             block_ms = chunked_prefill_ms(timing, chunk, 2 * tpb, chunk_ms) - chunked_prefill_ms(
                 timing, chunk, tpb, chunk_ms
             )
-        else:
-            excess = []
     chunked: dict[int, float] = {0: 0.0}  # tokens -> chunked_prefill_ms(tokens)
     costs: dict[int, float] = {}
     predicted: dict[int, float] = {}

@@ -76,8 +76,6 @@ class PredictedTtftPolicy:
     def chunked_prefill_ms(self, tokens: int, chunk_ms: float | None = None) -> float:
         """Compute time of ``tokens`` prompt tokens run in steps of ``chunk_tokens``
         (``chunk_ms``: one full step's time, when the caller has it already)."""
-        if tokens <= 0:
-            return 0.0
         if chunk_ms is None:
             chunk_ms = self.timing.prefill_ms(self.chunk_tokens)
         return chunked_prefill_ms(self.timing, self.chunk_tokens, tokens, chunk_ms)
@@ -114,29 +112,17 @@ class PredictedTtftPolicy:
         return cost, ms, cached, uncached
 
     def _figures(
-        self, request: RouteRequest, workers: list[int]
+        self,
+        request: RouteRequest,
+        workers: list[int],
+        counts: list[int] | None = None,
+        mean: float | None = None,
     ) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
         """Per worker: cost, predicted TTFT and credited cached blocks: :meth:`_worker`'s
         terms in its order (the same floats), computed by
-        :func:`~router_sim.policies.kernels.ttft_costs`."""
+        :func:`~router_sim.policies.kernels.ttft_costs`; with the balance's ``counts`` and
+        their ``mean``, its price is in the costs."""
         return ttft_costs(
-            workers,
-            request.matches,
-            request.loads,
-            request.num_tokens,
-            request.tokens_per_block,
-            self.device_credit,
-            self.slower_credit,
-            self.recompute_weight,
-            self.timing,
-            self.chunk_tokens,
-        )
-
-    def choose(self, request: RouteRequest) -> PolicyChoice:
-        workers, counts, mean = self.bounded.eligible_counts(candidates(request))
-        # _figures' terms, and the balance's price added: one request beyond the mean costs
-        # the compute time of one more block
-        costs, predicted, overlap = ttft_costs(
             workers,
             request.matches,
             request.loads,
@@ -150,6 +136,11 @@ class PredictedTtftPolicy:
             counts,
             mean,
         )
+
+    def choose(self, request: RouteRequest) -> PolicyChoice:
+        workers, counts, mean = self.bounded.eligible_counts(candidates(request))
+        # with the balance's price: one request beyond the mean costs one more block's compute
+        costs, predicted, overlap = self._figures(request, workers, counts, mean)
         seed = self.seed
         chosen = lowest_cost(
             costs,
