@@ -141,15 +141,20 @@ MYPYC: list[Extension] = []
 
 # the helpers the events package's three extensions share (a change to it rebuilds them)
 COMMON = ["events/_native_common.h"]
+# the V1 hash's arithmetic, shared by the extensions that hash blocks
+V1CORE = "events/_v1core.h"
 
 
-def native(name: str, *, shared: bool = False) -> Extension:
+def native(name: str, *, shared: bool = False, depends: tuple[str, ...] = ()) -> Extension:
     """The optional extension ``name`` built from its one C file at -O3; ``shared``: it
-    includes :data:`COMMON`."""
+    includes :data:`COMMON`; ``depends``: other headers it includes."""
     path = name.replace(".", "/") + ".c"
-    depends = COMMON if shared else []
     return Extension(
-        name, sources=[path], depends=depends, extra_compile_args=["-O3"], optional=True
+        name,
+        sources=[path],
+        depends=[*(COMMON if shared else []), *depends],
+        extra_compile_args=["-O3"],
+        optional=True,
     )
 
 
@@ -157,7 +162,7 @@ setup(
     ext_modules=[
         # events.hashing / events._records / events.codec's V1 hashes, records and runs
         # (pure-Python fallback)
-        native("events._v1hash", shared=True),
+        native("events._v1hash", shared=True, depends=(V1CORE,)),
         # events.codec / events.wire_fast's msgpack codec of the event path (pure-Python fallback)
         native("events._wire", shared=True),
         # router_sim.service.protocol's JSON prompt readers (msgspec fallback)
@@ -165,6 +170,9 @@ setup(
         # router_sim.indexer's match loop over a mirror of its masks, and the simulator's trace
         # prompts and answers (pure-Python fallback)
         native("router_sim._match"),
+        # the simulator's prompts and their V1 hashes, made ahead on a native thread
+        # (router_sim.prefetch; made inline without it)
+        native("router_sim._prefetch", depends=(V1CORE,)),
         # kvcache.keys' pack-and-check of token arrays and SHA-256 chain keys where the CPU has
         # SHA-NI (pure-Python / hashlib fallback)
         native("kvcache._tokens"),

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from kvcache.batch import Batch
 from kvcache.errors import OutOfPagesError
 from kvcache.eviction import EvictionQueue, eviction_key
-from kvcache.keys import tokens_to_bytes
+from kvcache.keys import BlockKey, tokens_to_bytes
 from kvcache.pool import PagePool
 from kvcache.scope import ReuseScope
 from kvcache.sink import EventSink
@@ -275,14 +275,17 @@ class BlockPool:
         last: int,
         tokens: array[int],
         data: bytes | None = None,
+        keys: Sequence[BlockKey] | None = None,
     ) -> None:
         """Blocks ``first..last-1`` of a sequence (private pages) join the tree, holding
         ``tokens``'s blocks: ``tokens[0]`` is the first token of block ``first`` (it may run
         past block ``last - 1``); ``data``, when the caller has it, is their 4-byte LE
-        encoding. Where the same block is cached already the sequence switches to it (its own
-        page is given back, or handed to the cached block when that one sits on a slower tier:
-        the page holds the same KV). After the first block that is not cached, none is (a new
-        block has no children), so the rest joins as one chain."""
+        encoding; ``keys``, when it has them, the keys of the sequence's blocks ``0..len - 1``
+        (those of blocks in this range are not computed again). Where the same block is
+        cached already the sequence switches to it (its own page is given back, or handed to
+        the cached block when that one sits on a slower tier: the page holds the same KV).
+        After the first block that is not cached, none is (a new block has no children), so
+        the rest joins as one chain."""
         tpb = self.tokens_per_block
         step = 4 * tpb
         if data is None:
@@ -315,7 +318,10 @@ class BlockPool:
         # next_key chains from node's key: a root that went with the partial comes back with
         # the same key (the scope's)
         rest = data if i == first else data[4 * at :]
-        self.tree.attach_chain(node, new, tokens, tpb, start=at, data=rest, first_key=next_key)
+        known = keys[i:last] if keys is not None and i < len(keys) else None
+        self.tree.attach_chain(
+            node, new, tokens, tpb, start=at, data=rest, first_key=next_key, keys=known
+        )
         self._linked(new[0])
         for j in range(i, last - 1):  # each one's child is on its tier (the device tier, pinned)
             b = blocks[j]

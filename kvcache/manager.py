@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import importlib
 from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from kvcache.block_pool import BlockPool
 from kvcache.config import KVCacheManagerConfig
 from kvcache.errors import KVCacheError
-from kvcache.keys import checked_token_array
+from kvcache.keys import BlockKey, checked_token_array
 from kvcache.owner import ThreadOwner
 from kvcache.pool import PagePool
 from kvcache.scope import DEFAULT_SCOPE, ReuseScope
@@ -136,17 +136,28 @@ class KVCacheManager:
         input_tokens: Iterable[int],
         reuse_scope: ReuseScope | None = None,
         priority: int = DEFAULT_PRIORITY,
+        *,
+        block_keys: Sequence[BlockKey] | None = None,
     ) -> KVCache:
         """Match the longest reusable prefix of ``input_tokens`` in ``reuse_scope``, pin it
         (bringing blocks on slower tiers back to the device tier) and return the sequence.
 
         ``num_reused_tokens`` tells the engine where to start computing. Raises
         ``OutOfPagesError`` with nothing changed when the device tier cannot hold the reuse.
+
+        ``block_keys``: the keys of the input's first full blocks when the caller computed
+        them already, as ``kvcache.keys.blockchain_keys(reuse_scope, input_tokens,
+        tokens_per_block)`` gives them (an engine hashing each request once on arrival, as
+        vLLM does): committing those blocks then hashes nothing again. They are trusted: keys
+        of other tokens would file the blocks under the wrong content. At most one per full
+        block, each 32 bytes (``ValueError`` otherwise).
         """
         self._owner.check("create_kv_cache")
         scope = _check_scope(reuse_scope)
         priority = _check_priority(priority)
         tokens = checked_token_array(input_tokens)
+        if block_keys is not None:
+            _check_keys(block_keys, len(tokens) // self.tokens_per_block)
         full, src, m, packed = self._match(tokens, scope)
         blocks = self._pool.acquire(full, src, m, scope, priority)
         reused = len(full) * self.tokens_per_block + (m if src is not None else 0)
@@ -163,6 +174,7 @@ class KVCacheManager:
             self._owner,
             packed,
             reused,
+            block_keys,
         )
         self._live.add(seq)
         self._pool.finish()
@@ -261,3 +273,16 @@ class KVCacheManager:
             drops=c.drops,
             tiers=tiers,
         )
+
+
+def _check_keys(keys: Sequence[BlockKey], full_blocks: int) -> None:
+    if isinstance(keys, (bytes, str)):
+        raise ValueError("block_keys must be a sequence of keys, not one")
+    if len(keys) > full_blocks:
+        raise ValueError(
+            f"block_keys: at most one key per full block of the input ({full_blocks}), "
+            f"got {len(keys)}"
+        )
+    for key in keys:
+        if type(key) is not bytes or len(key) != 32:
+            raise ValueError(f"block_keys: each key is 32 bytes, got {key!r:.60}")

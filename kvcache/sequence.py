@@ -13,12 +13,18 @@ States: active -> (stop_committing) -> stopped; active/stopped <-> suspended; an
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 
 from kvcache.block_pool import BlockPool
 from kvcache.errors import CacheStateError, ClosedCacheError
-from kvcache.keys import int32_array, pack_range, token_array_bytes, tokens_from_bytes
+from kvcache.keys import (
+    BlockKey,
+    int32_array,
+    pack_range,
+    token_array_bytes,
+    tokens_from_bytes,
+)
 from kvcache.owner import ThreadOwner
 from kvcache.scope import ReuseScope
 from kvcache.tree import Block
@@ -31,6 +37,7 @@ class KVCache:
         "_blocks",
         "_chunks",
         "_closed",
+        "_keys",
         "_n",
         "_on_close",
         "_owner",
@@ -54,12 +61,16 @@ class KVCache:
         owner: ThreadOwner | None = None,
         packed: list[bytes] | None = None,
         num_tokens: int | None = None,
+        keys: Sequence[BlockKey] | None = None,
     ) -> None:
         """``tokens``: the reused prefix, or with ``num_tokens`` a longer array whose first
         ``num_tokens`` are (the manager's prompt: nothing is copied out of it but the last
         partial block); ``packed``, when the caller has it, consecutive pieces of the tokens'
         4-byte LE encoding from the first token on (the prefix is taken from them, as views,
-        instead of packing the tokens again; tokens past their end are packed here)."""
+        instead of packing the tokens again; tokens past their end are packed here);
+        ``keys``, when the caller has them, the keys of the sequence's first full blocks
+        (``blockchain_keys`` of its prompt): blocks they cover are not hashed again when
+        committed."""
         self._owner = owner  # the manager's thread check (kvcache.owner)
         self._pool = pool
         self._on_close = on_close
@@ -84,6 +95,7 @@ class KVCache:
         self._n = n
         self._tail: array[int] = tokens[n - n % pool.tokens_per_block : n]
         self._blocks = blocks
+        self._keys = keys
         self.num_reused_tokens = n
         self._closed = False
         self._stopped = False
@@ -199,7 +211,7 @@ class KVCache:
         first, last = old_n // tpb, new_n // tpb
         self._tail = seg[(last - first) * tpb :]  # a copy: ``seg`` may be the caller's array
         if last > first:
-            pool.store_full(self.scope, self._blocks, first, last, seg, seg_data)
+            pool.store_full(self.scope, self._blocks, first, last, seg, seg_data, self._keys)
         pool.finish()
 
     def stop_committing(self) -> None:

@@ -506,6 +506,7 @@ class RadixTree:
         start: int = 0,
         data: bytes | None = None,
         first_key: bytes | None = None,
+        keys: Sequence[BlockKey] | None = None,
     ) -> None:
         """Make ``blocks`` a chain of full blocks below ``node``: block ``j`` holds
         ``tokens[start + j * tpb : start + (j + 1) * tpb]`` and gets the key chained from its
@@ -514,25 +515,36 @@ class RadixTree:
         ``data``, when given, is those tokens' 4-byte LE encoding from the chain's first block
         on (it may run longer), and ``first_key`` the first block's key if already known
         (:meth:`match_full_key`): the caller has them, so nothing is packed or hashed twice.
+        ``keys``, when given (not empty), are the keys of the chain's first blocks (at most
+        ``len(blocks)``), computed by the caller from the same tokens: only the rest are
+        hashed.
         """
         step = 4 * tpb
         count = len(blocks)
         if not count:
             return
-        if data is None:
-            data = tokens_to_bytes(tokens[start : start + count * tpb])
-        # every key in one call (a native loop where the CPU has SHA-NI, see keys.chain_keys)
-        if first_key is None:
-            keys = chain_keys(node.key, data, 0, step, count)
+        known = 0 if keys is None else min(len(keys), count)
+        chain: list[BlockKey]
+        if keys is not None and known == count:
+            chain = keys if type(keys) is list and len(keys) == count else list(keys[:count])
         else:
-            keys = chain_keys(first_key, data, step, step, count - 1)
-            keys.insert(0, first_key)  # type: ignore[arg-type]  # a BlockKey
+            if data is None:
+                data = tokens_to_bytes(tokens[start : start + count * tpb])
+            # every key in one call (a native loop where the CPU has SHA-NI, see chain_keys)
+            if keys is not None and known:
+                rest = chain_keys(keys[known - 1], data, known * step, step, count - known)
+                chain = [*keys[:known], *rest]
+            elif first_key is None:
+                chain = chain_keys(node.key, data, 0, step, count)
+            else:
+                chain = chain_keys(first_key, data, step, step, count - 1)
+                chain.insert(0, first_key)  # type: ignore[arg-type]  # a BlockKey
         parent = node if isinstance(node, Block) else None
         done = 0
         if _linker is not None and type(blocks) is list and type(tokens) is array:
             # blocks 1..done-1 linked, each as its predecessor's only child (and block 0's
             # fields set): what the loop below does for them, in one native call
-            done = _linker.link(blocks, keys, tokens, start, tpb, parent)
+            done = _linker.link(blocks, chain, tokens, start, tpb, parent)
             _adopt(node, blocks[0])
         if done < count:
             prev: Node = blocks[done - 1] if done else node
@@ -541,7 +553,7 @@ class RadixTree:
             pos = start + done * tpb
             for j in range(done, count):
                 b = blocks[j]
-                b.key = keys[j]
+                b.key = chain[j]
                 b.tokens = tokens[pos : pos + tpb]
                 b.is_full = True
                 b.parent = parent

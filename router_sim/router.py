@@ -278,15 +278,22 @@ class Router:
         cache_salt: str | None = None,
         lora_name: str | None = None,
         now_ms: float | None = None,
+        block_hashes: list[BlockHash] | None = None,
     ) -> RoutingDecision:
         """Choose a worker for a prompt under a scope (or a LoRA id + cache salt string).
 
+        ``block_hashes``: the prompt's keys when the caller has them already, exactly as
+        :meth:`hash_request` gives them for this prompt and scope (not checked: the simulator
+        passes those its prompt thread made, see :mod:`router_sim.prefetch`).
         Raises ``router_sim.policies.NoWorkersError`` when the load source offers no worker.
         """
         start = time.perf_counter()
-        hashes = self.hash_request(
-            tokens, scope, lora_id=lora_id, cache_salt=cache_salt, lora_name=lora_name
-        )
+        if block_hashes is not None:
+            hashes = block_hashes
+        else:
+            hashes = self.hash_request(
+                tokens, scope, lora_id=lora_id, cache_salt=cache_salt, lora_name=lora_name
+            )
         if now_ms is None:
             now_ms = self.clock() if self.clock is not None else 0.0
         source = self.load_source

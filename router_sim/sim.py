@@ -35,6 +35,7 @@ from typing import Any, Final
 import zmq
 
 from events.codec import decode_batch
+from events.hashing import HashAlgo
 from events.model import BlockHash
 from events.subscriber import BatchDelivery, ResyncRequired, SubscriberMessage, ZmqEventSubscriber
 from router_sim.build_info import warn_if_stale
@@ -43,6 +44,7 @@ from router_sim.errors import SimulationError as SimulationError
 from router_sim.load import WorkerLoad
 from router_sim.metrics import PolicySummary, RequestRecord, WireStats
 from router_sim.policies import make_policy
+from router_sim.prefetch import prompt_source
 from router_sim.router import Router
 from router_sim.timing import default_step_timing
 from router_sim.timing_model import PolynomialTiming
@@ -387,15 +389,22 @@ class Simulation:
         records: list[RequestRecord] = []
         tpb = self.config.tokens_per_block
         ordered = sorted(requests, key=lambda r: r.arrival_ms)
-        native = self.config.engine == "native"
+        engine = self.config.engine
+        native = engine == "native"
+        scopes = [req.scope if native else request_scope(engine, req) for req in ordered]
+        # prompts (and the router's V1 keys of them) made ahead on a second thread
+        hashed = self.router.hash_algo is HashAlgo.V1_BLOCK_KEY
+        source = prompt_source(ordered, scopes, tpb, hashed)
         try:
             for i, req in enumerate(ordered):
                 t = req.arrival_ms
                 self._restart_due(t)
                 self._advance(t)
+                scope = scopes[i]
                 prompt = req.tokens()
-                scope = req.scope if native else request_scope(self.config.engine, req)
-                decision = self.router.route(prompt, scope, now_ms=t)
+                made = source.take() if source is not None else None
+                hashes, keys = made if made is not None else (None, None)
+                decision = self.router.route(prompt, scope, now_ms=t, block_hashes=hashes)
                 true = self._true_overlaps(decision.block_hashes)
                 record = RequestRecord(
                     request_id=req.request_id,
@@ -409,7 +418,7 @@ class Simulation:
                     decision_us=decision.decision_us,
                 )
                 records.append(record)
-                self.workers[decision.worker].enqueue(req, record, t, prompt)
+                self.workers[decision.worker].enqueue(req, record, t, prompt, keys)
                 if progress is not None:
                     progress(i + 1, len(ordered))
             self._restart_due(math.inf)
@@ -426,6 +435,8 @@ class Simulation:
                 for w in self.workers
             )
         finally:
+            if source is not None:
+                source.close()
             wire = self._wire_stats()
             self.close()
         return PolicySummary(

@@ -44,6 +44,7 @@ from events.publisher import ZmqEventPublisher
 from events.snapshot import split_parts
 from kvcache.config import KVCacheManagerConfig, TierConfig
 from kvcache.errors import OutOfPagesError
+from kvcache.keys import BlockKey
 from kvcache.manager import KVCacheManager
 from kvcache.sequence import KVCache
 from router_sim.dialects import check_engine, make_dialect
@@ -107,6 +108,8 @@ class _Seq:
     output: array[int] = field(default_factory=lambda: array("i"))
     """The sequence is the prompt followed by the answer (kept apart: a 10k-token prompt is
     not copied to append its answer, nor to be looked up whole)."""
+    keys: list[BlockKey] | None = None
+    """The cache keys of the prompt's full blocks, when made already (router_sim.prefetch)."""
     cache: KVCache | None = None
     target: int = 0
     """Tokens whose KV must exist before decoding (re)starts."""
@@ -457,14 +460,17 @@ class SimWorker:
         record: RequestRecord,
         now_ms: float,
         prompt: array[int] | None = None,
+        keys: list[BlockKey] | None = None,
     ) -> None:
-        """A routed request arrives at ``now_ms`` (``prompt``: its tokens, if already built)."""
+        """A routed request arrives at ``now_ms`` (``prompt``: its tokens, if already built;
+        ``keys``: the cache keys of its full blocks, if already made)."""
         if self.idle:
             self.clock_ms = max(self.clock_ms, now_ms)
         self._load = None
         seq = _Seq(req, record, self._order)
         if prompt is not None:
             seq.prompt, seq.output = prompt, req.output_tokens()
+        seq.keys = keys
         self.dialect.learn(req)
         self.waiting.append(seq)
         self._order += 1
@@ -476,7 +482,9 @@ class SimWorker:
         target = req.input_length + s.generated
         ctx = s.span(0, target)
         try:
-            cache = self.manager.create_kv_cache(ctx, reuse_scope=self.dialect.scope(req))
+            cache = self.manager.create_kv_cache(
+                ctx, reuse_scope=self.dialect.scope(req), block_keys=s.keys
+            )
         except OutOfPagesError:
             return False
         try:
