@@ -147,10 +147,10 @@ class KVCacheManager:
 
         ``block_keys``: the keys of the input's first full blocks when the caller computed
         them already, as ``kvcache.keys.blockchain_keys(reuse_scope, input_tokens,
-        tokens_per_block)`` gives them (an engine hashing each request once on arrival, as
-        vLLM does): committing those blocks then hashes nothing again. They are trusted: keys
-        of other tokens would file the blocks under the wrong content. At most one per full
-        block, each 32 bytes (``ValueError`` otherwise).
+        tokens_per_block)`` gives them for its full blocks (an engine hashing each request
+        once on arrival, as vLLM does): committing those blocks then hashes nothing again.
+        They are trusted: keys of other tokens would file the blocks under the wrong content.
+        At most one per full block, each 32 bytes (``ValueError`` otherwise).
         """
         self._owner.check("create_kv_cache")
         scope = _check_scope(reuse_scope)
