@@ -107,11 +107,11 @@ class KVCacheManager:
     # ---------------------------------------------------------------------------- matching
 
     def _match(
-        self, tokens: array[int], scope: ReuseScope
+        self, tokens: array[int], scope: ReuseScope, keys: Sequence[BlockKey] | None = None
     ) -> tuple[list[Block], Block | None, int, list[bytes]]:
         """(full blocks reused, copy-on-write source, tokens reused from it, the packed
         4-byte LE encoding of the tokens as far as they were compared): see
-        :meth:`RadixTree.match_prefix`."""
+        :meth:`RadixTree.match_prefix` (``keys``: the tokens' block keys, when known)."""
         cfg = self.config
         return self._tree.match_prefix(
             tokens,
@@ -120,6 +120,7 @@ class KVCacheManager:
             cfg.enable_partial_reuse,
             cfg.max_partial_scan,
             _FIRST_WINDOW_TOKENS,
+            keys,
         )
 
     def probe_reuse(
@@ -158,7 +159,7 @@ class KVCacheManager:
         tokens = checked_token_array(input_tokens)
         if block_keys is not None:
             _check_keys(block_keys, len(tokens) // self.tokens_per_block)
-        full, src, m, packed = self._match(tokens, scope)
+        full, src, m, packed = self._match(tokens, scope, block_keys)
         blocks = self._pool.acquire(full, src, m, scope, priority)
         reused = len(full) * self.tokens_per_block + (m if src is not None else 0)
         self._queries += 1

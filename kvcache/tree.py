@@ -309,11 +309,16 @@ class RadixTree:
         partial: bool,
         max_scan: int,
         first_window: int,
+        keys: Sequence[BlockKey] | None = None,
     ) -> tuple[list[Block], Block | None, int, list[bytes]]:
         """The longest reusable prefix of ``tokens`` under ``scope``: (its full blocks, the
         block to copy a partial prefix from (with ``partial``, scanning at most ``max_scan``
         children), the tokens reused from it, the packed 4-byte LE encoding of the tokens as
-        far as they were compared: at least the full blocks reused).
+        far as they were compared: at least the full blocks reused, none when ``keys`` did).
+
+        ``keys``: the chain keys of ``tokens``'s full blocks, when the caller has them (at
+        least every block that may be reused): the full blocks are then found by key alone,
+        no token is packed, compared or hashed.
 
         At most ``len(tokens) - 1`` tokens are reused. The tokens are packed window by window,
         the first of ``first_window`` tokens, each next four times the last, while every block
@@ -328,6 +333,15 @@ class RadixTree:
         max_full = (n - 1) // tpb
         full: list[Block] = []
         packed: list[bytes] = []
+        if keys is not None and len(keys) >= max_full:
+            full = RadixTree.match_keys(root, keys, max_full)
+            if not partial:
+                return full, None, 0, packed
+            start = len(full) * tpb
+            limit = min(tpb, n - 1 - start)
+            last: Node = full[-1] if full else root
+            src, m = RadixTree.match_partial(last, tokens[start : start + limit], limit, max_scan)
+            return full, src, m, packed
         node: Node = root
         done = 0
         window = max(1, first_window // tpb)
@@ -349,6 +363,29 @@ class RadixTree:
         node = full[-1] if full else root
         src, m = RadixTree.match_partial(node, tokens[start : start + limit], limit, max_scan)
         return full, src, m, packed
+
+    @staticmethod
+    def match_keys(node: Node, keys: Sequence[BlockKey], max_blocks: int) -> list[Block]:
+        """The longest chain of full blocks under ``node`` whose keys are ``keys``'s first
+        ones (at most ``max_blocks``)."""
+        found: list[Block] = []
+        children = node.children
+        child = node.child
+        for i in range(min(max_blocks, len(keys))):
+            key = keys[i]
+            if children is None:
+                if child is None or child.key != key:
+                    break
+                block = child
+            else:
+                found_block = children.get(key)
+                if found_block is None:
+                    break
+                block = found_block
+            found.append(block)
+            children = block.children
+            child = block.child
+        return found
 
     @staticmethod
     def match_full(node: Node, data: bytes, max_blocks: int, step: int) -> list[Block]:

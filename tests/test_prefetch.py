@@ -8,6 +8,8 @@ from array import array
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvcache.config import KVCacheManagerConfig, TierConfig
 from kvcache.keys import blockchain_keys, root_key
@@ -205,6 +207,55 @@ def test_given_keys_are_used_not_recomputed() -> None:
     seq.commit(prompt)
     seq.close()
     assert set(fake) <= {b.key for b in m.iter_blocks()}
+
+
+def test_given_keys_find_the_cached_prefix_by_key() -> None:
+    # the prefix is looked up by the keys given, not by the tokens (which are not packed,
+    # compared or hashed): blocks filed under the keys are found for other tokens
+    m = _manager()
+    fake = [bytes([1]) * 32, bytes([2]) * 32]
+    seq = m.create_kv_cache(array("i", range(8)), block_keys=fake)
+    seq.commit(array("i", range(8)))
+    seq.close()
+    other = array("i", range(50, 59))  # two full blocks and one token, no content cached
+    assert m.create_kv_cache(other).num_reused_tokens == 0
+    keyed = m.create_kv_cache(other, block_keys=fake)
+    assert keyed.num_reused_tokens == 8
+    assert list(keyed.tokens) == list(other)[:8]
+    keyed.close()
+
+
+@given(
+    prompts=st.lists(
+        st.tuples(
+            st.integers(0, 2),  # scope
+            st.lists(st.integers(0, 2), min_size=1, max_size=5),  # block contents
+            st.integers(0, 3),  # tokens past the full blocks
+        ),
+        min_size=1,
+        max_size=12,
+    )
+)
+@settings(max_examples=60, deadline=None)
+def test_given_keys_reuse_what_the_tokens_would(prompts: list[tuple[int, list[int], int]]) -> None:
+    # full and partial reuse, three scopes: with every full block's key given, a manager
+    # reuses the same blocks as one that matches by tokens, and holds the same tree after
+    scopes = [ReuseScope(), ReuseScope(lora_id=2), ReuseScope(lora_id=2, salt=5)]
+    plain, keyed = _manager(), _manager()
+    for which, contents, extra in prompts:
+        scope = scopes[which]
+        tokens = array("i", [t for c in contents for t in (c, c + 1, c + 2, c + 3)])
+        tokens.extend(range(90, 90 + extra))
+        keys = blockchain_keys(scope, tokens, 4)[: len(tokens) // 4]
+        reused = []
+        for m, given_keys in ((plain, None), (keyed, keys)):
+            seq = m.create_kv_cache(tokens, scope, block_keys=given_keys)
+            reused.append((seq.num_reused_tokens, [b.uid for b in seq.held_blocks()]))
+            seq.commit(tokens[seq.num_reused_tokens :])
+            assert list(seq.tokens) == list(tokens)
+            seq.close()
+        assert reused[0] == reused[1]
+    assert _committed_keys(plain) == _committed_keys(keyed)
 
 
 @pytest.mark.parametrize(
