@@ -29,7 +29,7 @@ from array import array
 from collections.abc import Callable
 from dataclasses import fields
 from functools import partial
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from events.hashing import v1_block_hash
 from events.model import BlockHash, StoredBlock, TokenIds
@@ -133,13 +133,26 @@ def v1_stored_chain_py(
     salt_id: int | None,
     cache_level: int,
     priority: int,
+    known: list[int] | None = None,
 ) -> list[StoredBlock]:
     """The records of a chain of blocks, one per ``array('i')`` of tokens, each hashed under
     the previous block's V1 hash (the first under ``parent_hash``, 0 for a first block): the
-    reference form of :func:`v1_stored_chain`."""
+    reference form of :func:`v1_stored_chain`. ``known``: the V1 hashes of the first blocks
+    when the caller has them (taken as they are: trusted, not checked against the tokens);
+    the blocks past them are hashed under the last one."""
     records: list[StoredBlock] = []
-    for tokens in token_arrays:
-        sb = v1_stored_block_py(tokens, parent_hash, lora_id, salt_id, cache_level, priority)
+    for i, tokens in enumerate(token_arrays):
+        if known is not None and i < len(known):
+            h = known[i]
+            if type(h) is not int:
+                raise TypeError("v1_stored_chain: known hashes must be ints")
+            if not 0 <= h < 1 << 64:
+                raise OverflowError("v1_stored_chain: known hashes must be in [0, 2**64)")
+            if type(tokens) is not array or tokens.typecode != "i":
+                tokens = array("i", bytes(tokens))
+            sb = stored_block(h, tokens, lora_id, cache_level, priority, salt_id)
+        else:
+            sb = v1_stored_block_py(tokens, parent_hash, lora_id, salt_id, cache_level, priority)
         records.append(sb)
         parent_hash = int(sb.block_hash)
     return records
@@ -184,9 +197,21 @@ v1_stored_block: Callable[[array[int], int, int | None, int | None, int, int], S
 NATIVE_CHAIN: Final[bool] = NATIVE and hasattr(_native, "v1_stored_chain")
 """True when the native chain builder is loaded (an extension built before it lacks it)."""
 
-v1_stored_chain: Callable[
-    [list[array[int]], int, int | None, int | None, int, int], list[StoredBlock]
-] = (
+
+class _ChainBuilder(Protocol):
+    def __call__(
+        self,
+        token_arrays: list[array[int]],
+        parent_hash: int,
+        lora_id: int | None,
+        salt_id: int | None,
+        cache_level: int,
+        priority: int,
+        known: list[int] | None = None,
+    ) -> list[StoredBlock]: ...
+
+
+v1_stored_chain: _ChainBuilder = (
     partial(_native.v1_stored_chain, StoredBlock, _DESCRIPTORS)
     if NATIVE_CHAIN
     else v1_stored_chain_py

@@ -420,7 +420,7 @@ error:
 
 static PyObject *v1_record(PyObject *cls, PyObject *setters, PyObject *tokens_obj,
                            uint64_t parent, const scope_t *scope, PyObject *const *attrs,
-                           uint64_t *hash_out);
+                           const uint64_t *known, uint64_t *hash_out);
 
 /* v1_stored_block(cls, setters, tokens, parent_hash, lora_id, salt_id, cache_level, priority)
  * -> record: the V1 hash of packed int32 tokens chained to parent_hash (an int) and the record
@@ -444,15 +444,16 @@ static PyObject *v1_stored_block(PyObject *self, PyObject *const *args, Py_ssize
     /* the record's other fields: lora_id, cache_level, priority, cache_salt_id */
     PyObject *const attrs[4] = {args[4], args[6], args[7], args[5]};
     uint64_t h;
-    return v1_record(cls, setters, args[2], parent, &scope, attrs, &h);
+    return v1_record(cls, setters, args[2], parent, &scope, attrs, NULL, &h);
 }
 
 /* The record of one block of packed int32 tokens hashed under parent: values[] holds the
  * record's other fields (lora_id, cache_level, priority, cache_salt_id) and *hash_out gets the
- * block's hash. A new reference, or NULL with an exception set. */
+ * block's hash. With known, *known is the block's hash, taken as it is (neither the hash nor
+ * the tokens' signs are computed). A new reference, or NULL with an exception set. */
 static PyObject *v1_record(PyObject *cls, PyObject *setters, PyObject *tokens_obj,
                            uint64_t parent, const scope_t *scope, PyObject *const *attrs,
-                           uint64_t *hash_out) {
+                           const uint64_t *known, uint64_t *hash_out) {
     Py_buffer buf;
     if (PyObject_GetBuffer(tokens_obj, &buf, PyBUF_FORMAT) < 0) {
         return NULL;
@@ -466,7 +467,7 @@ static PyObject *v1_record(PyObject *cls, PyObject *setters, PyObject *tokens_ob
     Py_ssize_t n = buf.len / 4;
     const unsigned char *p = (const unsigned char *)buf.buf;
     uint32_t sign = 0;
-    uint64_t h = hash_block(p, n, parent, scope, &sign);
+    uint64_t h = known != NULL ? *known : hash_block(p, n, parent, scope, &sign);
     if (sign & UINT32_C(0x80000000)) {
         negative_token_error();
         goto done;
@@ -495,13 +496,21 @@ done:
 }
 
 /* v1_stored_chain(cls, setters, token_arrays, parent_hash, lora_id, salt_id, cache_level,
- * priority) -> list: the records of a chain of blocks, one per packed int32 token array, each
- * hashed under the previous one's hash (the first under parent_hash, 0 for a first block):
- * what v1_stored_block does block by block, in one call per chain. */
+ * priority[, known]) -> list: the records of a chain of blocks, one per packed int32 token
+ * array, each hashed under the previous one's hash (the first under parent_hash, 0 for a first
+ * block): what v1_stored_block does block by block, in one call per chain. known (a list of
+ * ints in [0, 2**64), or None): the hashes of the first blocks when the caller has them, taken
+ * as they are (trusted: not checked against the tokens); the blocks past them are hashed under
+ * the last one. */
 static PyObject *v1_stored_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 8) {
-        PyErr_Format(PyExc_TypeError, "v1_stored_chain takes 8 arguments, got %zd", nargs);
+    if (nargs != 8 && nargs != 9) {
+        PyErr_Format(PyExc_TypeError, "v1_stored_chain takes 8 or 9 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *known = nargs == 9 && args[8] != Py_None ? args[8] : NULL;
+    if (known != NULL && !PyList_Check(known)) {
+        PyErr_SetString(PyExc_TypeError, "v1_stored_chain: known must be a list of ints or None");
         return NULL;
     }
     PyObject *cls = args[0], *setters = args[1], *arrays = args[2];
@@ -530,9 +539,26 @@ static PyObject *v1_stored_chain(PyObject *self, PyObject *const *args, Py_ssize
             Py_DECREF(out);
             return NULL;
         }
+        uint64_t h = 0, given = 0;
+        int has = known != NULL && i < PyList_GET_SIZE(known);
+        if (has) {
+            PyObject *item = PyList_GET_ITEM(known, i);
+            if (!PyLong_CheckExact(item)) {
+                PyErr_SetString(PyExc_TypeError, "v1_stored_chain: known hashes must be ints");
+                Py_DECREF(out);
+                return NULL;
+            }
+            given = PyLong_AsUnsignedLongLong(item);
+            if (given == (uint64_t)-1 && PyErr_Occurred()) {
+                PyErr_SetString(PyExc_OverflowError,
+                                "v1_stored_chain: known hashes must be in [0, 2**64)");
+                Py_DECREF(out);
+                return NULL;
+            }
+        }
         PyObject *tokens = Py_NewRef(PyList_GET_ITEM(arrays, i));
-        uint64_t h = 0;
-        PyObject *rec = v1_record(cls, setters, tokens, parent, &scope, attrs, &h);
+        PyObject *rec =
+            v1_record(cls, setters, tokens, parent, &scope, attrs, has ? &given : NULL, &h);
         Py_DECREF(tokens);
         if (rec == NULL) {
             Py_DECREF(out);
@@ -960,8 +986,8 @@ static PyMethodDef methods[] = {
      "priority) -> record: V1 hash and record of one block of packed int32 token ids."},
     {"v1_stored_chain", (PyCFunction)(void (*)(void))v1_stored_chain, METH_FASTCALL,
      "v1_stored_chain(cls, setters, token_arrays, parent_hash, lora_id, salt_id, cache_level, "
-     "priority) -> list: the records of a chain of blocks of packed int32 token ids, each "
-     "hashed under the previous one's hash."},
+     "priority[, known]) -> list: the records of a chain of blocks of packed int32 token ids, "
+     "each hashed under the previous one's hash (known: the first ones' hashes, if given)."},
     {"build_events", (PyCFunction)(void (*)(void))build_events, METH_FASTCALL,
      "build_events(spec, pending, first_id, block_size, window_size, hash_algo, dp_rank) -> "
      "list: the event manager's pending items as numbered events."},

@@ -334,11 +334,16 @@ class KVCacheEventManager:
                 return
         pending.append(_PendingRemoved([h], cache_level))
 
-    def on_stored(self, blocks: Sequence[BlockView]) -> None:
-        """Announce blocks that joined the tree (partial ones only with ``announce_partial``)."""
+    def on_stored(self, blocks: Sequence[BlockView], hashes: Sequence[int] | None = None) -> None:
+        """Announce blocks that joined the tree (partial ones only with ``announce_partial``).
+
+        ``hashes``: the V1 hashes of the first blocks when the cache was given them
+        (``create_kv_cache(sink_hashes=...)``), taken as they are under ``v1_block_key`` and
+        ignored under the other algorithms."""
         chains = self._v1  # v2_* hash block keys: one record per block
+        known_all = hashes if chains and hashes else None
         with self._lock:
-            hashes = self._hashes
+            announced = self._hashes
             pending = self._pending
             # The open chain: the last pending Stored's blocks, which a block extends when it
             # is the next link with the same attributes (the rule of _append_stored, inline
@@ -356,12 +361,12 @@ class KVCacheEventManager:
                 elif self._block_size is None:
                     self._block_size = len(block.tokens)
                 key = block.key
-                if key in hashes:
+                if key in announced:
                     self.duplicate_stores += 1
                     continue
                 # the usual case inline: the parent was announced (by this call, mostly)
                 parent = block.parent
-                parent_hash = None if parent is None else hashes.get(parent.key)
+                parent_hash = None if parent is None else announced.get(parent.key)
                 if parent_hash is None and parent is not None:
                     parent_hash = self._parent_hash(block)
                 tokens = block.tokens
@@ -385,22 +390,28 @@ class KVCacheEventManager:
                             or nxt.tier != tier
                             or nxt.priority != priority
                             or (nxt.scope is not scope and nxt.scope != scope)
-                            or nxt.key in hashes
+                            or nxt.key in announced
                         ):
                             break  # the outer loop takes it from here
                         chain.append(nxt)
                         arrays.append(nxt_tokens)
                         i += 1
                     parent_int = 0 if parent_hash is None else int(parent_hash)
+                    start = i - len(chain)
+                    known = (
+                        list(known_all[start : start + len(chain)])
+                        if known_all is not None and start < len(known_all)
+                        else None
+                    )
                     records = v1_stored_chain(
-                        arrays, parent_int, scope.lora_id, scope.salt, tier, priority
+                        arrays, parent_int, scope.lora_id, scope.salt, tier, priority, known
                     )
                     for b, rec in zip(chain, records, strict=True):
-                        hashes[b.key] = rec.block_hash
+                        announced[b.key] = rec.block_hash
                     sb = records[0]
                 else:
                     sb = self._record(block, parent_hash)
-                    hashes[key] = sb.block_hash
+                    announced[key] = sb.block_hash
                 # _continues, inline (a call per record costs ~8 %); the records of one chain
                 # continue each other, so only its first one is checked
                 if (

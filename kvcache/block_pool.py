@@ -276,12 +276,14 @@ class BlockPool:
         tokens: array[int],
         data: bytes | None = None,
         keys: Sequence[BlockKey] | None = None,
+        hashes: Sequence[int] | None = None,
     ) -> None:
         """Blocks ``first..last-1`` of a sequence (private pages) join the tree, holding
         ``tokens``'s blocks: ``tokens[0]`` is the first token of block ``first`` (it may run
         past block ``last - 1``); ``data``, when the caller has it, is their 4-byte LE
         encoding; ``keys``, when it has them, the keys of the sequence's blocks ``0..len - 1``
-        (those of blocks in this range are not computed again). Where the same block is
+        (those of blocks in this range are not computed again), ``hashes`` the sink's hashes of
+        the same blocks (handed to it with those stored). Where the same block is
         cached already the sequence switches to it (its own page is given back, or handed to
         the cached block when that one sits on a slower tier: the page holds the same KV).
         After the first block that is not cached, none is (a new block has no children), so
@@ -327,7 +329,7 @@ class BlockPool:
             b = blocks[j]
             b.here = 1
             b.gen += 1
-        self._emit_stored(new)
+        self._emit_stored(new, hashes[i:last] if hashes is not None and i < len(hashes) else None)
 
     def store_partial(self, scope: ReuseScope, blocks: list[Block], tokens: array[int]) -> None:
         """The sequence's last block, holding ``tokens`` (fewer than a block), joins the tree
@@ -376,10 +378,13 @@ class BlockPool:
         if self.sink is not None:
             self.sink.on_removed([old])
 
-    def _emit_stored(self, blocks: list[Block]) -> None:
+    def _emit_stored(self, blocks: list[Block], hashes: Sequence[int] | None = None) -> None:
         if blocks and self.sink is not None:
             self.batch.flush_moves()
-            self.sink.on_stored(blocks)
+            if hashes:
+                self.sink.on_stored(blocks, hashes)
+            else:
+                self.sink.on_stored(blocks)
 
     # --------------------------------------------------------------------- moves and drops
 

@@ -139,6 +139,7 @@ class KVCacheManager:
         priority: int = DEFAULT_PRIORITY,
         *,
         block_keys: Sequence[BlockKey] | None = None,
+        sink_hashes: Sequence[int] | None = None,
     ) -> KVCache:
         """Match the longest reusable prefix of ``input_tokens`` in ``reuse_scope``, pin it
         (bringing blocks on slower tiers back to the device tier) and return the sequence.
@@ -152,6 +153,13 @@ class KVCacheManager:
         once on arrival, as vLLM does): committing those blocks then hashes nothing again.
         They are trusted: keys of other tokens would file the blocks under the wrong content.
         At most one per full block, each 32 bytes (``ValueError`` otherwise).
+
+        ``sink_hashes``: the hashes the event sink announces the same blocks under, when the
+        caller made them already (``events.KVCacheEventManager`` takes V1 hashes, those of
+        ``events.hashing.v1_block_hash`` chained over the blocks in ``reuse_scope``): they are
+        handed to the sink with the blocks when these are stored, and trusted as the keys
+        are. At most one per full block, each an int in [0, 2**64) (``ValueError``
+        otherwise).
         """
         self._owner.check("create_kv_cache")
         scope = _check_scope(reuse_scope)
@@ -159,6 +167,8 @@ class KVCacheManager:
         tokens = checked_token_array(input_tokens)
         if block_keys is not None:
             _check_keys(block_keys, len(tokens) // self.tokens_per_block)
+        if sink_hashes is not None:
+            _check_hashes(sink_hashes, len(tokens) // self.tokens_per_block)
         full, src, m, packed = self._match(tokens, scope, block_keys)
         blocks = self._pool.acquire(full, src, m, scope, priority)
         reused = len(full) * self.tokens_per_block + (m if src is not None else 0)
@@ -176,6 +186,7 @@ class KVCacheManager:
             packed,
             reused,
             block_keys,
+            sink_hashes,
         )
         self._live.add(seq)
         self._pool.finish()
@@ -274,6 +285,21 @@ class KVCacheManager:
             drops=c.drops,
             tiers=tiers,
         )
+
+
+def _check_hashes(hashes: Sequence[int], full_blocks: int) -> None:
+    if len(hashes) > full_blocks:
+        raise ValueError(
+            f"sink_hashes: at most one hash per full block of the input ({full_blocks}), "
+            f"got {len(hashes)}"
+        )
+    if isinstance(hashes, (bytes, str)) or not set(map(type, hashes)) <= {int}:
+        raise ValueError("sink_hashes: each hash is an int")
+    if hashes and (min(hashes) < 0 or max(hashes) >= _HASH_LIMIT):
+        raise ValueError("sink_hashes: each hash is in [0, 2**64)")
+
+
+_HASH_LIMIT = 1 << 64
 
 
 def _check_keys(keys: Sequence[BlockKey], full_blocks: int) -> None:

@@ -42,6 +42,7 @@ class KVCache:
         "_on_close",
         "_owner",
         "_pool",
+        "_sink_hashes",
         "_stopped",
         "_suspended",
         "_tail",
@@ -62,6 +63,7 @@ class KVCache:
         packed: list[bytes] | None = None,
         num_tokens: int | None = None,
         keys: Sequence[BlockKey] | None = None,
+        sink_hashes: Sequence[int] | None = None,
     ) -> None:
         """``tokens``: the reused prefix, or with ``num_tokens`` a longer array whose first
         ``num_tokens`` are (the manager's prompt: nothing is copied out of it but the last
@@ -70,7 +72,8 @@ class KVCache:
         instead of packing the tokens again; tokens past their end are packed here);
         ``keys``, when the caller has them, the keys of the sequence's first full blocks
         (``blockchain_keys`` of its prompt): blocks they cover are not hashed again when
-        committed."""
+        committed; ``sink_hashes``, the event sink's hashes of the same blocks (handed to it
+        when they are stored)."""
         self._owner = owner  # the manager's thread check (kvcache.owner)
         self._pool = pool
         self._on_close = on_close
@@ -96,6 +99,7 @@ class KVCache:
         self._tail: array[int] = tokens[n - n % pool.tokens_per_block : n]
         self._blocks = blocks
         self._keys = keys
+        self._sink_hashes = sink_hashes
         self.num_reused_tokens = n
         self._closed = False
         self._stopped = False
@@ -211,7 +215,9 @@ class KVCache:
         first, last = old_n // tpb, new_n // tpb
         self._tail = seg[(last - first) * tpb :]  # a copy: ``seg`` may be the caller's array
         if last > first:
-            pool.store_full(self.scope, self._blocks, first, last, seg, seg_data, self._keys)
+            pool.store_full(
+                self.scope, self._blocks, first, last, seg, seg_data, self._keys, self._sink_hashes
+            )
         pool.finish()
 
     def stop_committing(self) -> None:

@@ -50,9 +50,11 @@ class BlockView(Protocol):
 class EventSink(Protocol):
     """Told, in order, about every change of the set of reusable blocks."""
 
-    def on_stored(self, blocks: Sequence[BlockView]) -> None:
+    def on_stored(self, blocks: Sequence[BlockView], hashes: Sequence[int] | None = None) -> None:
         """Blocks joined the tree; each one's parent is None, earlier in the list, or stored
-        before."""
+        before. ``hashes``: what the caller of ``create_kv_cache(sink_hashes=...)`` gave for
+        the first of them (the hashes this sink announces them under, made ahead of time); a
+        sink that computes its own ignores them. Passed only when there are some."""
 
     def on_removed(self, blocks: Sequence[BlockView]) -> None:
         """Blocks left the tree (a subtree is reported descendants first)."""
@@ -77,6 +79,7 @@ class SinkRecord:
     priorities: tuple[int, ...] = ()
     old_tier: int | None = None
     new_tier: int | None = None
+    hashes: tuple[int, ...] = ()  # what on_stored was handed with the blocks, if anything
 
 
 @dataclass
@@ -91,6 +94,7 @@ class RecordingSink:
         blocks: Sequence[BlockView],
         old_tier: int | None = None,
         new_tier: int | None = None,
+        hashes: Sequence[int] | None = None,
     ) -> None:
         self.records.append(
             SinkRecord(
@@ -103,11 +107,12 @@ class RecordingSink:
                 priorities=tuple(b.priority for b in blocks),
                 old_tier=old_tier,
                 new_tier=new_tier,
+                hashes=tuple(hashes or ()),
             )
         )
 
-    def on_stored(self, blocks: Sequence[BlockView]) -> None:
-        self._record("stored", blocks)
+    def on_stored(self, blocks: Sequence[BlockView], hashes: Sequence[int] | None = None) -> None:
+        self._record("stored", blocks, hashes=hashes)
 
     def on_removed(self, blocks: Sequence[BlockView]) -> None:
         self._record("removed", blocks)

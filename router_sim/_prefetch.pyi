@@ -2,7 +2,6 @@
 
 from collections.abc import Sequence
 
-from events.model import BlockHash
 from kvcache.keys import BlockKey
 
 KEYS: int
@@ -22,7 +21,7 @@ class Prefetch:
         tokens_per_block: int,
         ahead: int,
     ) -> None: ...
-    def take(self) -> tuple[list[BlockHash] | None, list[BlockKey] | None] | None:
+    def take(self) -> tuple[list[int] | None, list[BlockKey] | None] | None:
         """The next job's (V1 hashes or None, cache keys or None), or None for a None job."""
 
     def close(self) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from events.model import BlockHash
 from kvcache.keys import BlockKey, root_key
 from kvcache.scope import ReuseScope
 from router_sim.workloads import PROMPT_TOKEN_BITS, TOKENS_PER_HASH_ID, Request, _layout
@@ -42,7 +41,7 @@ AHEAD = 1024
 """How many requests the thread may run ahead of the replay (each holds its block hashes)."""
 
 
-Made = tuple[list[BlockHash] | None, list[BlockKey] | None]
+Made = tuple[list[int] | None, list[BlockKey] | None]
 """What the thread made for a request: the router's V1 keys of its full blocks (None when not
 asked), and the cache's keys of them (None where this CPU lacks SHA-NI)."""
 

@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import zmq
 
@@ -404,7 +404,9 @@ class Simulation:
                 prompt = req.tokens()
                 made = source.take() if source is not None else None
                 hashes, keys = made if made is not None else (None, None)
-                decision = self.router.route(prompt, scope, now_ms=t, block_hashes=hashes)
+                # V1 hashes are ints, which the router's keys (BlockHash) may be
+                known = cast("list[BlockHash] | None", hashes)
+                decision = self.router.route(prompt, scope, now_ms=t, block_hashes=known)
                 true = self._true_overlaps(decision.block_hashes)
                 record = RequestRecord(
                     request_id=req.request_id,
@@ -418,7 +420,7 @@ class Simulation:
                     decision_us=decision.decision_us,
                 )
                 records.append(record)
-                self.workers[decision.worker].enqueue(req, record, t, prompt, keys)
+                self.workers[decision.worker].enqueue(req, record, t, prompt, keys, hashes)
                 if progress is not None:
                     progress(i + 1, len(ordered))
             self._restart_due(math.inf)

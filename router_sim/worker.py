@@ -110,6 +110,8 @@ class _Seq:
     not copied to append its answer, nor to be looked up whole)."""
     keys: list[BlockKey] | None = None
     """The cache keys of the prompt's full blocks, when made already (router_sim.prefetch)."""
+    hashes: list[int] | None = None
+    """Their V1 hashes, likewise (what the event manager announces them under)."""
     cache: KVCache | None = None
     target: int = 0
     """Tokens whose KV must exist before decoding (re)starts."""
@@ -207,6 +209,8 @@ class SimWorker:
         self.dropped_frames = 0
         # the engine whose events this worker publishes (its hashes are a function of ours)
         self.dialect = make_dialect(config.engine, worker_id, config.tokens_per_block)
+        # the event manager announces blocks under V1 hashes: those made ahead are its own
+        self._v1 = config.hash_algo == "v1_block_key"
         self._start_engine()
 
     # ------------------------------------------------------------------ engine lifecycle
@@ -461,9 +465,11 @@ class SimWorker:
         now_ms: float,
         prompt: array[int] | None = None,
         keys: list[BlockKey] | None = None,
+        hashes: list[int] | None = None,
     ) -> None:
         """A routed request arrives at ``now_ms`` (``prompt``: its tokens, if already built;
-        ``keys``: the cache keys of its full blocks, if already made)."""
+        ``keys``: the cache keys of its full blocks, ``hashes`` their V1 hashes in the
+        request's scope, if already made)."""
         if self.idle:
             self.clock_ms = max(self.clock_ms, now_ms)
         self._load = None
@@ -471,6 +477,7 @@ class SimWorker:
         if prompt is not None:
             seq.prompt, seq.output = prompt, req.output_tokens()
         seq.keys = keys
+        seq.hashes = hashes
         self.dialect.learn(req)
         self.waiting.append(seq)
         self._order += 1
@@ -483,7 +490,10 @@ class SimWorker:
         ctx = s.span(0, target)
         try:
             cache = self.manager.create_kv_cache(
-                ctx, reuse_scope=self.dialect.scope(req), block_keys=s.keys
+                ctx,
+                reuse_scope=self.dialect.scope(req),
+                block_keys=s.keys,
+                sink_hashes=s.hashes if self._v1 else None,
             )
         except OutOfPagesError:
             return False

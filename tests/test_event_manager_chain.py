@@ -161,3 +161,97 @@ def test_the_native_chain_builder_rejects_bad_input() -> None:
     with pytest.raises(TypeError, match="parent_hash"):
         v1_stored_chain([array("i", [1])], None, None, None, 0, 0)  # type: ignore[arg-type]
     assert v1_stored_chain([], 5, None, None, 0, 0) == []
+
+
+# ------------------------------------------------- hashes made ahead (create_kv_cache(sink_hashes))
+
+
+def _chain_hashes(arrays: list[array[int]], parent: int, scope: ReuseScope) -> list[int]:
+    out = []
+    for a in arrays:
+        parent = v1_block_hash(a, parent, lora_id=scope.lora_id, salt_id=scope.salt)
+        out.append(parent)
+    return out
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=9), max_size=6),
+    st.lists(st.integers(0, 2**64 - 1), max_size=8),
+    st.integers(0, 2**64 - 1),
+    st.sampled_from(SCOPES),
+)
+def test_known_hashes_are_taken_and_the_rest_chain_from_them(
+    blocks: list[list[int]], known: list[int], parent: int, scope: ReuseScope
+) -> None:
+    arrays = [array("i", b) for b in blocks]
+    args = (parent, scope.lora_id, scope.salt, 1, 2)
+    records = v1_stored_chain(arrays, *args, known)
+    assert records == v1_stored_chain_py(arrays, *args, known)
+    k = min(len(known), len(arrays))
+    start = known[k - 1] if k else parent
+    expected = known[:k] + _chain_hashes(arrays[k:], start, scope)
+    assert [r.block_hash for r in records] == expected
+    assert [list(r.tokens) for r in records] == blocks
+    # the true hashes change nothing
+    true = _chain_hashes(arrays, parent, scope)
+    assert v1_stored_chain(arrays, *args, true) == v1_stored_chain(arrays, *args)
+
+
+@pytest.mark.parametrize("build", [v1_stored_chain, v1_stored_chain_py])
+def test_bad_known_hashes_are_refused(build: object) -> None:
+    chain = [array("i", [1, 2])]
+    with pytest.raises(TypeError):
+        build(chain, 0, None, None, 0, 0, ["7"])  # type: ignore[operator]
+    with pytest.raises(OverflowError):
+        build(chain, 0, None, None, 0, 0, [-1])  # type: ignore[operator]
+    with pytest.raises(OverflowError):
+        build(chain, 0, None, None, 0, 0, [2**64])  # type: ignore[operator]
+
+
+def _manager(sink: KVCacheEventManager) -> KVCacheManager:
+    tiers = [TierConfig(name="device", num_blocks=32)]
+    return KVCacheManager(KVCacheManagerConfig(tokens_per_block=TPB, tiers=tiers), event_sink=sink)
+
+
+def _serve(
+    m: KVCacheManager, prompt: list[int], scope: ReuseScope, hashes: list[int] | None
+) -> None:
+    seq = m.create_kv_cache(prompt, scope, sink_hashes=hashes)
+    seq.commit(prompt[seq.num_reused_tokens :])
+    seq.commit([9] * (TPB + 1))  # decode: a block past the hashes given, hashed by the manager
+    seq.close()
+
+
+@pytest.mark.parametrize("scope", SCOPES)
+def test_hashes_made_ahead_give_the_same_events(scope: ReuseScope) -> None:
+    first = list(range(3 * TPB + 1))
+    second = first[: 2 * TPB] + [77] * (2 * TPB) + [5]  # two blocks reused, two new
+    plain, ahead = KVCacheEventManager(), KVCacheEventManager()
+    mp, ma = _manager(plain), _manager(ahead)
+    for prompt in (first, second):
+        arrays = [array("i", prompt[i : i + TPB]) for i in range(0, len(prompt) // TPB * TPB, TPB)]
+        _serve(mp, prompt, scope, None)
+        _serve(ma, prompt, scope, _chain_hashes(arrays, 0, scope))
+    assert _drain(ahead) == _drain(plain)
+
+
+def test_hashes_made_ahead_are_announced_as_given() -> None:
+    # trusted as documented: hashes of other tokens are announced for these blocks
+    events = KVCacheEventManager()
+    m = _manager(events)
+    prompt = list(range(2 * TPB + 1))
+    _serve(m, prompt, ReuseScope(), [11, 12])
+    stored = [b for e in _drain(events) for b in getattr(e.data, "blocks", [])]
+    assert [b.block_hash for b in stored][:2] == [11, 12]
+    # the decode block chains from the last given hash
+    assert stored[2].block_hash == v1_block_hash(array("i", prompt[2 * TPB :] + [9] * 3), 12)
+
+
+def test_other_algorithms_hash_for_themselves() -> None:
+    plain = KVCacheEventManager(hash_algo="v2_sha256_64")
+    ahead = KVCacheEventManager(hash_algo="v2_sha256_64")
+    prompt = list(range(2 * TPB + 1))
+    _serve(_manager(plain), prompt, ReuseScope(), None)
+    _serve(_manager(ahead), prompt, ReuseScope(), [11, 12])
+    assert _drain(ahead) == _drain(plain)

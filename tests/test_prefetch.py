@@ -15,6 +15,7 @@ from kvcache.config import KVCacheManagerConfig, TierConfig
 from kvcache.keys import blockchain_keys, root_key
 from kvcache.manager import KVCacheManager
 from kvcache.scope import ReuseScope
+from kvcache.sink import RecordingSink
 from router_sim import prefetch
 from router_sim.load import StaticLoadSource, WorkerLoad
 from router_sim.router import Router
@@ -256,6 +257,34 @@ def test_given_keys_reuse_what_the_tokens_would(prompts: list[tuple[int, list[in
             seq.close()
         assert reused[0] == reused[1]
     assert _committed_keys(plain) == _committed_keys(keyed)
+
+
+def test_sink_hashes_reach_the_sink_with_their_blocks() -> None:
+    # blocks i..j stored by a commit come with hashes i..j; reused and decode blocks without
+    sink = RecordingSink()
+    tiers = [TierConfig(name="device", num_blocks=64)]
+    m = KVCacheManager(KVCacheManagerConfig(tokens_per_block=4, tiers=tiers), event_sink=sink)
+    first = m.create_kv_cache(array("i", range(9)), sink_hashes=[1, 2])
+    first.commit(array("i", range(9)))
+    first.close()
+    sink.clear()
+    prompt = array("i", [*range(8), 50, 51, 52, 53, 54, 55, 56, 57, 58])  # 2 blocks reused
+    seq = m.create_kv_cache(prompt, sink_hashes=[1, 2, 3, 4])
+    assert seq.num_reused_tokens == 8
+    seq.commit(prompt[8:12])
+    seq.commit(prompt[12:])
+    seq.commit(array("i", [9, 9, 9]))
+    seq.close()
+    stored = [(r.keys, r.hashes) for r in sink.records if r.kind == "stored"]
+    assert [len(k) for k, _ in stored] == [1, 1, 1]  # block 2, block 3, a decode block
+    assert [h for _, h in stored] == [(3,), (4,), ()]
+
+
+@pytest.mark.parametrize("hashes", [[1, 2, 3], [-1], [2**64], ["1"], [1.0], b"ab"])
+def test_bad_sink_hashes_are_refused(hashes: Any) -> None:
+    m = _manager()
+    with pytest.raises(ValueError):
+        m.create_kv_cache(array("i", range(8)), sink_hashes=hashes)
 
 
 @pytest.mark.parametrize(
