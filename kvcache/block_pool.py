@@ -282,7 +282,8 @@ class BlockPool:
         ``tokens``'s blocks: ``tokens[0]`` is the first token of block ``first`` (it may run
         past block ``last - 1``); ``data``, when the caller has it, is their 4-byte LE
         encoding; ``keys``, when it has them, the keys of the sequence's blocks ``0..len - 1``
-        (those of blocks in this range are not computed again), ``hashes`` the sink's hashes of
+        (those of blocks in this range are not computed again; when they cover it, no token
+        is packed, compared or hashed), ``hashes`` the sink's hashes of
         the same blocks (handed to it with those stored). Where the same block is
         cached already the sequence switches to it (its own page is given back, or handed to
         the cached block when that one sits on a slower tier: the page holds the same KV).
@@ -290,11 +291,16 @@ class BlockPool:
         the rest joins as one chain."""
         tpb = self.tokens_per_block
         step = 4 * tpb
-        if data is None:
-            data = tokens_to_bytes(tokens[: (last - first) * tpb])
         node = self._parent_node(scope, blocks, first)
         i = first
-        found, next_key = self.tree.match_full_key(node, data, last - first, step)
+        next_key: BlockKey | None = None
+        if keys is not None and last <= len(keys):
+            # every block's key is known: looked up by key, nothing packed or hashed
+            found = self.tree.match_keys(node, keys[first:last], last - first)
+        else:
+            if data is None:
+                data = tokens_to_bytes(tokens[: (last - first) * tpb])
+            found, next_key = self.tree.match_full_key(node, data, last - first, step)
         for cached in found:
             self._holders(cached, cached.refs + 1, cached.susp)
             b = blocks[i]
@@ -319,7 +325,7 @@ class BlockPool:
         new = blocks[i:last]
         # next_key chains from node's key: a root that went with the partial comes back with
         # the same key (the scope's)
-        rest = data if i == first else data[4 * at :]
+        rest = data if i == first or data is None else data[4 * at :]
         known = keys[i:last] if keys is not None and i < len(keys) else None
         self.tree.attach_chain(
             node, new, tokens, tpb, start=at, data=rest, first_key=next_key, keys=known

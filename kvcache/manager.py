@@ -169,7 +169,7 @@ class KVCacheManager:
             _check_keys(block_keys, len(tokens) // self.tokens_per_block)
         if sink_hashes is not None:
             _check_hashes(sink_hashes, len(tokens) // self.tokens_per_block)
-        full, src, m, packed = self._match(tokens, scope, block_keys)
+        full, src, m, _ = self._match(tokens, scope, block_keys)
         blocks = self._pool.acquire(full, src, m, scope, priority)
         reused = len(full) * self.tokens_per_block + (m if src is not None else 0)
         self._queries += 1
@@ -183,7 +183,6 @@ class KVCacheManager:
             blocks,
             self._live.discard,
             self._owner,
-            packed,
             reused,
             block_keys,
             sink_hashes,

@@ -18,13 +18,7 @@ from types import TracebackType
 
 from kvcache.block_pool import BlockPool
 from kvcache.errors import CacheStateError, ClosedCacheError
-from kvcache.keys import (
-    BlockKey,
-    int32_array,
-    pack_range,
-    token_array_bytes,
-    tokens_from_bytes,
-)
+from kvcache.keys import BlockKey, checked_token_array, int32_array, token_array_bytes
 from kvcache.owner import ThreadOwner
 from kvcache.scope import ReuseScope
 from kvcache.tree import Block
@@ -35,8 +29,8 @@ class KVCache:
 
     __slots__ = (
         "_blocks",
-        "_chunks",
         "_closed",
+        "_kept",
         "_keys",
         "_n",
         "_on_close",
@@ -60,43 +54,29 @@ class KVCache:
         blocks: list[Block],
         on_close: Callable[[KVCache], None],
         owner: ThreadOwner | None = None,
-        packed: list[bytes] | None = None,
         num_tokens: int | None = None,
         keys: Sequence[BlockKey] | None = None,
         sink_hashes: Sequence[int] | None = None,
     ) -> None:
         """``tokens``: the reused prefix, or with ``num_tokens`` a longer array whose first
         ``num_tokens`` are (the manager's prompt: nothing is copied out of it but the last
-        partial block); ``packed``, when the caller has it, consecutive pieces of the tokens'
-        4-byte LE encoding from the first token on (the prefix is taken from them, as views,
-        instead of packing the tokens again; tokens past their end are packed here);
-        ``keys``, when the caller has them, the keys of the sequence's first full blocks
-        (``blockchain_keys`` of its prompt): blocks they cover are not hashed again when
-        committed; ``sink_hashes``, the event sink's hashes of the same blocks (handed to it
-        when they are stored)."""
+        partial block); ``keys``, when the caller has them, the keys of the sequence's first
+        full blocks (``blockchain_keys`` of its prompt): blocks they cover are not packed or
+        hashed again when committed; ``sink_hashes``, the event sink's hashes of the same
+        blocks (handed to it when they are stored)."""
         self._owner = owner  # the manager's thread check (kvcache.owner)
         self._pool = pool
         self._on_close = on_close
         self.scope = scope
         self.priority = priority
-        # The tokens as committed, in LE-packed chunks (joined only when ``tokens`` is read):
-        # appending to one growing array re-copied a long prompt on every block of decode.
-        # The reused prefix is views of the manager's packed prompt (immutable bytes), not a
-        # copy: ``tokens`` is rarely read, and a long prompt's prefix is hundreds of KiB.
-        # ``_tail`` holds the tokens after the last full block (``_n % tokens_per_block``).
+        # The tokens as committed are the full blocks' own (a tree block's tokens never change)
+        # and ``_tail``, those after the last full block (``_n % tokens_per_block``): nothing
+        # is kept twice, and ``tokens`` (rarely read) joins them. ``_kept``: the full blocks'
+        # tokens once closed (the blocks are let go).
         n = len(tokens) if num_tokens is None else num_tokens
-        chunks: list[bytes | memoryview] = []
-        need = 4 * n
-        for piece in packed or ():
-            if need <= 0:
-                break
-            chunks.append(piece if len(piece) <= need else memoryview(piece)[:need])
-            need -= len(piece)
-        if need > 0:  # what the pieces do not cover (a copy-on-write block's tokens)
-            chunks.append(pack_range(tokens, n - need // 4, n))
-        self._chunks = chunks
         self._n = n
         self._tail: array[int] = tokens[n - n % pool.tokens_per_block : n]
+        self._kept: list[array[int]] | None = None
         self._blocks = blocks
         self._keys = keys
         self._sink_hashes = sink_hashes
@@ -130,11 +110,16 @@ class KVCache:
     @property
     def tokens(self) -> list[int]:
         """Every token in the cache, in order."""
-        if not self._chunks:
-            return []
-        joined = b"".join(self._chunks)  # also makes bytes of a lone view
-        self._chunks = [joined]
-        return tokens_from_bytes(joined).tolist()
+        out: array[int] = array("i")
+        for part in self._full_tokens():
+            out += part
+        out += self._tail
+        return out.tolist()
+
+    def _full_tokens(self) -> list[array[int]]:
+        if self._kept is not None:
+            return self._kept
+        return [b.tokens for b in self._blocks[: self._n // self._pool.tokens_per_block]]
 
     def page_indices(self) -> list[int]:
         """Device-tier block table: the page of block ``i``, for every allocated block."""
@@ -201,22 +186,27 @@ class KVCache:
         tpb = pool.tokens_per_block
         old_n = self._n
         new_n = old_n + len(arr)
-        # From block ``old_n // tpb`` on: the tokens of the block being filled, then the new
-        # ones, packed and sign-checked in one go (the tail is checked already): joining the
-        # new tokens' packed bytes to the tail's would copy them once more.
+        first, last = old_n // tpb, new_n // tpb
+        keys = self._keys
+        # From block ``first`` on: the tokens of the block being filled, then the new ones.
+        # Where a block joins the tree without its key known, they are packed and
+        # sign-checked in one go (the tail is checked already) for the hashing; else only
+        # checked (the blocks take their tokens from the array).
         tail = self._tail
-        seg, seg_data = token_array_bytes(tail + arr if tail else arr)
+        seg_data: bytes | None = None
+        if last == first or (keys is not None and last <= len(keys)):
+            checked_token_array(arr)
+            seg = tail + arr if tail else arr
+        else:
+            seg, seg_data = token_array_bytes(tail + arr if tail else arr)
         extra = -(-new_n // tpb) - len(self._blocks)
         if extra > 0:
             self._blocks += pool.grow(extra, self.scope, self.priority)
-        # immutable bytes (the caller may change its array afterwards); the new tokens only
-        self._chunks.append(memoryview(seg_data)[4 * len(tail) :] if tail else seg_data)
         self._n = new_n
-        first, last = old_n // tpb, new_n // tpb
         self._tail = seg[(last - first) * tpb :]  # a copy: ``seg`` may be the caller's array
         if last > first:
             pool.store_full(
-                self.scope, self._blocks, first, last, seg, seg_data, self._keys, self._sink_hashes
+                self.scope, self._blocks, first, last, seg, seg_data, keys, self._sink_hashes
             )
         pool.finish()
 
@@ -268,6 +258,7 @@ class KVCache:
             self._owner.check("close")
         if self._closed:
             return
+        self._kept = self._full_tokens()
         self._pool.release(self._blocks, self._suspended)
         self._blocks = []
         self._closed = True
