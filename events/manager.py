@@ -47,7 +47,9 @@ from events.model import (
     Updated,
 )
 from kvcache.keys import BlockKey
+from kvcache.scope import ReuseScope
 from kvcache.sink import BlockView
+from kvcache.tree import Block
 
 try:  # the optional extension (see events.hashing); absent, _build_events_py does the work
     from events import _v1hash as _native
@@ -182,6 +184,45 @@ _build_events: _BuildEvents = (
     if NATIVE_EVENTS
     else _build_events_py
 )
+
+
+def _chain_link(
+    nxt: BlockView,
+    prev: BlockView,
+    tier: int,
+    priority: int,
+    scope: ReuseScope,
+    announced: dict[BlockKey, BlockHash],
+) -> array[int] | None:
+    """``nxt``'s tokens when it continues the chain that ends at ``prev`` (``prev``'s child,
+    full, in the same scope, tier and priority, not announced yet, its tokens packed int32s),
+    else None. kvcache's own blocks (the usual ones) have their fields read natively, and
+    their tokens are always an ``array('i')``."""
+    if type(nxt) is Block:
+        b = nxt  # narrowed to Block: its fields are read natively
+        if (
+            b.parent is not prev
+            or not b.is_full
+            or b.tier != tier
+            or b.priority != priority
+            or (b.scope is not scope and b.scope != scope)
+            or b.key in announced
+        ):
+            return None
+        return b.tokens
+    tokens = nxt.tokens
+    if (
+        type(tokens) is not array
+        or nxt.parent is not prev
+        or not nxt.is_full
+        or tokens.typecode != "i"
+        or nxt.tier != tier
+        or nxt.priority != priority
+        or (nxt.scope is not scope and nxt.scope != scope)
+        or nxt.key in announced
+    ):
+        return None
+    return tokens
 
 
 class KVCacheEventManager:
@@ -378,22 +419,15 @@ class KVCacheEventManager:
                     # its records, skipping v1_block_hash's per-call checks.
                     scope, tier, priority = block.scope, block.tier, block.priority
                     chain = [block]
+                    chain_keys = [key]
                     arrays: list[array[int]] = [tokens]
                     while i < count:
                         nxt = blocks[i]
-                        nxt_tokens = nxt.tokens
-                        if (
-                            type(nxt_tokens) is not array
-                            or nxt.parent is not chain[-1]
-                            or not nxt.is_full
-                            or nxt_tokens.typecode != "i"
-                            or nxt.tier != tier
-                            or nxt.priority != priority
-                            or (nxt.scope is not scope and nxt.scope != scope)
-                            or nxt.key in announced
-                        ):
+                        nxt_tokens = _chain_link(nxt, chain[-1], tier, priority, scope, announced)
+                        if nxt_tokens is None:
                             break  # the outer loop takes it from here
                         chain.append(nxt)
+                        chain_keys.append(nxt.key)
                         arrays.append(nxt_tokens)
                         i += 1
                     parent_int = 0 if parent_hash is None else int(parent_hash)
@@ -406,8 +440,11 @@ class KVCacheEventManager:
                     records = v1_stored_chain(
                         arrays, parent_int, scope.lora_id, scope.salt, tier, priority, known
                     )
-                    for b, rec in zip(chain, records, strict=True):
-                        announced[b.key] = rec.block_hash
+                    if known is not None and len(known) == len(chain):
+                        announced.update(zip(chain_keys, known, strict=True))
+                    else:
+                        for k, rec in zip(chain_keys, records, strict=True):
+                            announced[k] = rec.block_hash
                     sb = records[0]
                 else:
                     sb = self._record(block, parent_hash)

@@ -309,6 +309,7 @@ def _check_keys(keys: Sequence[BlockKey], full_blocks: int) -> None:
             f"block_keys: at most one key per full block of the input ({full_blocks}), "
             f"got {len(keys)}"
         )
-    for key in keys:
-        if type(key) is not bytes or len(key) != 32:
-            raise ValueError(f"block_keys: each key is 32 bytes, got {key!r:.60}")
+    # one pass per check at C speed (a request's keys are checked on every admission)
+    if not set(map(type, keys)) <= {bytes} or not set(map(len, keys)) <= {32}:
+        bad = next(k for k in keys if type(k) is not bytes or len(k) != 32)
+        raise ValueError(f"block_keys: each key is 32 bytes, got {bad!r:.60}")
