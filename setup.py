@@ -140,7 +140,7 @@ MYPYC: list[Extension] = []
 
 
 # the helpers the events package's three extensions share (a change to it rebuilds them)
-COMMON = ["events/_native_common.h"]
+COMMON = ["events/_native_common.h", "events/_int32_array.h"]
 # the V1 hash's arithmetic, shared by the extensions that hash blocks
 V1CORE = "events/_v1core.h"
 
@@ -169,7 +169,7 @@ setup(
         native("events._json_prompt", shared=True),
         # router_sim.indexer's match loop over a mirror of its masks, and the simulator's trace
         # prompts and answers (pure-Python fallback)
-        native("router_sim._match"),
+        native("router_sim._match", depends=("events/_int32_array.h",)),
         # the simulator's prompts and their V1 hashes, made ahead on a native thread
         # (router_sim.prefetch; made inline without it)
         native("router_sim._prefetch", depends=(V1CORE,)),

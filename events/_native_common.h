@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_int32_array.h"
+
 /* ---- packed token arrays ---------------------------------------------------------------
  *
  * The event path carries a block's token ids as an array('i') (native int32s) from the cache to
@@ -23,8 +25,7 @@
  * the wire encoder writes a msgpack array straight from the int32s, and the typed wire decoder
  * reads one straight into an array. */
 
-static PyObject *ARRAY_TYPE; /* array.array */
-static PyObject *ZERO_INT32; /* array('i', [0]): repeated to make an array of n zeros */
+#define ARRAY_TYPE INT32_ARRAY_TYPE /* array.array (set by int32_array_init) */
 
 /* 1 with *view held when obj is an array('i') of 4-byte ints; 0 (nothing held) when it is not
  * one; -1 with an exception set. */
@@ -42,20 +43,10 @@ static inline int int32_view(PyObject *obj, Py_buffer *view) {
     return 0;
 }
 
-/* A new array('i') of n zeros (n >= 0), *data its storage (valid while nothing resizes it). */
+/* A new array('i') of n items (n >= 0) for the caller to fill, *data its storage (valid while
+ * nothing resizes it): see _int32_array.h. */
 static inline PyObject *new_int32_array(Py_ssize_t n, unsigned char **data) {
-    PyObject *arr = PySequence_Repeat(ZERO_INT32, n);
-    if (arr == NULL) {
-        return NULL;
-    }
-    Py_buffer view;
-    if (PyObject_GetBuffer(arr, &view, PyBUF_WRITABLE) < 0) {
-        Py_DECREF(arr);
-        return NULL;
-    }
-    *data = (unsigned char *)view.buf;
-    PyBuffer_Release(&view); /* the array is ours alone: its storage stays where it is */
-    return arr;
+    return int32_array_new(n, data);
 }
 
 /* An array('i') copy of packed int32s (bytes, a memoryview: any contiguous buffer). */
@@ -136,20 +127,7 @@ static inline int native_common_init(void) {
         (STR_CACHE_SALT_ID = PyUnicode_InternFromString("cache_salt_id")) == NULL) {
         return -1;
     }
-    PyObject *array_module = PyImport_ImportModule("array");
-    if (array_module == NULL) {
-        return -1;
-    }
-    ARRAY_TYPE = PyObject_GetAttrString(array_module, "array");
-    Py_DECREF(array_module);
-    if (ARRAY_TYPE == NULL || !PyType_Check(ARRAY_TYPE)) {
-        return -1;
-    }
-    ZERO_INT32 = PyObject_CallFunction(ARRAY_TYPE, "s(i)", "i", 0);
-    if (ZERO_INT32 == NULL) {
-        return -1;
-    }
-    return 0;
+    return int32_array_init();
 }
 
 #endif /* EVENTS_NATIVE_COMMON_H */

@@ -1575,6 +1575,8 @@ static PyObject *simd(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
 static PyMethodDef methods[] = {
     {"simd", (PyCFunction)(void (*)(void))simd, METH_FASTCALL,
      "simd(on=None) -> bool: whether token ids are read and written with SSSE3 shuffles."},
+    {"int32_array_raw", (PyCFunction)(void (*)(void))int32_array_raw, METH_FASTCALL,
+     "int32_array_raw(on=None) -> bool: whether arrays are made without filling them first."},
     {"tokens_from_msgpack", (PyCFunction)(void (*)(void))tokens_from_msgpack, METH_FASTCALL,
      "tokens_from_msgpack(data, limit) -> array('i') | None: the token ids of one msgpack array "
      "of at most limit ints in [0, 2**31); None for anything else."},

@@ -37,6 +37,8 @@
 
 #include <stdint.h>
 #include <string.h>
+
+#include "../events/_int32_array.h"
 #ifdef __linux__
 #include <sys/mman.h>
 #endif
@@ -1119,21 +1121,12 @@ static PyTypeObject MaskTableType = {
    token j of the block of id h is (j << shift) | (h & mask), blocks in id order, `count`
    tokens in all (the last block cut short), as native-order int32s: bytes, or the array the
    prompt is (written in place: no copy of a bytes object into an array). */
-static PyObject *ARRAY_TYPE;  /* array.array */
-static PyObject *ZERO_INT32;  /* array('i', [0]): repeated to make an array of n zeros */
-
-/* A new array('i') of n zeros, *data its storage (the array is ours alone: it stays put). */
+/* A new array('i') of n items for the caller to fill, *data its storage (the array is ours
+   alone: it stays put); see events/_int32_array.h. */
 static PyObject *new_int32_array(Py_ssize_t n, uint32_t **data) {
-    PyObject *arr = PySequence_Repeat(ZERO_INT32, n);
-    if (arr == NULL)
-        return NULL;
-    Py_buffer view;
-    if (PyObject_GetBuffer(arr, &view, PyBUF_WRITABLE) < 0) {
-        Py_DECREF(arr);
-        return NULL;
-    }
-    *data = (uint32_t *)view.buf;
-    PyBuffer_Release(&view);
+    unsigned char *bytes = NULL;
+    PyObject *arr = int32_array_new(n, &bytes);
+    *data = (uint32_t *)bytes;
     return arr;
 }
 
@@ -1369,6 +1362,8 @@ static PyMethodDef module_methods[] = {
      "array('i') of count consecutive ids from base (see router_sim.workloads)."},
     {"held_prefixes", (PyCFunction)(void (*)(void))held_prefixes, METH_FASTCALL,
      "Per set, how many leading keys it holds (the simulator's true overlaps)."},
+    {"int32_array_raw", (PyCFunction)(void (*)(void))int32_array_raw, METH_FASTCALL,
+     "int32_array_raw(on=None) -> bool: whether arrays are made without filling them first."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1388,15 +1383,7 @@ PyMODINIT_FUNC PyInit__match(void) {
         return NULL;
     if (str_cache_level == NULL || str_block_hash == NULL || one == NULL)
         return NULL;
-    PyObject *array_module = PyImport_ImportModule("array");
-    if (array_module == NULL)
-        return NULL;
-    ARRAY_TYPE = PyObject_GetAttrString(array_module, "array");
-    Py_DECREF(array_module);
-    if (ARRAY_TYPE == NULL)
-        return NULL;
-    ZERO_INT32 = PyObject_CallFunction(ARRAY_TYPE, "s(i)", "i", 0);
-    if (ZERO_INT32 == NULL)
+    if (int32_array_init() < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
