@@ -107,6 +107,53 @@ pack_nonneg(PyObject *Py_UNUSED(module), PyObject *arg)
 }
 
 
+/* keys_ok(keys, size) -> whether keys (a list or tuple) holds only bytes objects of size bytes:
+ * create_kv_cache's check of the block keys a caller made, one pass, no object made. */
+static PyObject *
+keys_ok(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *keys;
+    Py_ssize_t size;
+    if (!PyArg_ParseTuple(args, "On:keys_ok", &keys, &size)) {
+        return NULL;
+    }
+    if (!PyList_Check(keys) && !PyTuple_Check(keys)) {
+        PyErr_SetString(PyExc_TypeError, "keys_ok: keys must be a list or a tuple");
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
+    PyObject **items = PySequence_Fast_ITEMS(keys);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyBytes_CheckExact(items[i]) || PyBytes_GET_SIZE(items[i]) != size) {
+            Py_RETURN_FALSE;
+        }
+    }
+    Py_RETURN_TRUE;
+}
+
+/* hashes_ok(hashes) -> whether hashes (a list or tuple) holds only ints in [0, 2**64). */
+static PyObject *
+hashes_ok(PyObject *Py_UNUSED(module), PyObject *hashes)
+{
+    if (!PyList_Check(hashes) && !PyTuple_Check(hashes)) {
+        PyErr_SetString(PyExc_TypeError, "hashes_ok: hashes must be a list or a tuple");
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
+    PyObject **items = PySequence_Fast_ITEMS(hashes);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyLong_CheckExact(items[i])) {
+            Py_RETURN_FALSE;
+        }
+        (void)PyLong_AsUnsignedLongLong(items[i]); /* negative or too large: an error */
+        if (PyErr_Occurred()) {
+            PyErr_Clear();
+            Py_RETURN_FALSE;
+        }
+    }
+    Py_RETURN_TRUE;
+}
+
 #include "_sha256ni.h"
 
 #ifdef KV_SHANI
@@ -164,6 +211,10 @@ static PyMethodDef methods[] = {
     {"pack_nonneg", pack_nonneg, METH_O,
      "pack_nonneg(arr) -> the ids as 4-byte little-endian bytes, or None if one is negative"},
     {"all_nonneg", all_nonneg, METH_O, "all_nonneg(arr) -> whether no id is negative"},
+    {"keys_ok", keys_ok, METH_VARARGS,
+     "keys_ok(keys, size) -> whether a list or tuple holds only bytes of size bytes"},
+    {"hashes_ok", hashes_ok, METH_O,
+     "hashes_ok(hashes) -> whether a list or tuple holds only ints in [0, 2**64)"},
     {NULL, NULL, 0, NULL},
 };
 

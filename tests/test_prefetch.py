@@ -295,3 +295,35 @@ def test_bad_block_keys_are_refused(keys: Any) -> None:
     m = _manager()
     with pytest.raises(ValueError):
         m.create_kv_cache(array("i", range(8)), block_keys=keys)
+
+
+_tokens = pytest.importorskip("kvcache._tokens")
+
+
+@given(
+    st.lists(
+        st.one_of(
+            st.binary(min_size=31, max_size=33),
+            st.text(min_size=32, max_size=32),
+            st.integers(),
+            st.none(),
+        ),
+        max_size=6,
+    )
+)
+def test_the_native_key_check_agrees_with_its_definition(keys: list[Any]) -> None:
+    expected = all(type(k) is bytes and len(k) == 32 for k in keys)
+    assert _tokens.keys_ok(keys, 32) is expected
+    assert _tokens.keys_ok(tuple(keys), 32) is expected
+
+
+@given(
+    st.lists(
+        st.one_of(st.integers(-(2**65), 2**65), st.booleans(), st.floats(), st.binary()),
+        max_size=6,
+    )
+)
+def test_the_native_hash_check_agrees_with_its_definition(hashes: list[Any]) -> None:
+    expected = all(type(h) is int and 0 <= h < 2**64 for h in hashes)
+    assert _tokens.hashes_ok(hashes) is expected
+    assert _tokens.hashes_ok(tuple(hashes)) is expected
