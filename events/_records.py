@@ -121,6 +121,19 @@ def v1_stored_block_py(
     ``parent_hash`` (0 for a first block), holding ``tokens`` themselves (an ``array('i')``; any
     other packed buffer is copied into one); the reference form of :func:`v1_stored_block`."""
     h = v1_block_hash(tokens, parent_hash, lora_id=lora_id, salt_id=salt_id)
+    return _packed_record(h, tokens, lora_id, cache_level, priority, salt_id)
+
+
+def _packed_record(
+    h: int,
+    tokens: array[int],
+    lora_id: int | None,
+    cache_level: int,
+    priority: int,
+    salt_id: int | None,
+) -> StoredBlock:
+    """The record of a block of hash ``h`` holding ``tokens`` as an ``array('i')`` (the array
+    itself; any other packed buffer copied into one)."""
     if type(tokens) is not array or tokens.typecode != "i":
         tokens = array("i", bytes(tokens))
     return stored_block(h, tokens, lora_id, cache_level, priority, salt_id)
@@ -148,9 +161,7 @@ def v1_stored_chain_py(
                 raise TypeError("v1_stored_chain: known hashes must be ints")
             if not 0 <= h < 1 << 64:
                 raise OverflowError("v1_stored_chain: known hashes must be in [0, 2**64)")
-            if type(tokens) is not array or tokens.typecode != "i":
-                tokens = array("i", bytes(tokens))
-            sb = stored_block(h, tokens, lora_id, cache_level, priority, salt_id)
+            sb = _packed_record(h, tokens, lora_id, cache_level, priority, salt_id)
         else:
             sb = v1_stored_block_py(tokens, parent_hash, lora_id, salt_id, cache_level, priority)
         records.append(sb)

@@ -418,33 +418,30 @@ class KVCacheEventManager:
                     # blocks (packed int32 tokens, validated by kvcache on entry) and builds
                     # its records, skipping v1_block_hash's per-call checks.
                     scope, tier, priority = block.scope, block.tier, block.priority
-                    chain = [block]
+                    prev = block
                     chain_keys = [key]
                     arrays: list[array[int]] = [tokens]
                     while i < count:
                         nxt = blocks[i]
-                        nxt_tokens = _chain_link(nxt, chain[-1], tier, priority, scope, announced)
+                        nxt_tokens = _chain_link(nxt, prev, tier, priority, scope, announced)
                         if nxt_tokens is None:
                             break  # the outer loop takes it from here
-                        chain.append(nxt)
+                        prev = nxt
                         chain_keys.append(nxt.key)
                         arrays.append(nxt_tokens)
                         i += 1
                     parent_int = 0 if parent_hash is None else int(parent_hash)
-                    start = i - len(chain)
+                    start = i - len(chain_keys)
                     known = (
-                        list(known_all[start : start + len(chain)])
+                        list(known_all[start:i])
                         if known_all is not None and start < len(known_all)
                         else None
                     )
                     records = v1_stored_chain(
                         arrays, parent_int, scope.lora_id, scope.salt, tier, priority, known
                     )
-                    if known is not None and len(known) == len(chain):
-                        announced.update(zip(chain_keys, known, strict=True))
-                    else:
-                        for k, rec in zip(chain_keys, records, strict=True):
-                            announced[k] = rec.block_hash
+                    for k, rec in zip(chain_keys, records, strict=True):
+                        announced[k] = rec.block_hash
                     sb = records[0]
                 else:
                     sb = self._record(block, parent_hash)

@@ -108,9 +108,8 @@ class KVCacheManager:
 
     def _match(
         self, tokens: array[int], scope: ReuseScope, keys: Sequence[BlockKey] | None = None
-    ) -> tuple[list[Block], Block | None, int, list[bytes]]:
-        """(full blocks reused, copy-on-write source, tokens reused from it, the packed
-        4-byte LE encoding of the tokens as far as they were compared): see
+    ) -> tuple[list[Block], Block | None, int]:
+        """(full blocks reused, copy-on-write source, tokens reused from it): see
         :meth:`RadixTree.match_prefix` (``keys``: the tokens' block keys, when known)."""
         cfg = self.config
         return self._tree.match_prefix(
@@ -129,7 +128,7 @@ class KVCacheManager:
         """Tokens ``create_kv_cache`` would reuse now; changes nothing (no LRU, stats, events)."""
         self._owner.check("probe_reuse")
         scope = _check_scope(reuse_scope)
-        full, _, m, _ = self._match(checked_token_array(input_tokens), scope)
+        full, _, m = self._match(checked_token_array(input_tokens), scope)
         return len(full) * self.tokens_per_block + m
 
     def create_kv_cache(
@@ -169,7 +168,7 @@ class KVCacheManager:
             _check_keys(block_keys, len(tokens) // self.tokens_per_block)
         if sink_hashes is not None:
             _check_hashes(sink_hashes, len(tokens) // self.tokens_per_block)
-        full, src, m, _ = self._match(tokens, scope, block_keys)
+        full, src, m = self._match(tokens, scope, block_keys)
         blocks = self._pool.acquire(full, src, m, scope, priority)
         reused = len(full) * self.tokens_per_block + (m if src is not None else 0)
         self._queries += 1

@@ -310,11 +310,10 @@ class RadixTree:
         max_scan: int,
         first_window: int,
         keys: Sequence[BlockKey] | None = None,
-    ) -> tuple[list[Block], Block | None, int, list[bytes]]:
+    ) -> tuple[list[Block], Block | None, int]:
         """The longest reusable prefix of ``tokens`` under ``scope``: (its full blocks, the
         block to copy a partial prefix from (with ``partial``, scanning at most ``max_scan``
-        children), the tokens reused from it, the packed 4-byte LE encoding of the tokens as
-        far as they were compared: at least the full blocks reused, none when ``keys`` did).
+        children), the tokens reused from it).
 
         ``keys``: the chain keys of ``tokens``'s full blocks, when the caller has them (at
         least every block that may be reused): the full blocks are then found by key alone,
@@ -328,41 +327,33 @@ class RadixTree:
         n = len(tokens)
         root = self.roots.get(scope)
         if root is None or n < 2:
-            return [], None, 0, []
-        step = 4 * tpb
+            return [], None, 0
         max_full = (n - 1) // tpb
         full: list[Block] = []
-        packed: list[bytes] = []
+        node: Node = root
         if keys is not None and len(keys) >= max_full:
             full = RadixTree.match_keys(root, keys, max_full)
-            if not partial:
-                return full, None, 0, packed
-            start = len(full) * tpb
-            limit = min(tpb, n - 1 - start)
-            last: Node = full[-1] if full else root
-            src, m = RadixTree.match_partial(last, tokens[start : start + limit], limit, max_scan)
-            return full, src, m, packed
-        node: Node = root
-        done = 0
-        window = max(1, first_window // tpb)
-        while done < max_full:
-            take = min(window, max_full - done)
-            data = pack_range(tokens, done * tpb, (done + take) * tpb)
-            packed.append(data)
-            found = RadixTree.match_full(node, data, take, step)
-            full += found
-            if len(found) < take:
-                break
-            node = found[-1]
-            done += take
-            window *= 4
+        else:
+            step = 4 * tpb
+            done = 0
+            window = max(1, first_window // tpb)
+            while done < max_full:
+                take = min(window, max_full - done)
+                data = pack_range(tokens, done * tpb, (done + take) * tpb)
+                found = RadixTree.match_full(node, data, take, step)
+                full += found
+                if len(found) < take:
+                    break
+                node = found[-1]
+                done += take
+                window *= 4
         if not partial:
-            return full, None, 0, packed
+            return full, None, 0
         start = len(full) * tpb
         limit = min(tpb, n - 1 - start)
         node = full[-1] if full else root
         src, m = RadixTree.match_partial(node, tokens[start : start + limit], limit, max_scan)
-        return full, src, m, packed
+        return full, src, m
 
     @staticmethod
     def match_keys(node: Node, keys: Sequence[BlockKey], max_blocks: int) -> list[Block]:

@@ -3,11 +3,13 @@
 Before routing a request the simulator expands its hash ids into a prompt
 (:meth:`Request.tokens <router_sim.workloads.Request.tokens>`) and the router hashes the
 prompt's full blocks (:meth:`Router.hash_request <router_sim.router.Router.hash_request>`).
-Both depend on the request alone, so the native extension ``router_sim._prefetch`` does them on
-a thread of its own, in arrival order and a bounded number of requests ahead (it never takes
-the GIL), while the replay's thread simulates: on a Mooncake replay they are about a sixth of
-that thread's work, which a second core now takes. What the replay gets is what the inline
-path makes, value for value (tests compare both, and whole reports with and without).
+Both depend on the request alone, so the native extension ``router_sim._prefetch`` makes the
+block keys on a thread of its own (expanding each prompt there to hash it), in arrival order and
+a bounded number of requests ahead (it never takes the GIL), while the replay's thread
+simulates: on a Mooncake replay the hashing was about a sixth of that thread's work, which a
+second core now takes (the replay still expands its own copy of each prompt). What the replay
+gets is what the inline path makes, value for value (tests compare both, and whole reports with
+and without).
 
 Requests the thread does not make (a given prompt, a hash-id width other than the trace's,
 too few hash ids for the length), and every request without the extension or with

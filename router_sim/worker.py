@@ -209,8 +209,6 @@ class SimWorker:
         self.dropped_frames = 0
         # the engine whose events this worker publishes (its hashes are a function of ours)
         self.dialect = make_dialect(config.engine, worker_id, config.tokens_per_block)
-        # the event manager announces blocks under V1 hashes: those made ahead are its own
-        self._v1 = config.hash_algo == "v1_block_key"
         self._start_engine()
 
     # ------------------------------------------------------------------ engine lifecycle
@@ -493,7 +491,7 @@ class SimWorker:
                 ctx,
                 reuse_scope=self.dialect.scope(req),
                 block_keys=s.keys,
-                sink_hashes=s.hashes if self._v1 else None,
+                sink_hashes=s.hashes,  # V1 ones: the event manager ignores them under v2_*
             )
         except OutOfPagesError:
             return False
