@@ -119,6 +119,15 @@ def build_parser(services: bool = True) -> argparse.ArgumentParser:
         help="whose KV events the workers publish: native, vllm, sglang or trtllm (their "
         "hashes, fields and media; the router keys all by token ids)",
     )
+    run.add_argument(
+        "--events",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="the KV event stream from workers to the router's index: on, off (only for "
+        "policies that never read the index) or auto (default: off for those policies, "
+        "unless --drop-rate, --restart or a ZeroMQ --transport asks for it; their wire "
+        "columns then show '-')",
+    )
     run.add_argument("--event-delay-ms", type=float, default=0.0)
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--max-requests", type=int, help="stop after this many requests")
@@ -208,6 +217,7 @@ def run(args: argparse.Namespace, stdout: TextIO, stderr: TextIO, *, exiting: bo
         restarts=list(args.restart),
         policy_options=dict(args.policy_options),
         engine=args.engine,
+        events=args.events,
     )
     if args.out is not None:
         try:  # before the runs, not after them

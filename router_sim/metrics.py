@@ -122,6 +122,7 @@ class SummaryFields(TypedDict):
     decode_errors: int
     overflowed_events: int
     index_mismatch_blocks: int
+    events: bool
     decision_us_p50: float
     decision_us_p99: float
     decision_us_mean: float
@@ -137,8 +138,12 @@ class PolicySummary:
     busy_ms: list[float]
     wire: WireStats = field(default_factory=WireStats)
     index_mismatch: int = 0
-    """Blocks the router's index got wrong once every event arrived (0: it recovered)."""
+    """Blocks the router's index got wrong once every event arrived (0: it recovered; -1:
+    not measured)."""
     wall_s: float = 0.0
+    events: bool = True
+    """Whether the run had the event stream (False: the wire figures are zeros, not
+    measured; see ``SimConfig.events``)."""
 
     def as_dict(self) -> SummaryFields:
         """Report fields; hit rates are token-weighted fractions in [0, 1]."""
@@ -193,6 +198,7 @@ class PolicySummary:
             "decode_errors": w.decode_errors,
             "overflowed_events": w.overflowed_events,
             "index_mismatch_blocks": self.index_mismatch,
+            "events": self.events,
             "decision_us_p50": percentile(decisions, 50),
             "decision_us_p99": percentile(decisions, 99),
             "decision_us_mean": sum(decisions) / len(decisions) if decisions else 0.0,

@@ -48,6 +48,8 @@ _TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("decision_us_p50", "dec us", "{:.0f}"),
 )
 
+_WIRE_COLUMNS: frozenset[str] = frozenset({"wire_events", "wire_bytes", "gaps", "recovered"})
+
 
 def build_report(
     workload: Mapping[str, Any],
@@ -103,6 +105,9 @@ def format_table(report: Report) -> str:
         row = [name]
         for key, _, fmt in _TABLE_COLUMNS:
             value = fields.get(key, 0)
+            if key in _WIRE_COLUMNS and fields.get("events") is False:
+                row.append("-")  # no event stream in this run: not measured
+                continue
             if key == "wire_bytes":
                 value = value / 1e6
             row.append(fmt.format(value))

@@ -43,7 +43,7 @@ from router_sim.dialects import check_engine, request_scope
 from router_sim.errors import SimulationError as SimulationError
 from router_sim.load import WorkerLoad
 from router_sim.metrics import PolicySummary, RequestRecord, WireStats
-from router_sim.policies import make_policy
+from router_sim.policies import EVENT_FREE, make_policy
 from router_sim.prefetch import prompt_source
 from router_sim.router import Router
 from router_sim.timing import default_step_timing
@@ -67,6 +67,8 @@ ALL_POLICIES: Final[tuple[str, ...]] = (
     "oracle",
 )
 # policies that draw random numbers (sampling, or tie-breaks among equal costs)
+EVENT_MODES: Final = ("auto", "on", "off")
+"""The values of ``SimConfig.events``."""
 _SEEDED: Final = frozenset({"random", "kv_overlap", "predicted_ttft", "approximate", "oracle"})
 _run_ids = itertools.count()
 
@@ -132,6 +134,13 @@ class SimConfig:
     engine: str = "native"
     """Whose KV events the workers publish (router_sim.dialects.ENGINES): the router keys
     every engine's blocks by their token ids, so routing is the same for all."""
+    events: str = "auto"
+    """``on``: the workers publish KV events and the router's index applies them; ``off``: no
+    event stream (the wire figures and the index check are then not measured), only for a
+    policy that never reads the index (``reads_index = False``: round_robin, random,
+    least_loaded, approximate, oracle); ``auto``: off for such a policy unless the run injects
+    faults or names a ZeroMQ transport, on otherwise. Routing, caching and timing are the
+    same either way."""
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -149,6 +158,13 @@ class SimConfig:
             raise ValueError(
                 f"transport must be auto or one of {TRANSPORTS}, got {self.transport!r}"
             )
+        if self.events not in EVENT_MODES:
+            raise ValueError(f"events must be one of {EVENT_MODES}, got {self.events!r}")
+        if self.events == "off" and self.needs_events:
+            raise ValueError(
+                "events='off' leaves out the event stream that drop_rate, restarts and a "
+                "ZeroMQ transport exercise"
+            )
         if self.transport == "memory" and self.drop_rate > 0:
             # a lost frame is recovered by the subscriber's replay, which needs real sockets
             raise ValueError("drop_rate needs a ZeroMQ transport (inproc or tcp), not memory")
@@ -158,6 +174,23 @@ class SimConfig:
                 raise ValueError(
                     f"restart names worker {r.worker} but the workers are 0..{self.workers - 1}"
                 )
+
+    @property
+    def needs_events(self) -> bool:
+        """Whether the run exercises the event stream itself (injected faults, or a ZeroMQ
+        transport asked for by name)."""
+        return self.drop_rate > 0 or bool(self.restarts) or self.transport in ("inproc", "tcp")
+
+    def events_for(self, policy: str) -> bool:
+        """Whether a run of the named policy has the event stream (``events`` resolved);
+        raises ``ValueError`` for ``off`` with a policy that reads the index."""
+        reads = policy not in EVENT_FREE
+        if self.events == "off" and reads:
+            raise ValueError(
+                f"events='off' with policy {policy!r}: it routes by the router's index, which "
+                "only the event stream fills"
+            )
+        return self.events == "on" or (self.events == "auto" and (reads or self.needs_events))
 
     @property
     def resolved_transport(self) -> str:
@@ -179,6 +212,12 @@ class SimConfig:
             event_buffer=self.event_buffer,
             engine=self.engine,
         )
+
+    def worker_config_for(self, publish: bool) -> WorkerConfig:
+        """:meth:`worker_config`, its workers publishing events or not."""
+        wcfg = self.worker_config()
+        wcfg.publish = publish
+        return wcfg
 
 
 class Fleet:
@@ -218,7 +257,9 @@ class Simulation:
     def __init__(self, policy: str, config: SimConfig) -> None:
         self.config = config
         self.policy_name = policy
-        wcfg = config.worker_config()
+        self.events = config.events_for(policy)
+        """Whether the workers publish KV events and the router applies them."""
+        wcfg = config.worker_config_for(self.events)
         self._memory = wcfg.transport == "memory"
         timing = default_step_timing(config.timing_speedup)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -256,7 +297,7 @@ class Simulation:
             self._carried = WireStats()
             self.index_mismatch = -1
             """After a run: |index blocks - true blocks| summed over workers (0: fully
-            recovered)."""
+            recovered; -1: not measured, the run had no event stream)."""
             for w in self.workers:
                 self._attach(w)
         except BaseException:
@@ -432,10 +473,11 @@ class Simulation:
             # After everything arrived, the index must equal the workers' caches (the event
             # manager's announced blocks, whatever reached the wire): this is how a run shows
             # that replay, resync and snapshots recovered from injected faults.
-            self.index_mismatch = sum(
-                abs(self.router.indexer.block_count(w.worker_id) - w.events.num_announced)
-                for w in self.workers
-            )
+            if self.events:
+                self.index_mismatch = sum(
+                    abs(self.router.indexer.block_count(w.worker_id) - w.events.num_announced)
+                    for w in self.workers
+                )
         finally:
             if source is not None:
                 source.close()
@@ -447,6 +489,7 @@ class Simulation:
             busy_ms=[w.busy_ms for w in self.workers],
             wire=wire,
             index_mismatch=self.index_mismatch,
+            events=self.events,
             wall_s=time.perf_counter() - started,
         )
 

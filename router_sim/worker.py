@@ -82,6 +82,9 @@ class WorkerConfig:
     engine: str = "native"
     """Whose events the worker publishes: ``native``, ``vllm``, ``sglang`` or ``trtllm``
     (hashes, fields and media as that engine sends them; router_sim.dialects)."""
+    publish: bool = True
+    """False: the worker publishes no events (memory transport only); it still keeps the
+    record of its true cache contents (``held``) that the report and the oracle read."""
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -94,6 +97,8 @@ class WorkerConfig:
         if self.max_batch_tokens < 1 or self.max_running < 1:
             raise ValueError("max_batch_tokens and max_running must be >= 1")
         check_engine(self.engine)
+        if not self.publish and self.transport != "memory":
+            raise ValueError(f"a worker that publishes no events has no {self.transport} transport")
 
 
 @dataclass(slots=True, eq=False)
@@ -369,7 +374,7 @@ class SimWorker:
         snapshot = self._snapshot()
         assert snapshot is not None  # just drained: nothing is pending
         self.held = {b.block_hash for ev in snapshot for b in getattr(ev.data, "blocks", ())}
-        if self.publisher is not None:
+        if self.publisher is not None or not self.config.publish:
             return
         seq = self._next_seq - 1
         self._outbox.append((seq, b"", "resync"))
@@ -380,6 +385,8 @@ class SimWorker:
 
     def _send(self, batch: list[KVCacheEvent]) -> None:
         self._track(batch)
+        if not self.config.publish:
+            return
         payload = self.dialect.encode(batch, self.clock_ms / 1000.0)
         self.published += 1
         self.events_published += len(batch)

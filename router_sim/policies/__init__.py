@@ -37,8 +37,11 @@ POLICIES: Final[dict[str, Callable[..., RoutingPolicy]]] = {
     "oracle": OraclePolicy,
 }
 
-#: policies that need no KV events (the router may skip the index for them)
-EVENT_FREE: Final = frozenset({"round_robin", "random", "least_loaded", "approximate", "oracle"})
+#: policies that need no KV events: they declare ``reads_index = False`` (a simulation of
+#: one may leave the event stream out, see ``SimConfig.events``)
+EVENT_FREE: Final = frozenset(
+    name for name, factory in POLICIES.items() if not getattr(factory, "reads_index", True)
+)
 
 
 def make_policy(name: str, **options: Any) -> RoutingPolicy:

@@ -24,6 +24,8 @@ class ApproximatePolicy:
     """kv_overlap's cost over a per-worker TTL + size-capped record of routed blocks."""
 
     name = "approximate"
+    reads_index = False
+    """Predicts from its own decisions: a simulation may leave the event stream out."""
 
     def __init__(
         self,

@@ -241,6 +241,8 @@ class OraclePolicy:
     bound of what any event-fed policy of that cost can reach."""
 
     name = "oracle"
+    reads_index = False
+    """Reads the workers' true caches: a simulation may leave the event stream out."""
 
     def __init__(
         self,

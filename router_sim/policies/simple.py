@@ -17,6 +17,8 @@ class RoundRobinPolicy:
     name = "round_robin"
     reads_loads = False
     """Picks by worker id alone: the router need not read any load for it."""
+    reads_index = False
+    """Never reads the router's index: a simulation may leave the event stream out."""
 
     def __init__(self) -> None:
         self._last: int | None = None
@@ -35,6 +37,8 @@ class RandomPolicy:
     name = "random"
     reads_loads = False
     """Picks by worker id alone: the router need not read any load for it."""
+    reads_index = False
+    """Never reads the router's index: a simulation may leave the event stream out."""
 
     def __init__(self, seed: int = 0) -> None:
         self._rng = random.Random(seed)
@@ -48,6 +52,8 @@ class LeastLoadedPolicy:
     the other metric, then the lowest worker id."""
 
     name = "least_loaded"
+    reads_index = False
+    """Never reads the router's index: a simulation may leave the event stream out."""
 
     def __init__(self, metric: str = "active_requests") -> None:
         if metric not in LOAD_METRICS:
