@@ -3,6 +3,7 @@ router's index, leaving the stream out changes no routing, caching or timing fig
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -171,3 +172,43 @@ def test_arg_error_is_what_the_check_raises() -> None:
         check_events(args)
     args.transport = "auto"
     check_events(args)  # event-free policies, nothing that needs the stream
+
+
+def _sweep_spec(**kw: Any) -> Any:
+    from router_sim.sweep import SweepSpec, WorkloadSpec
+
+    base: dict[str, Any] = {
+        "workload": WorkloadSpec(synthetic="mixed", max_requests=30),
+        "policies": ["round_robin", "kv_overlap"],
+        "workers": [2],
+        "device_blocks": [2048],
+        "tokens_per_block": 16,
+    }
+    base.update(kw)
+    return SweepSpec(**base)
+
+
+def test_a_sweep_passes_its_events_setting_to_every_point(tmp_path: Path) -> None:
+    from router_sim.sweep import run_sweep
+    from router_sim.sweep.runner import SweepError
+
+    auto = {r["policy"]: r for r in run_sweep(_sweep_spec(), tmp_path / "a", jobs=1).rows}
+    on = {r["policy"]: r for r in run_sweep(_sweep_spec(events="on"), tmp_path / "b", jobs=1).rows}
+    assert auto["round_robin"]["events"] is False and auto["round_robin"]["wire_bytes"] == 0
+    assert on["round_robin"]["events"] is True and on["round_robin"]["wire_bytes"] > 0
+    assert auto["kv_overlap"]["events"] is True
+    for name in (
+        "hit_rate",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "load_max_over_mean",
+        "locality_given_up",
+    ):
+        assert auto["round_robin"][name] == on["round_robin"][name], name
+    # a sweep made without the setting keeps its points' keys; a set one is part of them
+    assert "events" not in _sweep_spec().fixed()
+    assert _sweep_spec(events="on").fixed()["events"] == "on"
+    with pytest.raises(SweepError, match="events off: kv_overlap"):
+        _sweep_spec(events="off")
+    with pytest.raises(SweepError, match="events must be one of"):
+        _sweep_spec(events="maybe")

@@ -24,6 +24,7 @@ from router_sim.cli import (
     _parse_policy_options,
 )
 from router_sim.run_args import check_sweep
+from router_sim.sim import EVENT_MODES
 from router_sim.sweep.output import format_table, write_results
 from router_sim.sweep.plan import answer, format_plan, plot_plan
 from router_sim.sweep.runner import SweepError, SweepResult, SweepSpec, WorkloadSpec, run_sweep
@@ -62,6 +63,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-blocks", type=int)
     p.add_argument("--max-batch-tokens", type=int)
     p.add_argument("--policy-options", type=_parse_policy_options)
+    p.add_argument(
+        "--events",
+        choices=EVENT_MODES,
+        help="the KV event stream (as router-sim run --events; default auto: left out for "
+        "policies that never read the router's index)",
+    )
     p.add_argument("--out", type=Path, required=True, help="results folder (resumes from it)")
     p.add_argument("--jobs", type=int, help="local worker processes (default: all cores)")
     p.add_argument(
@@ -102,6 +109,7 @@ _FILE_KEYS = {
     "host_blocks": int,
     "max_batch_tokens": int,
     "policy_options": dict,
+    "events": str,
 }
 _FLAG_FOR = {"rates_per_s": "rates", "event_delays_ms": "event_delay_ms"}
 
@@ -178,6 +186,7 @@ def build_spec(args: argparse.Namespace, *, plan: bool = False) -> SweepSpec:
         host_blocks=int(s.get("host_blocks", 0)),
         max_batch_tokens=int(s.get("max_batch_tokens", 8192)),
         policy_options=dict(s.get("policy_options", {})),
+        events=str(s.get("events", "auto")),
     )
 
 

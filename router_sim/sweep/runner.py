@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any, Final
 
 from router_sim.bound import compulsory_bound
-from router_sim.sim import SimConfig, simulate
+from router_sim.policies import EVENT_FREE
+from router_sim.sim import EVENT_MODES, SimConfig, simulate
 from router_sim.trace import load_trace
 from router_sim.workloads import WORKLOADS, Request, SyntheticSpec, synthetic_workload
 
@@ -49,6 +50,7 @@ ROW_METRICS: Final[tuple[str, ...]] = (
     "completed",
     "requests",
     "wire_bytes",
+    "events",
     "decision_us_p50",
     "wall_s",
 )
@@ -98,6 +100,8 @@ class SweepSpec:
     host_blocks: int = 0
     max_batch_tokens: int = 8192
     policy_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    events: str = "auto"
+    """``SimConfig.events`` of every point."""
 
     def __post_init__(self) -> None:
         for name in ("policies", "workers", "device_blocks", "speedups", "event_delays_ms"):
@@ -109,6 +113,14 @@ class SweepSpec:
             )
         if any(s <= 0 for s in self.speedups) or any(r <= 0 for r in self.rates_per_s or []):
             raise SweepError("speed-ups and rates must be > 0")
+        if self.events not in EVENT_MODES:
+            raise SweepError(f"events must be one of {', '.join(EVENT_MODES)}, got {self.events!r}")
+        blind = [p for p in self.policies if p not in EVENT_FREE]
+        if self.events == "off" and blind:
+            raise SweepError(
+                f"events off: {', '.join(blind)} route(s) by the router's index, which only "
+                "the event stream fills"
+            )
 
     def fixed(self) -> dict[str, Any]:
         """Everything that is the same for every point (part of each point's key)."""
@@ -118,6 +130,8 @@ class SweepSpec:
             "host_blocks": self.host_blocks,
             "max_batch_tokens": self.max_batch_tokens,
             "policy_options": self.policy_options,
+            # only when set: the points of a sweep made before this setting keep their keys
+            **({"events": self.events} if self.events != "auto" else {}),
         }
 
     def points(self) -> list[dict[str, Any]]:
@@ -196,6 +210,7 @@ def point_config(spec: SweepSpec, point: dict[str, Any]) -> SimConfig:
         event_delay_ms=point["event_delay_ms"],
         seed=point["seed"],
         policy_options=spec.policy_options,
+        events=spec.events,
     )
 
 
