@@ -241,6 +241,31 @@ class KVCacheManager:
         self._owner.check("verify")
         verify(self._tree, self._pool, [(s.held_blocks(), s.suspended) for s in self._live])
 
+    def cached_prefix_blocks(
+        self, block_keys: Sequence[BlockKey], reuse_scope: ReuseScope | None = None
+    ) -> int:
+        """Leading blocks of ``block_keys`` (keys of full blocks, as
+        ``kvcache.keys.blockchain_keys`` gives them) the cache holds now in ``reuse_scope``,
+        on any tier; changes nothing (no LRU, stats or events)."""
+        self._owner.check("cached_prefix_blocks")
+        return self._tree.prefix_blocks(_check_scope(reuse_scope), block_keys)
+
+    @property
+    def tree(self) -> RadixTree:
+        """The cache's radix tree, for read-only lookups such as
+        ``tree.prefix_blocks(scope, keys)`` (:meth:`cached_prefix_blocks` without the
+        checks, for a caller that makes many). Changing it corrupts the manager."""
+        return self._tree
+
+    @property
+    def block_moves(self) -> int:
+        """Blocks evicted, offloaded, onboarded or dropped by eviction so far (the sum of the
+        ``stats`` counters, read without building the snapshot): a caller that sees it
+        unchanged across some calls knows no cached block changed tier or left meanwhile
+        because of them."""
+        c = self._pool.counters
+        return c.evictions + c.offloads + c.onboards + c.drops
+
     @property
     def num_cached_blocks(self) -> int:
         """Blocks in the tree (every scope, every tier)."""

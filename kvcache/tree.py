@@ -378,6 +378,12 @@ class RadixTree:
             child = block.child
         return found
 
+    def prefix_blocks(self, scope: ReuseScope, keys: Sequence[BlockKey]) -> int:
+        """How many of ``keys``'s first ones name a chain of full blocks from ``scope``'s root
+        (any tier): the length of what :meth:`match_keys` finds there."""
+        root = self.roots.get(scope)
+        return 0 if root is None else len(RadixTree.match_keys(root, keys, len(keys)))
+
     @staticmethod
     def match_full(node: Node, data: bytes, max_blocks: int, step: int) -> list[Block]:
         """The longest chain of full blocks under ``node`` whose tokens are ``data``'s blocks.

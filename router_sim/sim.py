@@ -38,6 +38,7 @@ from events.codec import decode_batch
 from events.hashing import HashAlgo
 from events.model import BlockHash
 from events.subscriber import BatchDelivery, ResyncRequired, SubscriberMessage, ZmqEventSubscriber
+from kvcache.keys import blockchain_keys
 from router_sim.build_info import warn_if_stale
 from router_sim.dialects import check_engine, request_scope
 from router_sim.errors import SimulationError as SimulationError
@@ -69,6 +70,8 @@ ALL_POLICIES: Final[tuple[str, ...]] = (
 # policies that draw random numbers (sampling, or tie-breaks among equal costs)
 EVENT_MODES: Final = ("auto", "on", "off")
 """The values of ``SimConfig.events``."""
+_READS_TRUTH: Final = frozenset({"oracle"})
+"""Policies given the fleet as their ``CacheOracle`` (see build_policy)."""
 _SEEDED: Final = frozenset({"random", "kv_overlap", "predicted_ttft", "approximate", "oracle"})
 _run_ids = itertools.count()
 
@@ -213,10 +216,10 @@ class SimConfig:
             engine=self.engine,
         )
 
-    def worker_config_for(self, publish: bool) -> WorkerConfig:
-        """:meth:`worker_config`, its workers publishing events or not."""
+    def worker_config_for(self, events: str) -> WorkerConfig:
+        """:meth:`worker_config` with its workers' ``events`` (``WorkerConfig.events``)."""
         wcfg = self.worker_config()
-        wcfg.publish = publish
+        wcfg.events = events
         return wcfg
 
 
@@ -259,7 +262,12 @@ class Simulation:
         self.policy_name = policy
         self.events = config.events_for(policy)
         """Whether the workers publish KV events and the router applies them."""
-        wcfg = config.worker_config_for(self.events)
+        # Without the stream a worker needs no event manager, unless the policy reads the
+        # workers' true caches by the router's hashes (the oracle: Fleet.true_overlap)
+        self._tracked = self.events or policy in _READS_TRUTH
+        wcfg = config.worker_config_for(
+            "publish" if self.events else "track" if self._tracked else "none"
+        )
         self._memory = wcfg.transport == "memory"
         timing = default_step_timing(config.timing_speedup)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -448,7 +456,14 @@ class Simulation:
                 # V1 hashes are ints, which the router's keys (BlockHash) may be
                 known = cast("list[BlockHash] | None", hashes)
                 decision = self.router.route(prompt, scope, now_ms=t, block_hashes=known)
-                true = self._true_overlaps(decision.block_hashes)
+                if self._tracked:
+                    true = self._true_overlaps(decision.block_hashes)
+                else:
+                    # no event manager: each cache's tree, by the prompt's cache keys
+                    n = len(decision.block_hashes)
+                    made_keys = keys if keys is not None else blockchain_keys(scope, prompt, tpb)
+                    lookup = made_keys[:n]
+                    true = [w.prefix_blocks(lookup, scope) for w in self.workers]
                 record = RequestRecord(
                     request_id=req.request_id,
                     worker=decision.worker,
@@ -475,7 +490,7 @@ class Simulation:
             # that replay, resync and snapshots recovered from injected faults.
             if self.events:
                 self.index_mismatch = sum(
-                    abs(self.router.indexer.block_count(w.worker_id) - w.events.num_announced)
+                    abs(self.router.indexer.block_count(w.worker_id) - w.num_announced)
                     for w in self.workers
                 )
         finally:
@@ -520,7 +535,8 @@ class Simulation:
             stats.events += w.events_published
             stats.bytes += w.bytes_published
             stats.dropped_frames += w.dropped_frames
-            stats.overflowed_events += w.events.dropped_events
+            if w.events is not None:
+                stats.overflowed_events += w.events.dropped_events
             stats.restarts += w.restarts
             if self._memory:
                 continue

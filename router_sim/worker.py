@@ -46,7 +46,9 @@ from kvcache.config import KVCacheManagerConfig, TierConfig
 from kvcache.errors import OutOfPagesError
 from kvcache.keys import BlockKey
 from kvcache.manager import KVCacheManager
+from kvcache.scope import ReuseScope
 from kvcache.sequence import KVCache
+from kvcache.tree import RadixTree
 from router_sim.dialects import check_engine, make_dialect
 from router_sim.errors import WorkerError as WorkerError
 from router_sim.load import WorkerLoad
@@ -57,6 +59,8 @@ from router_sim.workloads import Request
 log = logging.getLogger(__name__)
 
 TRANSPORTS: Final[tuple[str, ...]] = ("memory", "inproc", "tcp")
+WORKER_EVENTS: Final[tuple[str, ...]] = ("publish", "track", "none")
+"""The values of :attr:`WorkerConfig.events`."""
 """``memory``: encoded frames are handed over in process (offline runs, no sockets);
 ``inproc`` / ``tcp``: a real :class:`ZmqEventPublisher` per worker."""
 
@@ -82,9 +86,11 @@ class WorkerConfig:
     engine: str = "native"
     """Whose events the worker publishes: ``native``, ``vllm``, ``sglang`` or ``trtllm``
     (hashes, fields and media as that engine sends them; router_sim.dialects)."""
-    publish: bool = True
-    """False: the worker publishes no events (memory transport only); it still keeps the
-    record of its true cache contents (``held``) that the report and the oracle read."""
+    events: str = "publish"
+    """``publish``: the event manager's batches go out on the transport; ``track``: they only
+    keep :attr:`SimWorker.held` (the true contents the oracle reads), nothing is published;
+    ``none``: no event manager at all (the cache's own tree answers :meth:`SimWorker.
+    prefix_blocks`). The last two take the memory transport only."""
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -97,7 +103,9 @@ class WorkerConfig:
         if self.max_batch_tokens < 1 or self.max_running < 1:
             raise ValueError("max_batch_tokens and max_running must be >= 1")
         check_engine(self.engine)
-        if not self.publish and self.transport != "memory":
+        if self.events not in WORKER_EVENTS:
+            raise ValueError(f"events must be one of {WORKER_EVENTS}, got {self.events!r}")
+        if self.events != "publish" and self.transport != "memory":
             raise ValueError(f"a worker that publishes no events has no {self.transport} transport")
 
 
@@ -229,16 +237,22 @@ class SimWorker:
         tiers = [TierConfig(name="device", num_blocks=cfg.device_blocks)]
         if cfg.host_blocks:
             tiers.append(TierConfig(name="host", num_blocks=cfg.host_blocks))
-        self.events = KVCacheEventManager(
-            hash_algo=cfg.hash_algo,
-            max_entries=cfg.event_buffer,
-            moves_as="removed_stored",
-            tokens_per_block=cfg.tokens_per_block,
-        )
+        self.events: KVCacheEventManager | None = None
+        if cfg.events != "none":
+            self.events = KVCacheEventManager(
+                hash_algo=cfg.hash_algo,
+                max_entries=cfg.event_buffer,
+                moves_as="removed_stored",
+                tokens_per_block=cfg.tokens_per_block,
+            )
         self.manager = KVCacheManager(
             KVCacheManagerConfig(tokens_per_block=cfg.tokens_per_block, tiers=tiers),
             event_sink=self.events,
         )
+        self.tree: RadixTree = self.manager.tree
+        """The cache's tree (read only): :meth:`prefix_blocks`."""
+        self._moves = 0
+        """``manager.block_moves`` at the last publish (see _step)."""
         self.sent_seqs = []
         self.held = set()
         self._tiers = [t.num_blocks for t in tiers]
@@ -268,8 +282,9 @@ class SimWorker:
         """Publish the engine's start: its capacity (Created) and an empty cache
         (AllBlocksCleared, so a router that knew a previous incarnation drops it). Call once a
         subscriber is attached."""
-        self.events.created(self._tiers)
-        self.events.on_cleared()
+        if self.events is not None:
+            self.events.created(self._tiers)
+            self.events.on_cleared()
         self._publish()
 
     def _zmq(self) -> ZmqEventPublisher:
@@ -355,9 +370,14 @@ class SimWorker:
 
     def _snapshot(self) -> list[KVCacheEvent] | None:
         """The cache's announced state (the publisher's snapshot provider)."""
+        if self.events is None:
+            return None
         return self.events.snapshot(self.manager.iter_blocks())
 
     def _publish(self) -> None:
+        self._moves = self.manager.block_moves
+        if self.events is None:
+            return
         batch, lost = self.events.end_step()
         if lost and self.publisher is not None:
             self.publisher.skip()  # a seq no batch carries: subscribers see the loss
@@ -374,7 +394,7 @@ class SimWorker:
         snapshot = self._snapshot()
         assert snapshot is not None  # just drained: nothing is pending
         self.held = {b.block_hash for ev in snapshot for b in getattr(ev.data, "blocks", ())}
-        if self.publisher is not None or not self.config.publish:
+        if self.publisher is not None or self.config.events != "publish":
             return
         seq = self._next_seq - 1
         self._outbox.append((seq, b"", "resync"))
@@ -385,7 +405,7 @@ class SimWorker:
 
     def _send(self, batch: list[KVCacheEvent]) -> None:
         self._track(batch)
-        if not self.config.publish:
+        if self.config.events != "publish":
             return
         payload = self.dialect.encode(batch, self.clock_ms / 1000.0)
         self.published += 1
@@ -419,6 +439,17 @@ class SimWorker:
                 held.difference_update(data.block_hashes)
             elif isinstance(data, AllBlocksCleared):
                 held.clear()
+
+    @property
+    def num_announced(self) -> int:
+        """Blocks the worker's event manager announced and has not removed (0 without one)."""
+        return 0 if self.events is None else self.events.num_announced
+
+    def prefix_blocks(self, keys: Sequence[BlockKey], scope: ReuseScope) -> int:
+        """Leading blocks of ``keys`` (the cache's keys of a prompt's full blocks in
+        ``scope``) the cache holds right now (any tier): :meth:`true_overlap` read from the
+        cache itself, for a worker without an event manager."""
+        return self.tree.prefix_blocks(scope, keys)
 
     def true_overlap(self, block_hashes: Sequence[BlockHash]) -> int:
         """Leading blocks of ``block_hashes`` this worker holds right now (any tier)."""
@@ -652,9 +683,10 @@ class SimWorker:
             and cfg.fast_forward
             and (not self.waiting or self._admission_blocked)
             and dt > 0
-            # a page taken for this step may have evicted a block: those events carry this
-            # step's end time, not the stretch's
-            and self.events.num_pending == 0
+            # a page taken for this step may have evicted or moved a block: its events carry
+            # this step's end time, not the stretch's (the cache's own count, so that a run
+            # with and without the event manager take the same stretches)
+            and self.manager.block_moves == self._moves
         ):
             k = self._fast_forward_steps(decodes, dt, t_ms)
         self.clock_ms += k * dt

@@ -22,6 +22,7 @@ SMALL = SyntheticSpec(num_requests=120, system_prompt_len=(300, 700), rate_per_s
 # What only the event stream produces: the wire, the index's view (the router's predicted
 # overlap, its check against the workers, its lookup time) and the mode itself.
 _STREAM_ONLY = {
+    "overflowed_events",
     "wire_batches",
     "wire_events",
     "wire_bytes",
