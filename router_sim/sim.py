@@ -202,7 +202,9 @@ class SimConfig:
             return self.transport
         return "inproc" if self.drop_rate > 0 else "memory"
 
-    def worker_config(self) -> WorkerConfig:
+    def worker_config(self, events: str = "publish", held: bool = True) -> WorkerConfig:
+        """The workers' shape; ``events`` and ``held`` as in :class:`WorkerConfig` (a
+        :class:`Simulation` picks them for its policy)."""
         return WorkerConfig(
             tokens_per_block=self.tokens_per_block,
             device_blocks=self.device_blocks,
@@ -214,13 +216,9 @@ class SimConfig:
             fast_forward=self.fast_forward,
             event_buffer=self.event_buffer,
             engine=self.engine,
+            events=events,
+            held=held,
         )
-
-    def worker_config_for(self, events: str) -> WorkerConfig:
-        """:meth:`worker_config` with its workers' ``events`` (``WorkerConfig.events``)."""
-        wcfg = self.worker_config()
-        wcfg.events = events
-        return wcfg
 
 
 class Fleet:
@@ -262,11 +260,13 @@ class Simulation:
         self.policy_name = policy
         self.events = config.events_for(policy)
         """Whether the workers publish KV events and the router applies them."""
-        # Without the stream a worker needs no event manager, unless the policy reads the
-        # workers' true caches by the router's hashes (the oracle: Fleet.true_overlap)
-        self._tracked = self.events or policy in _READS_TRUTH
-        wcfg = config.worker_config_for(
-            "publish" if self.events else "track" if self._tracked else "none"
+        # The report's true overlaps come from each cache's tree by the prompt's keys; only
+        # a policy that reads the workers' true caches by the router's hashes (the oracle:
+        # Fleet.true_overlap) needs each worker's held set, kept from its event batches.
+        # Without the stream and that set, a worker runs no event manager at all.
+        self._held = policy in _READS_TRUTH
+        wcfg = config.worker_config(
+            "publish" if self.events else "track" if self._held else "none", self._held
         )
         self._memory = wcfg.transport == "memory"
         timing = default_step_timing(config.timing_speedup)
@@ -456,10 +456,10 @@ class Simulation:
                 # V1 hashes are ints, which the router's keys (BlockHash) may be
                 known = cast("list[BlockHash] | None", hashes)
                 decision = self.router.route(prompt, scope, now_ms=t, block_hashes=known)
-                if self._tracked:
+                if self._held:
                     true = self._true_overlaps(decision.block_hashes)
                 else:
-                    # no event manager: each cache's tree, by the prompt's cache keys
+                    # each cache's tree, by the prompt's cache keys
                     n = len(decision.block_hashes)
                     made_keys = keys if keys is not None else blockchain_keys(scope, prompt, tpb)
                     lookup = made_keys[:n]

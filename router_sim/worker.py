@@ -88,9 +88,12 @@ class WorkerConfig:
     (hashes, fields and media as that engine sends them; router_sim.dialects)."""
     events: str = "publish"
     """``publish``: the event manager's batches go out on the transport; ``track``: they only
-    keep :attr:`SimWorker.held` (the true contents the oracle reads), nothing is published;
-    ``none``: no event manager at all (the cache's own tree answers :meth:`SimWorker.
-    prefix_blocks`). The last two take the memory transport only."""
+    keep :attr:`SimWorker.held`, nothing is published; ``none``: no event manager at all. The
+    last two take the memory transport only."""
+    held: bool = True
+    """Keep :attr:`SimWorker.held` (the true contents by the router's hashes, which
+    :meth:`SimWorker.true_overlap` and the oracle read) from the event manager's batches;
+    without it :meth:`SimWorker.prefix_blocks` answers from the cache's own tree."""
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -105,6 +108,10 @@ class WorkerConfig:
         check_engine(self.engine)
         if self.events not in WORKER_EVENTS:
             raise ValueError(f"events must be one of {WORKER_EVENTS}, got {self.events!r}")
+        if self.events == "track" and not self.held:
+            raise ValueError("events 'track' keeps the held set: it needs held=True")
+        if self.events == "none" and self.held:
+            raise ValueError("events 'none' has no event manager to keep the held set from")
         if self.events != "publish" and self.transport != "memory":
             raise ValueError(f"a worker that publishes no events has no {self.transport} transport")
 
@@ -393,7 +400,8 @@ class SimWorker:
         resync, then the snapshot's parts, through the codec."""
         snapshot = self._snapshot()
         assert snapshot is not None  # just drained: nothing is pending
-        self.held = {b.block_hash for ev in snapshot for b in getattr(ev.data, "blocks", ())}
+        if self.config.held:
+            self.held = {b.block_hash for ev in snapshot for b in getattr(ev.data, "blocks", ())}
         if self.publisher is not None or self.config.events != "publish":
             return
         seq = self._next_seq - 1
@@ -404,7 +412,8 @@ class SimWorker:
             self._outbox.append((seq, payload, "snapshot"))
 
     def _send(self, batch: list[KVCacheEvent]) -> None:
-        self._track(batch)
+        if self.config.held:
+            self._track(batch)
         if self.config.events != "publish":
             return
         payload = self.dialect.encode(batch, self.clock_ms / 1000.0)
@@ -448,7 +457,7 @@ class SimWorker:
     def prefix_blocks(self, keys: Sequence[BlockKey], scope: ReuseScope) -> int:
         """Leading blocks of ``keys`` (the cache's keys of a prompt's full blocks in
         ``scope``) the cache holds right now (any tier): :meth:`true_overlap` read from the
-        cache itself, for a worker without an event manager."""
+        cache itself, for a worker that keeps no held set."""
         return self.tree.prefix_blocks(scope, keys)
 
     def true_overlap(self, block_hashes: Sequence[BlockHash]) -> int:

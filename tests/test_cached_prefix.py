@@ -4,6 +4,7 @@ workers run without an event manager."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kv_helpers import manager, run
@@ -52,7 +53,7 @@ def test_the_held_prefix_is_the_full_blocks_a_request_would_reuse(
     """Against the token path: the full blocks ``probe_reuse`` finds for the probe plus one
     more token (so that the whole probe may be reused), under evictions to a host tier and
     out of it."""
-    m, _ = manager(2, 4, 4)
+    m, _ = manager(2, 6, 4)  # room for a whole 4-block prompt and a copy-on-write page
     for p in prompts:
         if p:
             run(m, p, stop=True)
@@ -76,7 +77,7 @@ def test_block_moves_is_the_sum_of_the_eviction_counters() -> None:
     assert m.block_moves > before
 
 
-def test_a_run_without_the_stream_has_no_event_manager_unless_the_oracle_reads_it() -> None:
+def test_only_the_oracle_s_workers_keep_held_sets_and_only_theirs_an_unpublished_manager() -> None:
     cfg = SimConfig(workers=2, tokens_per_block=16, device_blocks=256)
     rr = Simulation("round_robin", cfg)
     oracle = Simulation("oracle", cfg)
@@ -85,6 +86,9 @@ def test_a_run_without_the_stream_has_no_event_manager_unless_the_oracle_reads_i
         assert all(w.events is None and w.config.events == "none" for w in rr.workers)
         assert all(w.events is not None and w.config.events == "track" for w in oracle.workers)
         assert all(w.config.events == "publish" for w in kv.workers)
+        # only the oracle reads the held sets; the others' true overlaps come from the trees
+        assert all(w.config.held for w in oracle.workers)
+        assert not any(w.config.held for w in rr.workers + kv.workers)
     finally:
         rr.close()
         oracle.close()
@@ -92,9 +96,43 @@ def test_a_run_without_the_stream_has_no_event_manager_unless_the_oracle_reads_i
 
 
 def test_a_worker_without_events_takes_no_socket() -> None:
-    import pytest
-
     with pytest.raises(ValueError, match="events must be one of"):
         WorkerConfig(tokens_per_block=16, device_blocks=8, events="some")
     with pytest.raises(ValueError, match="publishes no events has no inproc transport"):
-        WorkerConfig(tokens_per_block=16, device_blocks=8, events="none", transport="inproc")
+        WorkerConfig(
+            tokens_per_block=16, device_blocks=8, events="none", held=False, transport="inproc"
+        )
+    with pytest.raises(ValueError, match="no event manager to keep the held set from"):
+        WorkerConfig(tokens_per_block=16, device_blocks=8, events="none")
+    with pytest.raises(ValueError, match="it needs held=True"):
+        WorkerConfig(tokens_per_block=16, device_blocks=8, events="track", held=False)
+
+
+@pytest.mark.parametrize("events", ["on", "auto"])
+def test_the_tree_and_the_held_set_agree_on_every_worker_s_true_overlap(events: str) -> None:
+    """The two readings of a worker's true cache: its held set (the hashes its events
+    announced, kept from its batches) and its tree (by the prompt's block keys), after a run
+    that evicted and offloaded."""
+    from router_sim.workloads import SyntheticSpec, synthetic_workload
+
+    reqs = synthetic_workload(
+        "multi-turn",
+        seed=4,
+        spec=SyntheticSpec(num_requests=150, system_prompt_len=(300, 700), rate_per_s=30.0),
+    )
+    cfg = SimConfig(
+        workers=3, tokens_per_block=16, device_blocks=160, host_blocks=400, events=events
+    )
+    sim = Simulation("oracle", cfg)  # its workers keep held sets
+    sim.run(reqs)
+    assert sim.events == (events == "on") and all(w.config.held for w in sim.workers)
+    some = 0
+    for req in reqs:
+        prompt = req.tokens()
+        hashes = sim.router.hash_request(prompt, req.scope)
+        keys = _keys(list(prompt), req.scope, 16)
+        for w in sim.workers:
+            held = w.true_overlap(hashes)
+            assert w.prefix_blocks(keys, req.scope) == held
+            some += held
+    assert some > 0
