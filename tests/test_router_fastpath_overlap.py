@@ -143,17 +143,20 @@ def test_a_runs_native_overlaps_equal_the_loop_over_workers(
     config = SimConfig(
         workers=3, tokens_per_block=16, device_blocks=300, restarts=[Restart(1, 1500.0)]
     )
-    simulate(reqs, "kv_overlap", config)
+    # the oracle's workers keep the held sets that _true_overlaps reads (the other policies
+    # read their trees, see tests/test_cached_prefix.py)
+    simulate(reqs, "oracle", config)
     assert len(seen) == len(reqs)
     assert any(seen)  # some requests were held somewhere: the comparison saw real overlaps
 
 
-@pytest.mark.parametrize("policy", ["round_robin", "kv_overlap"])
+@pytest.mark.parametrize("events", ["on", "auto"])
 def test_the_report_is_the_same_without_the_extension(
-    monkeypatch: pytest.MonkeyPatch, policy: str
+    monkeypatch: pytest.MonkeyPatch, events: str
 ) -> None:
+    policy = "oracle"  # the policy whose workers keep held sets
     reqs = synthetic_workload("mixed", seed=5, spec=SPEC)
-    config = SimConfig(workers=3, tokens_per_block=16, device_blocks=300)
+    config = SimConfig(workers=3, tokens_per_block=16, device_blocks=300, events=events)
     native = simulate(reqs, policy, config)
     monkeypatch.setattr(router_sim.sim, "_held_prefixes", None)
     pure = simulate(reqs, policy, config)
