@@ -56,9 +56,11 @@ def v1_stored_chain(
     salt_id: int | None,
     cache_level: int,
     priority: int,
+    known: list[int] | None = None,
 ) -> list[Any]:
     """The records of a chain of blocks of packed int32 token ids, each hashed under the
-    previous one's hash (the first under ``parent_hash``)."""
+    previous one's hash (the first under ``parent_hash``); ``known``: the first blocks'
+    hashes, taken as they are."""
 
 def build_events(
     spec: tuple[Any, ...],

@@ -22,7 +22,9 @@ from typing import TYPE_CHECKING, Any, Final
 
 from events.cli_args import MAX_BLOCK_TOKENS, ArgError, check_float, check_int
 from router_sim.dialects import ENGINES
-from router_sim.policies import EVENT_FREE, POLICIES, make_policy
+from router_sim.policies import POLICIES, make_policy
+from router_sim.sim import check_events as check_events_setting
+from router_sim.sim import needs_event_stream
 
 if TYPE_CHECKING:
     from router_sim.sweep.runner import SweepSpec
@@ -89,19 +91,16 @@ def check_run_args(args: argparse.Namespace) -> None:
 def check_events(args: argparse.Namespace) -> None:
     """``--events off`` only for policies that never read the router's index, and not with
     what exercises the event stream (``SimConfig.events``)."""
-    if getattr(args, "events", "auto") != "off":
-        return
-    blind = [p for p in args.policies if p not in EVENT_FREE]
-    if blind:
-        raise ArgError(
-            f"--events off: {', '.join(blind)} route(s) by the router's index, which only the "
-            f"event stream fills (event-free policies: {', '.join(sorted(EVENT_FREE))})"
+    needs = needs_event_stream(args.drop_rate, bool(args.restart), args.transport)
+    try:
+        check_events_setting(
+            getattr(args, "events", "auto"),
+            args.policies,
+            needs,
+            "--drop-rate, --restart and --transport inproc/tcp",
         )
-    if args.drop_rate > 0 or args.restart or args.transport in ("inproc", "tcp"):
-        raise ArgError(
-            "--events off leaves out the event stream that --drop-rate, --restart and "
-            "--transport inproc/tcp exercise"
-        )
+    except ValueError as exc:
+        raise ArgError(f"--{exc}") from None
 
 
 def _optional_number(policy: Any, key: str) -> bool:

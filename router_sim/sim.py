@@ -67,11 +67,11 @@ ALL_POLICIES: Final[tuple[str, ...]] = (
     "predicted_ttft",
     "oracle",
 )
-# policies that draw random numbers (sampling, or tie-breaks among equal costs)
 EVENT_MODES: Final = ("auto", "on", "off")
 """The values of ``SimConfig.events``."""
 _READS_TRUTH: Final = frozenset({"oracle"})
 """Policies given the fleet as their ``CacheOracle`` (see build_policy)."""
+# policies that draw random numbers (sampling, or tie-breaks among equal costs)
 _SEEDED: Final = frozenset({"random", "kv_overlap", "predicted_ttft", "approximate", "oracle"})
 _run_ids = itertools.count()
 
@@ -94,6 +94,37 @@ def _without_cyclic_gc() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+def needs_event_stream(drop_rate: float, restarts: bool, transport: str) -> bool:
+    """Whether a run exercises the event stream itself: dropped frames, restarts or a ZeroMQ
+    transport asked for by name (``SimConfig.needs_events``)."""
+    return drop_rate > 0 or restarts or transport in ("inproc", "tcp")
+
+
+def check_events(
+    events: str,
+    policies: Sequence[str],
+    needs_events: bool,
+    exercised_by: str = "dropped frames, restarts and a ZeroMQ transport",
+) -> None:
+    """``ValueError`` for an ``events`` setting (``SimConfig.events``) that is not one of
+    :data:`EVENT_MODES`, or ``off`` with one of ``policies`` that reads the router's index or
+    with a run that exercises the stream (``needs_events``; ``exercised_by`` names what does,
+    in the caller's words). The command line and sweeps check their settings with it before
+    any run."""
+    if events not in EVENT_MODES:
+        raise ValueError(f"events must be one of {', '.join(EVENT_MODES)}, got {events!r}")
+    if events != "off":
+        return
+    blind = [p for p in policies if p not in EVENT_FREE]
+    if blind:
+        raise ValueError(
+            f"events off: {', '.join(blind)} route(s) by the router's index, which only the "
+            f"event stream fills (event-free policies: {', '.join(sorted(EVENT_FREE))})"
+        )
+    if needs_events:
+        raise ValueError(f"events off leaves out the event stream that {exercised_by} exercise")
 
 
 @dataclass(slots=True)
@@ -161,13 +192,7 @@ class SimConfig:
             raise ValueError(
                 f"transport must be auto or one of {TRANSPORTS}, got {self.transport!r}"
             )
-        if self.events not in EVENT_MODES:
-            raise ValueError(f"events must be one of {EVENT_MODES}, got {self.events!r}")
-        if self.events == "off" and self.needs_events:
-            raise ValueError(
-                "events='off' leaves out the event stream that drop_rate, restarts and a "
-                "ZeroMQ transport exercise"
-            )
+        check_events(self.events, (), self.needs_events)
         if self.transport == "memory" and self.drop_rate > 0:
             # a lost frame is recovered by the subscriber's replay, which needs real sockets
             raise ValueError("drop_rate needs a ZeroMQ transport (inproc or tcp), not memory")
@@ -182,17 +207,13 @@ class SimConfig:
     def needs_events(self) -> bool:
         """Whether the run exercises the event stream itself (injected faults, or a ZeroMQ
         transport asked for by name)."""
-        return self.drop_rate > 0 or bool(self.restarts) or self.transport in ("inproc", "tcp")
+        return needs_event_stream(self.drop_rate, bool(self.restarts), self.transport)
 
     def events_for(self, policy: str) -> bool:
         """Whether a run of the named policy has the event stream (``events`` resolved);
         raises ``ValueError`` for ``off`` with a policy that reads the index."""
+        check_events(self.events, (policy,), self.needs_events)
         reads = policy not in EVENT_FREE
-        if self.events == "off" and reads:
-            raise ValueError(
-                f"events='off' with policy {policy!r}: it routes by the router's index, which "
-                "only the event stream fills"
-            )
         return self.events == "on" or (self.events == "auto" and (reads or self.needs_events))
 
     @property
@@ -247,7 +268,7 @@ def build_policy(name: str, config: SimConfig, fleet: Fleet) -> Any:
         opts.setdefault("timing", PolynomialTiming(speedup=config.timing_speedup))
         # price the queue in the steps the simulated workers really take
         opts.setdefault("chunk_tokens", config.max_batch_tokens)
-    if name == "oracle":
+    if name in _READS_TRUTH:
         opts.setdefault("oracle", fleet)
     return make_policy(name, **opts)
 

@@ -59,10 +59,10 @@ from router_sim.workloads import Request
 log = logging.getLogger(__name__)
 
 TRANSPORTS: Final[tuple[str, ...]] = ("memory", "inproc", "tcp")
-WORKER_EVENTS: Final[tuple[str, ...]] = ("publish", "track", "none")
-"""The values of :attr:`WorkerConfig.events`."""
 """``memory``: encoded frames are handed over in process (offline runs, no sockets);
 ``inproc`` / ``tcp``: a real :class:`ZmqEventPublisher` per worker."""
+WORKER_EVENTS: Final[tuple[str, ...]] = ("publish", "track", "none")
+"""The values of :attr:`WorkerConfig.events`."""
 
 
 @dataclass(slots=True)

@@ -28,8 +28,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from router_sim.bound import compulsory_bound
-from router_sim.policies import EVENT_FREE
-from router_sim.sim import EVENT_MODES, SimConfig, simulate
+from router_sim.sim import SimConfig, check_events, simulate
 from router_sim.trace import load_trace
 from router_sim.workloads import WORKLOADS, Request, SyntheticSpec, synthetic_workload
 
@@ -113,14 +112,10 @@ class SweepSpec:
             )
         if any(s <= 0 for s in self.speedups) or any(r <= 0 for r in self.rates_per_s or []):
             raise SweepError("speed-ups and rates must be > 0")
-        if self.events not in EVENT_MODES:
-            raise SweepError(f"events must be one of {', '.join(EVENT_MODES)}, got {self.events!r}")
-        blind = [p for p in self.policies if p not in EVENT_FREE]
-        if self.events == "off" and blind:
-            raise SweepError(
-                f"events off: {', '.join(blind)} route(s) by the router's index, which only "
-                "the event stream fills"
-            )
+        try:
+            check_events(self.events, self.policies, False)  # sweeps inject no faults
+        except ValueError as exc:
+            raise SweepError(str(exc)) from None
 
     def fixed(self) -> dict[str, Any]:
         """Everything that is the same for every point (part of each point's key)."""
