@@ -140,7 +140,7 @@ MYPYC: list[Extension] = []
 
 
 # the helpers the events package's three extensions share (a change to it rebuilds them)
-COMMON = ["events/_native_common.h", "events/_int32_array.h"]
+COMMON = ["events/_native_common.h", "events/wire/_int32_array.h"]
 # the V1 hash's arithmetic, shared by the extensions that hash blocks
 V1CORE = "events/_v1core.h"
 
@@ -160,19 +160,21 @@ def native(name: str, *, shared: bool = False, depends: tuple[str, ...] = ()) ->
 
 setup(
     ext_modules=[
-        # events.hashing / events._records / events.codec's V1 hashes, records and runs
+        # events.hashing / events.wire._records / events.wire.codec's V1 hashes, records and runs
         # (pure-Python fallback)
         native("events._v1hash", shared=True, depends=(V1CORE,)),
-        # events.codec / events.wire_fast's msgpack codec of the event path (pure-Python fallback)
-        native("events._wire", shared=True),
+        # events.wire.codec / events.wire.fast's msgpack codec of the event path (pure-Python
+        # fallback)
+        native("events.wire._wire", shared=True),
         # router_sim.service.protocol's JSON prompt readers (msgspec fallback)
-        native("events._json_prompt", shared=True),
-        # router_sim.indexer's match loop over a mirror of its masks, and the simulator's trace
+        native("events.wire._json_prompt", shared=True),
+        # router_sim.router.indexer's match loop over a mirror of its masks, and the simulator's
+        # trace
         # prompts and answers (pure-Python fallback)
-        native("router_sim._match", depends=("events/_int32_array.h",)),
+        native("router_sim.router._match", depends=("events/wire/_int32_array.h",)),
         # the simulator's prompts and their V1 hashes, made ahead on a native thread
-        # (router_sim.prefetch; made inline without it)
-        native("router_sim._prefetch", depends=(V1CORE,)),
+        # (router_sim.sim.prefetch; made inline without it)
+        native("router_sim.sim._prefetch", depends=(V1CORE,)),
         # kvcache.keys' pack-and-check of token arrays and SHA-256 chain keys where the CPU has
         # SHA-NI (pure-Python / hashlib fallback)
         native("kvcache._tokens"),

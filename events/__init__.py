@@ -4,7 +4,7 @@ Importing the package does not import ZeroMQ; the publisher and subscriber modul
 """
 
 from events.manager import KVCacheEventManager
-from events.model import (
+from events.wire.model import (
     AllBlocksCleared,
     BlockHash,
     Created,

@@ -2,6 +2,6 @@
 
 import sys
 
-from events.cli import main
+from events.tools.cli import main
 
 sys.exit(main())

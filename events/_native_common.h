@@ -16,7 +16,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "_int32_array.h"
+#include "wire/_int32_array.h"
 
 /* ---- packed token arrays ---------------------------------------------------------------
  *

@@ -306,7 +306,7 @@ done:
  * through object.__setattr__, which costs about a microsecond per StoredBlock. These builders
  * allocate the record with its type's tp_alloc (as object.__new__ does) and store each field
  * through the slot's own descriptor, the same store object.__setattr__ ends in. The Python
- * module events._records holds the readable reference and passes the type and its
+ * module events.wire._records holds the readable reference and passes the type and its
  * descriptors, in field order, on every call. */
 
 /* The token lists these builders make hold only ints, so they cannot be part of a reference
@@ -739,7 +739,7 @@ fail:
  * event's blocks that travel as one wire event each (same lora_id, cache_level, priority and
  * cache_salt_id; only a run's last block may be short), with each run's token ids concatenated
  * (an array('i') when every block of the run holds one, else a list) and its block hashes
- * listed. events.codec keeps the readable reference (_stored_runs_py). */
+ * listed. events.wire.codec keeps the readable reference (_stored_runs_py). */
 
 #define RUN_ATTRS 4 /* lora_id, cache_level, priority, cache_salt_id */
 

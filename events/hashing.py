@@ -23,7 +23,7 @@ from typing import Final, TypeAlias
 
 import xxhash
 
-from events.model import BlockHash
+from events.wire.model import BlockHash
 from kvcache.keys import blockchain_keys, token_array, tokens_to_bytes
 from kvcache.scope import DEFAULT_SCOPE, U64_LIMIT, ReuseScope
 

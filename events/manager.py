@@ -1,7 +1,7 @@
 """The KV cache event manager: kvcache's event sink, producing KV cache events.
 
 ``KVCacheEventManager`` turns the cache's sink calls (stored, removed, moved, cleared) into
-:class:`~events.model.KVCacheEvent` records a publisher can send and a router can replay:
+:class:`~events.wire.model.KVCacheEvent` records a publisher can send and a router can replay:
 
 - each block gets an event hash derived from its tokens, its parent's event hash and the scope of
   its root (``hash_algo``, WIRE.md section 3); the hash is cached per block key and forgotten on
@@ -30,10 +30,10 @@ from dataclasses import MISSING, dataclass, fields
 from functools import partial
 from typing import Final, Literal
 
-from events._records import record_setters, v1_stored_block, v1_stored_chain
-from events._records import stored_block as _stored_block
 from events.hashing import KEY_HASHES, HashAlgo, v1_block_hash
-from events.model import (
+from events.wire._records import record_setters, v1_stored_block, v1_stored_chain
+from events.wire._records import stored_block as _stored_block
+from events.wire.model import (
     AllBlocksCleared,
     BlockHash,
     Created,
@@ -62,7 +62,7 @@ _MOVES_AS: Final[tuple[str, ...]] = ("updated", "removed_stored")
 
 def _token_ids(tokens: Sequence[int]) -> TokenIds:
     """A block's token ids for its record: the cache's ``array('i')`` itself (it never changes a
-    block's array in place; records hold packed ids end to end, see ``events._records``), any
+    block's array in place; records hold packed ids end to end, see ``events.wire._records``), any
     other sequence as a list."""
     return tokens if type(tokens) is array and tokens.typecode == "i" else list(tokens)
 

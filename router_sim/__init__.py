@@ -1,10 +1,10 @@
 """router_sim: a KV-aware router rebuilt from KV events, routing policies and a simulator."""
 
-from router_sim.indexer import KvIndexer, MatchDetail
-from router_sim.load import LoadSource, StaticLoadSource, TimingModel, WorkerLoad
-from router_sim.policies import RoutingPolicy, make_policy
-from router_sim.router import Router, RoutingDecision
-from router_sim.timing_model import PolynomialTiming
+from router_sim.router.indexer import KvIndexer, MatchDetail
+from router_sim.router.load import LoadSource, StaticLoadSource, TimingModel, WorkerLoad
+from router_sim.router.policies import RoutingPolicy, make_policy
+from router_sim.router.routing import Router, RoutingDecision
+from router_sim.sim.timing_model import PolynomialTiming
 
 __all__ = [
     "KvIndexer",

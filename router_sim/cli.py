@@ -9,7 +9,6 @@ report (``report.json``, ``report.csv``, ``report.txt``) and plots (with matplot
 from __future__ import annotations
 
 import argparse
-import inspect
 import sys
 from collections.abc import Sequence
 from dataclasses import fields
@@ -18,25 +17,25 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
-from events.cli_args import ArgError, OneLineParser, error_line, loads_json
-from router_sim.bound import compulsory_bound
-from router_sim.metrics import PolicySummary
-from router_sim.policies import POLICIES
-from router_sim.report import build_report, format_table, write_outputs
-from router_sim.run_args import check_run_args
-from router_sim.sim import ALL_POLICIES, Restart, SimConfig, simulate
-from router_sim.trace import load_trace
-from router_sim.workloads import WORKLOADS, Request, SyntheticSpec, synthetic_workload
-
-# Trace defaults: Mooncake hash ids cover 512 tokens, so 512-token blocks keep one radix node
-# per id (64 gives the same hit rates on this trace but 8x the blocks and events); 65536
-# device blocks per worker (33.5M tokens) hold the working set of the whole trace.
-TRACE_TOKENS_PER_BLOCK = 512
-TRACE_DEVICE_BLOCKS = 65536
-TRACE_WORKERS = 8
-SYNTH_TOKENS_PER_BLOCK = 32
-SYNTH_DEVICE_BLOCKS = 2048
-SYNTH_WORKERS = 4
+from events.tools.cli_args import OneLineParser, error_line
+from router_sim.run_args import (
+    SYNTH_DEVICE_BLOCKS,
+    SYNTH_TOKENS_PER_BLOCK,
+    SYNTH_WORKERS,
+    TRACE_DEVICE_BLOCKS,
+    TRACE_TOKENS_PER_BLOCK,
+    TRACE_WORKERS,
+    check_run_args,
+    parse_policies,
+    parse_policy_options,
+)
+from router_sim.sim.bound import compulsory_bound
+from router_sim.sim.metrics import PolicySummary
+from router_sim.sim.report import build_report, format_table, write_outputs
+from router_sim.sim.simulator import ALL_POLICIES, Restart, SimConfig, simulate
+from router_sim.sim.trace import load_trace
+from router_sim.sim.workloads import WORKLOADS, Request, SyntheticSpec, synthetic_workload
+from router_sim.sweep import cli as sweep_cli
 
 
 def _parse_restart(text: str) -> Restart:
@@ -47,40 +46,6 @@ def _parse_restart(text: str) -> Restart:
         return Restart(worker=int(worker), at_ms=float(at))
     except ValueError:
         raise argparse.ArgumentTypeError(f"--restart wants WORKER@MS, got {text!r}") from None
-
-
-def _parse_policies(text: str) -> list[str]:
-    if text == "all":
-        return list(ALL_POLICIES)
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in POLICIES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown policies {unknown}; choose from {sorted(POLICIES)} or 'all'"
-        )
-    return names
-
-
-def _parse_policy_options(text: str) -> dict[str, dict[str, Any]]:
-    try:  # no NaN/Infinity, no RecursionError on deep nesting
-        options = loads_json(text, "--policy-options")
-    except ArgError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
-        raise argparse.ArgumentTypeError(
-            f'want an object of objects, e.g. {{"kv_overlap": {{"overlap_weight": 2}}}}; got {text}'
-        )
-    for name, opts in options.items():
-        factory = POLICIES.get(name)
-        if factory is None:
-            raise argparse.ArgumentTypeError(
-                f"unknown policy {name!r}; choose from {sorted(POLICIES)}"
-            )
-        try:  # catch an unknown option here, not as a traceback once the run has begun
-            inspect.signature(factory).bind_partial(**opts)
-        except TypeError as exc:
-            raise argparse.ArgumentTypeError(f"bad options for {name!r}: {exc}") from None
-    return options
 
 
 def build_parser(services: bool = True) -> argparse.ArgumentParser:
@@ -99,7 +64,7 @@ def build_parser(services: bool = True) -> argparse.ArgumentParser:
     run.add_argument("--workers", type=int, help="workers (default 4 synthetic, 8 trace)")
     run.add_argument(
         "--policies",
-        type=_parse_policies,
+        type=parse_policies,
         default=list(ALL_POLICIES),
         help="comma-separated policy names or 'all' (default all)",
     )
@@ -146,7 +111,7 @@ def build_parser(services: bool = True) -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--policy-options",
-        type=_parse_policy_options,
+        type=parse_policy_options,
         default={},
         help='JSON, e.g. \'{"kv_overlap": {"overlap_weight": 2}}\'',
     )
@@ -154,8 +119,6 @@ def build_parser(services: bool = True) -> argparse.ArgumentParser:
     run.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     if services:
         _add_service_parsers(sub)
-    from router_sim.sweep import cli as sweep_cli  # imports this module: load it lazily
-
     sweep_cli.add_parsers(sub)
     return parser
 
@@ -198,7 +161,7 @@ def _given(value: int | None, default: int) -> int:
 
 def run(args: argparse.Namespace, stdout: TextIO, stderr: TextIO, *, exiting: bool = False) -> int:
     """``router-sim run``; ``exiting``: the process ends when this returns (then its last
-    simulation's objects are left to the exit: see :func:`router_sim.sim.simulate`)."""
+    simulation's objects are left to the exit: see :func:`router_sim.sim.simulator.simulate`)."""
     check_run_args(args)  # every flag and --out, before any work (router_sim.run_args)
     trace = args.trace is not None
     tpb = _given(args.tokens_per_block, TRACE_TOKENS_PER_BLOCK if trace else SYNTH_TOKENS_PER_BLOCK)
@@ -275,8 +238,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(services=args_list[0] not in _LOCAL_COMMANDS)
     args = parser.parse_args(args_list)
     if args.command in ("sweep", "plan"):
-        from router_sim.sweep import cli as sweep_cli
-
         return sweep_cli.main(args)
     if args.command in ("serve", "worker"):
         from router_sim.service import app, worker_proc

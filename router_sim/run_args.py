@@ -5,7 +5,7 @@ simulated: ``--workers 100000`` used to hang building the fleet, ``--device-bloc
 ``MemoryError``, ``--max-requests 10**12`` hung generating a synthetic workload, ``nan`` in a
 float flag produced a table of NaN (or, for ``--event-delay-ms``, a run that never applied an
 event), and a directory named ``report.json`` in ``--out`` was found only after the whole run.
-Violations raise :class:`~events.cli_args.ArgError` (a ``ValueError``): ``router-sim`` prints
+Violations raise :class:`~events.tools.cli_args.ArgError` (a ``ValueError``): ``router-sim`` prints
 it as one line and exits 2.
 """
 
@@ -20,11 +20,11 @@ import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from events.cli_args import MAX_BLOCK_TOKENS, ArgError, check_float, check_int
-from router_sim.dialects import ENGINES
-from router_sim.policies import POLICIES, make_policy
-from router_sim.sim import check_events as check_events_setting
-from router_sim.sim import needs_event_stream
+from events.tools.cli_args import MAX_BLOCK_TOKENS, ArgError, check_float, check_int, loads_json
+from router_sim.router.policies import POLICIES, make_policy
+from router_sim.sim.dialects import ENGINES
+from router_sim.sim.simulator import ALL_POLICIES, needs_event_stream
+from router_sim.sim.simulator import check_events as check_events_setting
 
 if TYPE_CHECKING:
     from router_sim.sweep.runner import SweepSpec
@@ -50,7 +50,7 @@ OUTPUT_NAMES: Final = (
     "ttft_cdf.png",
     "load_per_worker.png",
 )
-"""What ``router-sim run --out`` writes (router_sim.report.write_outputs)."""
+"""What ``router-sim run --out`` writes (router_sim.sim.report.write_outputs)."""
 
 
 def check_run_args(args: argparse.Namespace) -> None:
@@ -208,3 +208,48 @@ def check_sweep(spec: SweepSpec, jobs: int | None, ttft_p99_ms: float | None = N
     points = len(spec.points())
     if points > MAX_SWEEP_POINTS:
         raise ArgError(f"the grid has {points} points; at most {MAX_SWEEP_POINTS} per sweep")
+
+
+# Trace defaults: Mooncake hash ids cover 512 tokens, so 512-token blocks keep one radix node
+# per id (64 gives the same hit rates on this trace but 8x the blocks and events); 65536
+# device blocks per worker (33.5M tokens) hold the working set of the whole trace.
+TRACE_TOKENS_PER_BLOCK = 512
+TRACE_DEVICE_BLOCKS = 65536
+TRACE_WORKERS = 8
+SYNTH_TOKENS_PER_BLOCK = 32
+SYNTH_DEVICE_BLOCKS = 2048
+SYNTH_WORKERS = 4
+
+
+def parse_policies(text: str) -> list[str]:
+    if text == "all":
+        return list(ALL_POLICIES)
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in POLICIES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown policies {unknown}; choose from {sorted(POLICIES)} or 'all'"
+        )
+    return names
+
+
+def parse_policy_options(text: str) -> dict[str, dict[str, Any]]:
+    try:  # no NaN/Infinity, no RecursionError on deep nesting
+        options = loads_json(text, "--policy-options")
+    except ArgError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
+        raise argparse.ArgumentTypeError(
+            f'want an object of objects, e.g. {{"kv_overlap": {{"overlap_weight": 2}}}}; got {text}'
+        )
+    for name, opts in options.items():
+        factory = POLICIES.get(name)
+        if factory is None:
+            raise argparse.ArgumentTypeError(
+                f"unknown policy {name!r}; choose from {sorted(POLICIES)}"
+            )
+        try:  # catch an unknown option here, not as a traceback once the run has begun
+            inspect.signature(factory).bind_partial(**opts)
+        except TypeError as exc:
+            raise argparse.ArgumentTypeError(f"bad options for {name!r}: {exc}") from None
+    return options

@@ -43,11 +43,11 @@ from pathlib import Path
 
 import msgspec
 
-from events.capture import read_capture
-from events.codec import DecodeError, decode_batch, encode_batch
 from events.hashing import v1_chain
-from events.model import DecodedBatch, KVCacheEvent, Removed, Stored, StoredBlock
-from events.wire_decode import decode_general
+from events.tools.capture import read_capture
+from events.wire.codec import DecodeError, decode_batch, encode_batch
+from events.wire.decode import decode_general
+from events.wire.model import DecodedBatch, KVCacheEvent, Removed, Stored, StoredBlock
 from kvcache.scope import ReuseScope
 
 ENGINES = Path(__file__).resolve().parent.parent / "tests" / "data" / "engines"
@@ -134,7 +134,7 @@ def blocks_of(batches: list[DecodedBatch]) -> int:
 _CHILD = """
 import pickle, sys, time
 sys.path.insert(0, sys.argv[1])
-from events.codec import decode_batch
+from events.wire.codec import decode_batch
 sets = pickle.load(open(sys.argv[2], "rb"))
 sys.stdout.buffer.write(pickle.dumps({k: [decode_batch(p) for p in v] for k, v in sets.items()}))
 sys.stdout.flush()

@@ -17,9 +17,9 @@ import argparse
 import time
 from collections.abc import Sequence
 
-from events.codec import encode_batch
 from events.hashing import NATIVE, HashAlgo
 from events.manager import KVCacheEventManager
+from events.wire.codec import encode_batch
 from kvcache.config import KVCacheManagerConfig, TierConfig
 from kvcache.manager import KVCacheManager
 from kvcache.sink import BlockView

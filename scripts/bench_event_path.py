@@ -39,11 +39,11 @@ import zmq
 from bench_decoder import ReferenceDecoder  # scripts/ is on sys.path when run as a script
 from bench_event_manager import KeepBlocks
 
-from events.codec import decode_batch, encode_batch
 from events.manager import KVCacheEventManager
-from events.model import Stored
-from events.publisher import ZmqEventPublisher
-from events.subscriber import BatchDelivery, ResyncRequired, ZmqEventSubscriber
+from events.stream.publisher import ZmqEventPublisher
+from events.stream.subscriber import BatchDelivery, ResyncRequired, ZmqEventSubscriber
+from events.wire.codec import decode_batch, encode_batch
+from events.wire.model import Stored
 from kvcache.config import KVCacheManagerConfig, TierConfig
 from kvcache.manager import KVCacheManager
 from kvcache.sink import BlockView

@@ -63,7 +63,7 @@ def percentiles(fn: Callable[[Sequence[int]], object], requests: list[list[int]]
 
 
 def run_ours(args: argparse.Namespace) -> dict[str, Any]:
-    from events.model import DecodedBatch, KVCacheEvent, Stored, StoredBlock
+    from events.wire.model import DecodedBatch, KVCacheEvent, Stored, StoredBlock
     from router_sim import KvIndexer
 
     seqs, picks = workload(args.seed, args.entries, args.workers, args.requests)

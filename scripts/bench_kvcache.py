@@ -169,7 +169,7 @@ def _trace_prompts(limit: int, tpb: int) -> list[tuple[array[int], int, int]]:
 
 
 def replay(requests: int, device_blocks: int, host_blocks: int, max_running: int) -> dict[str, Any]:
-    """Drive one cache like a simulated worker (router_sim.worker): FIFO admission while the
+    """Drive one cache like a simulated worker (router_sim.sim.worker): FIFO admission while the
     prompt fits, prefill in chunks of 8192 tokens per step, decode one block per step, newest
     request preempted when pages run out. Returns time and calls per operation and a digest of
     everything observable."""

@@ -24,11 +24,11 @@ import time
 
 import zmq
 
-from events.codec import decode_batch
 from events.manager import KVCacheEventManager
-from events.model import AllBlocksCleared, Removed, Stored
-from events.publisher import END_SEQ, SEQ, ZmqEventPublisher
-from events.snapshot import SNAPSHOT_TAG, SnapshotAssembler
+from events.stream.publisher import END_SEQ, SEQ, ZmqEventPublisher
+from events.stream.snapshot import SNAPSHOT_TAG, SnapshotAssembler
+from events.wire.codec import decode_batch
+from events.wire.model import AllBlocksCleared, Removed, Stored
 from kvcache.config import KVCacheManagerConfig, TierConfig
 from kvcache.manager import KVCacheManager
 

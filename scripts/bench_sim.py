@@ -35,10 +35,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from router_sim.bound import compulsory_bound
 from router_sim.build_info import is_compiled
-from router_sim.sim import SimConfig, simulate
-from router_sim.trace import load_trace, resolve_trace
+from router_sim.sim.bound import compulsory_bound
+from router_sim.sim.simulator import SimConfig, simulate
+from router_sim.sim.trace import load_trace, resolve_trace
 
 # Runs in Dynamo's interpreter: one replay, its wall and CPU seconds (threads included) and
 # the summary fields we compare. Engine shape as ours: 512-token blocks, 65536 device blocks

@@ -2,7 +2,7 @@
 
 A real ``KVCacheManager`` (metadata-only pools, a small device tier and a host tier so that
 blocks are evicted, offloaded and onboarded) feeds a ``KVCacheEventManager``; each engine
-iteration's events are encoded with ``events.codec.encode_batch`` into the three ZeroMQ frames
+iteration's events are encoded with ``events.wire.codec.encode_batch`` into the three ZeroMQ frames
 of WIRE.md 4 and written in the ``kv-events listen --record`` capture format. The clean stream
 is then rewritten with one injected fault per file, the way a buggy engine or a lossy network
 would produce it (see tests/data/captures/README.md).
@@ -21,11 +21,11 @@ from typing import Any
 
 import msgpack
 
-from events.capture import write_capture
-from events.codec import encode_batch
 from events.hashing import v1_block_hash
 from events.manager import KVCacheEventManager
-from events.model import BlockHash, KVCacheEvent, Removed, Stored, StoredBlock, Updated
+from events.tools.capture import write_capture
+from events.wire.codec import encode_batch
+from events.wire.model import BlockHash, KVCacheEvent, Removed, Stored, StoredBlock, Updated
 from kvcache.config import KVCacheManagerConfig, TierConfig
 from kvcache.manager import KVCacheManager
 from kvcache.scope import ReuseScope

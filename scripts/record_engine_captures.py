@@ -575,8 +575,8 @@ def project_payloads() -> dict[str, bytes]:
     """What this project's encoder writes for a representative batch: a salted LoRA chain, a
     tier move (as the default sends it), a removal, a clear, a capacity announcement."""
     sys.path.insert(0, str(OUT.parent.parent.parent))
-    from events.codec import encode_batch
-    from events.model import (
+    from events.wire.codec import encode_batch
+    from events.wire.model import (
         AllBlocksCleared,
         Created,
         EventDiff,
@@ -626,7 +626,7 @@ stubbed{stubs}, built the event batches of the scenario below with the engine's 
 classes, published them through the engine's own `ZmqEventPublisher` (PUB + ROUTER replay on
 `ipc://` endpoints), and recorded what a SUB and a DEALER received.
 
-- `stream.jsonl`: capture format of `events.capture` (`kv-events listen --record`): the
+- `stream.jsonl`: capture format of `events.tools.capture` (`kv-events listen --record`): the
   {n} live messages `[topic, seq, payload]` as a SUB received them.
 - `replay_raw.jsonl`: same format, the publisher's reply to a DEALER request for seq 0
   (`replay: true`), frames exactly as the DEALER received them (leading empty delimiter

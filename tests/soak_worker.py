@@ -20,7 +20,7 @@ import time
 import zmq
 
 from events.manager import KVCacheEventManager
-from events.publisher import ZmqEventPublisher
+from events.stream.publisher import ZmqEventPublisher
 from kvcache.config import KVCacheManagerConfig, TierConfig
 from kvcache.errors import KVCacheError
 from kvcache.manager import KVCacheManager

@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from events.cli import main as kv_events_main
+from events.tools.cli import main as kv_events_main
 from router_sim.cli import main as router_sim_main
-from router_sim.report import write_json
-from router_sim.trace import load_trace
+from router_sim.sim.report import write_json
+from router_sim.sim.trace import load_trace
 
 DATA = Path(__file__).parent / "data" / "bad_inputs"
 CASES: list[dict[str, Any]] = json.loads((DATA / "cases.json").read_text(encoding="utf-8"))

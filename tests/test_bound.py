@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router_sim.bound import blocks_reused, compulsory_bound, reusable_tokens
-from router_sim.trace import load_trace, resolve_trace
-from router_sim.workloads import Request
+from router_sim.sim.bound import blocks_reused, compulsory_bound, reusable_tokens
+from router_sim.sim.trace import load_trace, resolve_trace
+from router_sim.sim.workloads import Request
 
 SHARED = [
     Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "mooncake",

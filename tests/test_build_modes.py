@@ -15,9 +15,9 @@ import setuptools
 
 from router_sim import build_info
 from router_sim.build_info import COMPILED, compiled_modules, is_compiled, stale_modules
-from router_sim.sim import Restart, SimConfig, simulate
-from router_sim.trace import load_trace
-from router_sim.workloads import synthetic_workload
+from router_sim.sim.simulator import Restart, SimConfig, simulate
+from router_sim.sim.trace import load_trace
+from router_sim.sim.workloads import synthetic_workload
 
 ROOT = Path(__file__).resolve().parent.parent
 PURE = [sys.executable, str(ROOT / "scripts" / "pure_python.py")]

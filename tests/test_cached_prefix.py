@@ -11,8 +11,8 @@ from kv_helpers import manager, run
 
 from kvcache import ReuseScope
 from kvcache.keys import blockchain_keys
-from router_sim.sim import SimConfig, Simulation
-from router_sim.worker import WorkerConfig
+from router_sim.sim.simulator import SimConfig, Simulation
+from router_sim.sim.worker import WorkerConfig
 
 TENANT = ReuseScope(lora_id=None, salt=7)
 
@@ -113,7 +113,7 @@ def test_the_tree_and_the_held_set_agree_on_every_worker_s_true_overlap(events: 
     """The two readings of a worker's true cache: its held set (the hashes its events
     announced, kept from its batches) and its tree (by the prompt's block keys), after a run
     that evicted and offloaded."""
-    from router_sim.workloads import SyntheticSpec, synthetic_workload
+    from router_sim.sim.workloads import SyntheticSpec, synthetic_workload
 
     reqs = synthetic_workload(
         "multi-turn",

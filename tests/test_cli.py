@@ -15,13 +15,13 @@ import msgpack
 import pytest
 import zmq
 
-from events.capture import CaptureWriter, read_capture
-from events.cli import main
-from events.codec import encode_batch
-from events.diagnosis import v1_salt_every_block
-from events.doctor import Doctor, DoctorOptions
 from events.hashing import HashAlgo, v1_block_hash
-from events.model import EventData, KVCacheEvent, Removed, Stored, StoredBlock
+from events.tools.capture import CaptureWriter, read_capture
+from events.tools.cli import main
+from events.tools.diagnosis import v1_salt_every_block
+from events.tools.doctor import Doctor, DoctorOptions
+from events.wire.codec import encode_batch
+from events.wire.model import EventData, KVCacheEvent, Removed, Stored, StoredBlock
 from kvcache.scope import ReuseScope
 
 CAPTURES = Path(__file__).parent / "data" / "captures"
@@ -489,7 +489,7 @@ def test_engine_to_listener_end_to_end_with_a_lost_frame(tmp_path: Path) -> None
     -> `kv-events listen --replay-endpoint --record` -> `kv-events doctor`: the recording is
     complete, in order, and every hash verifies."""
     from events.manager import KVCacheEventManager
-    from events.publisher import ZmqEventPublisher
+    from events.stream.publisher import ZmqEventPublisher
     from kvcache.config import KVCacheManagerConfig, TierConfig
     from kvcache.manager import KVCacheManager
 

@@ -14,9 +14,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from events import _records, wire_decode, wire_values
-from events.codec import DecodeError, DecodeLimits, decode_batch, encode_batch
-from events.model import (
+from events.wire import _records
+from events.wire import decode as wire_decode
+from events.wire import values as wire_values
+from events.wire.codec import DecodeError, DecodeLimits, decode_batch, encode_batch
+from events.wire.model import (
     AllBlocksCleared,
     DecodedBatch,
     EventDiff,
@@ -94,8 +96,10 @@ _HUGE_LIMITS_CHECK = """
 import resource, sys
 from pathlib import Path
 resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))  # a runaway allocation fails fast
-from events import _records, wire_decode, wire_values
-from events.codec import DecodeLimits, decode_batch
+from events.wire import _records
+from events.wire import decode as wire_decode
+from events.wire import values as wire_values
+from events.wire.codec import DecodeLimits, decode_batch
 if sys.argv[1] == "general":
     wire_decode.decode_typed = lambda payload: None
     wire_values.stored_blocks = _records.stored_blocks_py

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events.codec import DecodeError, from_json, to_json
-from events.model import (
+from events.wire.codec import DecodeError, from_json, to_json
+from events.wire.model import (
     AllBlocksCleared,
     Created,
     EventDiff,

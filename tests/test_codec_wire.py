@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events import wire_decode
-from events.codec import DecodeError, DecodeLimits, decode_batch, encode_batch, from_json
 from events.hashing import chain_hashes
-from events.model import (
+from events.wire import decode as wire_decode
+from events.wire.codec import DecodeError, DecodeLimits, decode_batch, encode_batch, from_json
+from events.wire.model import (
     AllBlocksCleared,
     Created,
     DecodedBatch,

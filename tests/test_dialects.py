@@ -1,5 +1,5 @@
 """Simulated workers speak vLLM's, SGLang's and TensorRT-LLM's KV-event dialects, and the router
-routes all of them alike (router_sim.dialects, ``router-sim run --engine``).
+routes all of them alike (router_sim.sim.dialects, ``router-sim run --engine``).
 
 The shapes checked here are those of the engines' own captures (tests/data/engines/*/README.md):
 vLLM's 64-bit hashes of its own under a per-process seed, ``lora_name`` and ``extra_keys`` (the
@@ -19,17 +19,17 @@ import msgspec
 import pytest
 import zmq
 
-from events.codec import decode_batch
 from events.hashing import chain_hashes
-from events.model import KVCacheEvent, Removed, Stored, StoredBlock
+from events.wire.codec import decode_batch
+from events.wire.model import KVCacheEvent, Removed, Stored, StoredBlock
 from kvcache.scope import ReuseScope
 from router_sim.cli import main
-from router_sim.dialects import ENGINES, adapter_name, make_dialect, request_scope
-from router_sim.indexer import lora_name_id
-from router_sim.metrics import RequestRecord
-from router_sim.sim import Restart, SimConfig, Simulation
-from router_sim.worker import SimWorker, WorkerConfig
-from router_sim.workloads import Request, SyntheticSpec, synthetic_workload
+from router_sim.router.indexer import lora_name_id
+from router_sim.sim.dialects import ENGINES, adapter_name, make_dialect, request_scope
+from router_sim.sim.metrics import RequestRecord
+from router_sim.sim.simulator import Restart, SimConfig, Simulation
+from router_sim.sim.worker import SimWorker, WorkerConfig
+from router_sim.sim.workloads import Request, SyntheticSpec, synthetic_workload
 
 TPB = 16
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from events.endpoints import EndpointError, connectable, offset_for_rank, should_bind
+from events.stream.endpoints import EndpointError, connectable, offset_for_rank, should_bind
 
 
 @pytest.mark.parametrize(

@@ -16,11 +16,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events.capture import read_capture
-from events.cli import main as cli_main
-from events.codec import decode_batch, encode_batch
 from events.hashing import chain_hashes
-from events.model import (
+from events.tools.capture import read_capture
+from events.tools.cli import main as cli_main
+from events.wire.codec import decode_batch, encode_batch
+from events.wire.model import (
     AllBlocksCleared,
     Created,
     DecodedBatch,
@@ -32,8 +32,8 @@ from events.model import (
     Updated,
     cache_level_of,
 )
-from router_sim.load import StaticLoadSource, WorkerLoad
-from router_sim.router import Router
+from router_sim.router.load import StaticLoadSource, WorkerLoad
+from router_sim.router.routing import Router
 
 ENGINES = Path(__file__).parent / "data" / "engines"
 NAMES = sorted(p.name for p in ENGINES.iterdir() if (p / "stream.jsonl").is_file())

@@ -15,7 +15,7 @@ import pytest
 
 from events.hashing import hash_from_key
 from events.manager import KVCacheEventManager, _stored_block
-from events.model import (
+from events.wire.model import (
     AllBlocksCleared,
     BlockHash,
     Created,

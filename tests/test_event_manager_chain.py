@@ -15,10 +15,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events._records import NATIVE_CHAIN, v1_stored_chain, v1_stored_chain_py
 from events.hashing import v1_block_hash
 from events.manager import KVCacheEventManager, MovesAs
-from events.model import KVCacheEvent
+from events.wire._records import NATIVE_CHAIN, v1_stored_chain, v1_stored_chain_py
+from events.wire.model import KVCacheEvent
 from kvcache.config import KVCacheManagerConfig, TierConfig
 from kvcache.errors import OutOfPagesError
 from kvcache.manager import KVCacheManager

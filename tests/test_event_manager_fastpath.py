@@ -25,7 +25,7 @@ from events.manager import (
     _PendingRemoved,
     _PendingStored,
 )
-from events.model import (
+from events.wire.model import (
     AllBlocksCleared,
     Created,
     EventDiff,

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-import router_sim.sim
-from router_sim.sim import Restart, SimConfig, simulate
-from router_sim.worker import SimWorker
-from router_sim.workloads import SyntheticSpec, synthetic_workload
+import router_sim.sim.simulator
+from router_sim.sim.simulator import Restart, SimConfig, simulate
+from router_sim.sim.worker import SimWorker
+from router_sim.sim.workloads import SyntheticSpec, synthetic_workload
 
 
 def _reference_steps(worker: SimWorker, dt: float, t_ms: float) -> int:
@@ -56,7 +56,7 @@ def test_every_stretch_of_decoding_is_the_defined_length(
     monkeypatch: pytest.MonkeyPatch, extra: dict[str, Any]
 ) -> None:
     stretches: list[int] = []
-    monkeypatch.setattr(router_sim.sim, "SimWorker", _checked_worker(stretches))
+    monkeypatch.setattr(router_sim.sim.simulator, "SimWorker", _checked_worker(stretches))
     reqs = synthetic_workload("mixed", seed=7, spec=SyntheticSpec(num_requests=80, rate_per_s=40))
     run = simulate(reqs, "kv_overlap", SimConfig(workers=2, tokens_per_block=16, **extra))
     # the runs take stretches both longer than a step and cut short by a bound

@@ -10,7 +10,7 @@ import pytest
 
 from events.hashing import HashAlgo, chain_hashes, v1_block_hash
 from events.manager import KVCacheEventManager, MovesAs
-from events.model import (
+from events.wire.model import (
     AllBlocksCleared,
     BlockHash,
     EventData,

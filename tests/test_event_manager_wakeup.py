@@ -8,7 +8,7 @@ import threading
 import time
 
 from events.manager import KVCacheEventManager
-from events.model import KVCacheEvent, Stored
+from events.wire.model import KVCacheEvent, Stored
 from kvcache import KVCacheManager, KVCacheManagerConfig, TierConfig
 
 

@@ -13,8 +13,8 @@ from types import ModuleType
 
 import pytest
 
-from events.diagnosis import KNOWN_ALGOS
-from events.hashcheck import (
+from events.tools.diagnosis import KNOWN_ALGOS
+from events.tools.hashcheck import (
     WORKER_ALGOS,
     compare,
     library_hasher,

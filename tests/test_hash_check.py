@@ -15,12 +15,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events.capture import write_capture
-from events.capture_hashes import CaptureHashes, compare_capture
-from events.cli import main
-from events.codec import encode_batch
-from events.diagnosis import UNEXPLAINED, XXH3_CONTENT, explain_chain, v1_salt_every_block
-from events.hashcheck import (
+from events.hashing import chain_hashes, hash_from_key
+from events.tools.capture import write_capture
+from events.tools.capture_hashes import CaptureHashes, compare_capture
+from events.tools.cli import main
+from events.tools.diagnosis import UNEXPLAINED, XXH3_CONTENT, explain_chain, v1_salt_every_block
+from events.tools.hashcheck import (
     Case,
     Golden,
     GoldenError,
@@ -30,8 +30,8 @@ from events.hashcheck import (
     shipped_path,
     write_golden,
 )
-from events.hashing import chain_hashes, hash_from_key
-from events.model import BlockHash, KVCacheEvent, Stored, StoredBlock
+from events.wire.codec import encode_batch
+from events.wire.model import BlockHash, KVCacheEvent, Stored, StoredBlock
 from kvcache.keys import BlockKey
 from kvcache.scope import ReuseScope
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events.model import (
+from events.wire.model import (
     AllBlocksCleared,
     BlockHash,
     Created,
@@ -20,7 +20,7 @@ from events.model import (
     StoredBlock,
     Updated,
 )
-from router_sim.indexer import KvIndexer, MatchDetail
+from router_sim.router.indexer import KvIndexer, MatchDetail
 
 TPB = 4
 
@@ -133,7 +133,7 @@ def test_removed_worker_bit_is_recycled_without_leaking_its_blocks() -> None:
 
 def test_anomalies_are_counted_and_never_abort_the_batch(caplog: pytest.LogCaptureFixture) -> None:
     ix = KvIndexer(TPB)
-    with caplog.at_level(logging.WARNING, logger="router_sim.indexer"):
+    with caplog.at_level(logging.WARNING, logger="router_sim.router.indexer"):
         ix.apply_batch(
             3,
             batch(
@@ -317,7 +317,7 @@ def test_indexer_agrees_with_naive_model(
 # ------------------------------------------------- native match loop against the reference
 
 try:
-    from router_sim import _match as native
+    from router_sim.router import _match as native
 except ImportError:  # the pure loop alone: the tests above still run
     native = None  # type: ignore[assignment]
 needs_native = pytest.mark.skipif(native is None, reason="native match loop not built")

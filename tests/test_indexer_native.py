@@ -1,4 +1,4 @@
-"""KvIndexer's native paths (router_sim._match) against the pure-Python ones.
+"""KvIndexer's native paths (router_sim.router._match) against the pure-Python ones.
 
 The native table holds masks as wide as the fleet needs, and runs the device-tier store and
 eviction loops; every test here compares what they leave behind with the pure loops
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events.model import (
+from events.wire.model import (
     AllBlocksCleared,
     BlockHash,
     DecodedBatch,
@@ -24,10 +24,10 @@ from events.model import (
     StoredBlock,
     Updated,
 )
-from router_sim.indexer import RECENT_KEYS, KvIndexer, MatchDetail
+from router_sim.router.indexer import RECENT_KEYS, KvIndexer, MatchDetail
 
 try:
-    from router_sim import _match as native
+    from router_sim.router import _match as native
 except ImportError:  # the pure loops alone: nothing to compare
     native = None  # type: ignore[assignment]
 pytestmark = pytest.mark.skipif(native is None, reason="native match loop not built")

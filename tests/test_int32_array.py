@@ -13,12 +13,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events import codec
-from events.model import KVCacheEvent, Stored, StoredBlock
-from router_sim.workloads import expand_hash_ids
+from events.wire import codec
+from events.wire.model import KVCacheEvent, Stored, StoredBlock
+from router_sim.sim.workloads import expand_hash_ids
 
-_match = pytest.importorskip("router_sim._match")
-_wire = pytest.importorskip("events._wire")
+_match = pytest.importorskip("router_sim.router._match")
+_wire = pytest.importorskip("events.wire._wire")
 
 
 @pytest.fixture

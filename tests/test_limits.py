@@ -28,10 +28,13 @@ from zmq_helpers import (
     zmq_context,
 )
 
-from events.codec import encode_batch
-from events.doctor import Doctor, DoctorOptions
-from events.listener import listen
-from events.model import (
+from events.stream.publisher import ZmqEventPublisher
+from events.stream.security import DEFAULT_MAX_MESSAGE_BYTES
+from events.stream.subscriber import ZmqEventSubscriber
+from events.tools.doctor import Doctor, DoctorOptions
+from events.tools.listener import listen
+from events.wire.codec import encode_batch
+from events.wire.model import (
     DecodedBatch,
     EventDiff,
     KVCacheEvent,
@@ -41,10 +44,7 @@ from events.model import (
     Updated,
     cache_level_of,
 )
-from events.publisher import ZmqEventPublisher
-from events.security import DEFAULT_MAX_MESSAGE_BYTES
-from events.subscriber import ZmqEventSubscriber
-from router_sim.indexer import LEVEL_OUT_OF_RANGE, MAX_CACHE_LEVEL, KvIndexer
+from router_sim.router.indexer import LEVEL_OUT_OF_RANGE, MAX_CACHE_LEVEL, KvIndexer
 
 Ctx = zmq.Context[zmq.Socket[bytes]]
 pytestmark = pytest.mark.timeout(60)
@@ -137,7 +137,7 @@ def test_publisher_replay_socket_drops_an_oversized_request(ctx: Ctx) -> None:
 _SENDER = textwrap.dedent(
     """
     import sys, zmq
-    from events.codec import encode_batch
+    from events.wire.codec import encode_batch
     frames, size = int(sys.argv[1]), int(sys.argv[2])
     ctx = zmq.Context()
     pub = ctx.socket(zmq.XPUB)
@@ -233,8 +233,8 @@ def test_no_decode_limits_value_crashes_the_decoder() -> None:
     # in a child: a crash in native code would take the test runner with it
     code = textwrap.dedent(
         """
-        from events.codec import DecodeLimits, decode_batch, encode_batch
-        from events.model import KVCacheEvent, Stored, StoredBlock
+        from events.wire.codec import DecodeLimits, decode_batch, encode_batch
+        from events.wire.model import KVCacheEvent, Stored, StoredBlock
         body = encode_batch([KVCacheEvent(0, Stored(None, [StoredBlock(1, [1, 2])], 2))], 1.0)
         names = [n for n in DecodeLimits.__slots__]
         for name in names:

@@ -17,12 +17,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from events import _records, codec, wire_fast
-from events.codec import DecodeError, decode_batch, encode_batch
 from events.manager import KVCacheEventManager
-from events.model import KVCacheEvent, Removed, Stored, StoredBlock
-from events.wire_decode import decode_general
-from events.wire_fast import MAX_TOKENS, decode_typed, packed_tokens_py
+from events.wire import _records, codec
+from events.wire import fast as wire_fast
+from events.wire.codec import DecodeError, decode_batch, encode_batch
+from events.wire.decode import decode_general
+from events.wire.fast import MAX_TOKENS, decode_typed, packed_tokens_py
+from events.wire.model import KVCacheEvent, Removed, Stored, StoredBlock
 from kvcache.config import KVCacheManagerConfig, TierConfig
 from kvcache.manager import KVCacheManager
 
@@ -31,7 +32,7 @@ try:
 except ImportError:  # pragma: no cover - depends on the install
     native = None  # type: ignore[assignment]
 try:
-    from events import _wire as native_wire
+    from events.wire import _wire as native_wire
 except ImportError:  # pragma: no cover - depends on the install
     native_wire = None  # type: ignore[assignment]
 

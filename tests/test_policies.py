@@ -12,10 +12,10 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events.model import BlockHash
-from router_sim.indexer import MatchDetail
-from router_sim.load import WorkerLoad
-from router_sim.policies import (
+from events.wire.model import BlockHash
+from router_sim.router.indexer import MatchDetail
+from router_sim.router.load import WorkerLoad
+from router_sim.router.policies import (
     DEFAULT_OVERLAP_WEIGHT,
     ApproximatePolicy,
     CacheAwarePolicy,
@@ -28,8 +28,8 @@ from router_sim.policies import (
     make_policy,
     without_history,
 )
-from router_sim.policies.base import CONTENT_TAIL, content_key, lowest_cost, mix64, tie_rank
-from router_sim.timing_model import PolynomialTiming
+from router_sim.router.policies.base import CONTENT_TAIL, content_key, lowest_cost, mix64, tie_rank
+from router_sim.sim.timing_model import PolynomialTiming
 
 TPB = 4
 HASHES: list[BlockHash] = list(range(100, 108))  # an 8-block, 32-token prompt
@@ -419,7 +419,7 @@ def test_errors_name_what_was_wrong() -> None:
 
 
 def test_bounded_load_caps_a_worker_at_one_plus_epsilon_of_the_mean() -> None:
-    from router_sim.policies.base import BoundedLoad
+    from router_sim.router.policies.base import BoundedLoad
 
     b = BoundedLoad(0.5, slack=0)
     for _ in range(3):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from events.cli_args import ArgError
+from events.tools.cli_args import ArgError
 from router_sim.run_args import check_policy_options
 
 

@@ -1,4 +1,4 @@
-"""The replay's prompt thread (router_sim.prefetch) against the inline path it stands in for,
+"""The replay's prompt thread (router_sim.sim.prefetch) against the inline path it stands in for,
 and a cache's commit with keys made by the caller (create_kv_cache(block_keys=...))."""
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from kvcache.keys import blockchain_keys, root_key
 from kvcache.manager import KVCacheManager
 from kvcache.scope import ReuseScope
 from kvcache.sink import RecordingSink
-from router_sim import prefetch
-from router_sim.load import StaticLoadSource, WorkerLoad
-from router_sim.router import Router
-from router_sim.sim import SimConfig, simulate
-from router_sim.trace import load_trace
-from router_sim.workloads import Request
+from router_sim.router.load import StaticLoadSource, WorkerLoad
+from router_sim.router.routing import Router
+from router_sim.sim import prefetch
+from router_sim.sim.simulator import SimConfig, simulate
+from router_sim.sim.trace import load_trace
+from router_sim.sim.workloads import Request
 
-pytestmark = pytest.mark.skipif(not prefetch.NATIVE, reason="router_sim._prefetch not built")
+pytestmark = pytest.mark.skipif(not prefetch.NATIVE, reason="router_sim.sim._prefetch not built")
 
 TPB = 64
 

@@ -12,9 +12,9 @@ import pytest
 import zmq
 from zmq_helpers import END, SEQ, removed, stored, tcp_any, wait_until, zmq_context
 
-from events.codec import decode_batch, encode_batch
-from events.publisher import PublisherError, ZmqEventPublisher
-from events.snapshot import PublisherInfo, parse_info
+from events.stream.publisher import PublisherError, ZmqEventPublisher
+from events.stream.snapshot import PublisherInfo, parse_info
+from events.wire.codec import decode_batch, encode_batch
 
 pytestmark = pytest.mark.timeout(60)
 Ctx = zmq.Context[zmq.Socket[bytes]]
@@ -135,7 +135,7 @@ def test_malformed_replay_requests_are_ignored_with_a_warning(
         assert pub.flush(5)  # in the ring before the replay thread reads the requests
         assert pub.replay_endpoint is not None
         dealer = _dealer(ctx, pub.replay_endpoint)
-        with caplog.at_level(logging.WARNING, logger="events.publisher"):
+        with caplog.at_level(logging.WARNING, logger="events.stream.publisher"):
             dealer.send_multipart([b"", b"\x01\x02"])  # seq not 8 bytes
             dealer.send_multipart([b"junk", SEQ.pack(0)])  # no empty delimiter
             dealer.send(b"")  # too few frames

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-import events.pytest_plugin
-from events.hashcheck import load_golden, shipped_path
+import events.tools.pytest_plugin
+from events.tools.hashcheck import load_golden, shipped_path
 
 pytest_plugins = ["pytester"]
 _AUTOLOAD_OFF = "PYTEST_DISABLE_PLUGIN_AUTOLOAD" in os.environ  # this session's, not inner runs'
@@ -25,7 +25,7 @@ CAPTURES = ROOT / "tests" / "data" / "captures"
 def _args() -> list[str]:
     """Inner runs load only this plugin, by name (entry-point autoloading is off for them, see
     below: the other installed plugins would only slow each run down)."""
-    return ["-p", "events.pytest_plugin"]
+    return ["-p", "events.tools.pytest_plugin"]
 
 
 @pytest.fixture(autouse=True)
@@ -53,15 +53,15 @@ def test_the_installed_package_registers_the_plugin(pytestconfig: pytest.Config)
     ``pytest_plugins`` anywhere (reinstall the package if this fails on an old install)."""
     if _AUTOLOAD_OFF:
         pytest.skip("this session was started with entry-point autoloading off")
-    assert pytestconfig.pluginmanager.is_registered(events.pytest_plugin)
-    assert pytestconfig.pluginmanager.get_plugin("kv_golden") is events.pytest_plugin
+    assert pytestconfig.pluginmanager.is_registered(events.tools.pytest_plugin)
+    assert pytestconfig.pluginmanager.get_plugin("kv_golden") is events.tools.pytest_plugin
 
 
 def test_the_plugin_is_declared_as_a_pytest11_entry_point() -> None:
     text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
     section = re.search(r"^\[project\.entry-points\.pytest11\]\n((?:[^\[\n].*\n)*)", text, re.M)
     assert section is not None
-    assert section.group(1).split() == ["kv_golden", "=", '"events.pytest_plugin"']
+    assert section.group(1).split() == ["kv_golden", "=", '"events.tools.pytest_plugin"']
     data = re.search(r"^events = \[(.*)\]$", text, re.M)
     assert data is not None and '"golden/*.json"' in data.group(1)
 
@@ -85,7 +85,7 @@ def test_a_stable_corpus_passes_for_the_library_and_this_projects_worker(
     pytester.makepyfile(
         """
         import pytest
-        from events.hashcheck import worker_hasher
+        from events.tools.hashcheck import worker_hasher
 
         pytestmark = pytest.mark.kv_golden("kv_golden.json")
 
@@ -171,7 +171,7 @@ def test_update_mode_rewrites_the_golden_file(pytester: pytest.Pytester) -> None
     pytester.makepyfile(
         """
         import pytest
-        from events.hashcheck import worker_hasher
+        from events.tools.hashcheck import worker_hasher
         from events.hashing import chain_hashes
 
         @pytest.mark.kv_golden("kv_golden.json")
@@ -230,7 +230,7 @@ def test_engine_captures_against_a_golden_file(pytester: pytest.Pytester) -> Non
     blocks of each tenant's first prompt, golden values from WIRE.md's V1 definition."""
     from test_hash_check import _turn0_corpus
 
-    from events.hashcheck import write_golden
+    from events.tools.hashcheck import write_golden
 
     write_golden(pytester.path / "kv_golden.json", _turn0_corpus())
     pytester.makepyfile(

@@ -11,12 +11,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events import _records, codec, manager, wire_values
-from events._records import stored_block, stored_blocks_py, v1_stored_block_py
-from events.codec import decode_batch, encode_batch
+from events import manager
 from events.hashing import v1_block_hash_py
 from events.manager import KVCacheEventManager
-from events.model import KVCacheEvent, Removed, Stored, StoredBlock
+from events.wire import _records, codec
+from events.wire import values as wire_values
+from events.wire._records import stored_block, stored_blocks_py, v1_stored_block_py
+from events.wire.codec import decode_batch, encode_batch
+from events.wire.model import KVCacheEvent, Removed, Stored, StoredBlock
 from kvcache.config import KVCacheManagerConfig, TierConfig
 from kvcache.manager import KVCacheManager
 from kvcache.scope import ReuseScope

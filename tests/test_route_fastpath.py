@@ -17,11 +17,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router_sim.indexer import MatchDetail
-from router_sim.load import WorkerLoad
-from router_sim.policies.base import BoundedLoad, RouteRequest, content_key, lowest_cost, tie_rank
-from router_sim.policies.overlap import KvOverlapPolicy, choose_by_cost
-from router_sim.policies.ttft import PredictedTtftPolicy
+from router_sim.router.indexer import MatchDetail
+from router_sim.router.load import WorkerLoad
+from router_sim.router.policies.base import (
+    BoundedLoad,
+    RouteRequest,
+    content_key,
+    lowest_cost,
+    tie_rank,
+)
+from router_sim.router.policies.overlap import KvOverlapPolicy, choose_by_cost
+from router_sim.router.policies.ttft import PredictedTtftPolicy
 
 _detail = st.builds(
     lambda run, dev, slow_share: MatchDetail(run, min(dev, run), run - slow_share, slow_share),
@@ -179,8 +185,8 @@ def test_route_hashes_a_packed_prompt_as_hash_request(
     ids: list[int], lora: int | None, salt: str | None
 ) -> None:
     from kvcache.scope import ReuseScope
-    from router_sim.load import StaticLoadSource
-    from router_sim.router import Router
+    from router_sim.router.load import StaticLoadSource
+    from router_sim.router.routing import Router
 
     router = Router(8, "kv_overlap", StaticLoadSource({0: WorkerLoad(), 1: WorkerLoad()}))
     scope = ReuseScope.for_request(lora_id=lora, cache_salt=salt)
@@ -193,8 +199,8 @@ def test_route_hashes_a_packed_prompt_as_hash_request(
 
 def test_route_refuses_a_negative_packed_id_as_hash_request() -> None:
     from kvcache.scope import ReuseScope
-    from router_sim.load import StaticLoadSource
-    from router_sim.router import Router
+    from router_sim.router.load import StaticLoadSource
+    from router_sim.router.routing import Router
 
     router = Router(4, "kv_overlap", StaticLoadSource({0: WorkerLoad()}))
     bad = array("i", [1, 2, -3, 4, 5])

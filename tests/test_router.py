@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from events.hashing import chain_hashes
-from events.model import (
+from events.stream.subscriber import BatchDelivery, ResyncRequired, SubscriberMessage
+from events.wire.model import (
     AllBlocksCleared,
     BlockHash,
     DecodedBatch,
@@ -17,11 +18,10 @@ from events.model import (
     Stored,
     StoredBlock,
 )
-from events.subscriber import BatchDelivery, ResyncRequired, SubscriberMessage
 from kvcache.scope import DEFAULT_SCOPE, ReuseScope
 from router_sim import KvIndexer, Router, StaticLoadSource, WorkerLoad, make_policy
-from router_sim import router as router_module
-from router_sim.policies import DEFAULT_OVERLAP_WEIGHT, NoWorkersError
+from router_sim.router import routing as router_module
+from router_sim.router.policies import DEFAULT_OVERLAP_WEIGHT, NoWorkersError
 
 TPB = 4
 PROMPT = list(range(1000, 1018))  # 4 full blocks and a partial one

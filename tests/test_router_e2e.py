@@ -17,8 +17,8 @@ import pytest
 import zmq
 
 from events.manager import KVCacheEventManager
-from events.publisher import ZmqEventPublisher
-from events.subscriber import ZmqEventSubscriber
+from events.stream.publisher import ZmqEventPublisher
+from events.stream.subscriber import ZmqEventSubscriber
 from kvcache.config import KVCacheManagerConfig, TierConfig
 from kvcache.manager import KVCacheManager
 from kvcache.scope import ReuseScope

@@ -1,4 +1,4 @@
-"""Loads read on demand (router_sim.router.LazyLoads) for policies that pick by worker id:
+"""Loads read on demand (router_sim.router.routing.LazyLoads) for policies that pick by worker id:
 the same decisions as with every load read up front, and no load read that is not asked for."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from array import array
 import pytest
 
 from router_sim import Router, WorkerLoad, make_policy
-from router_sim.policies import RouteRequest
-from router_sim.policies.base import PolicyChoice
-from router_sim.router import LazyLoads
-from router_sim.sim import SimConfig, simulate
-from router_sim.workloads import SyntheticSpec, synthetic_workload
+from router_sim.router.policies import RouteRequest
+from router_sim.router.policies.base import PolicyChoice
+from router_sim.router.routing import LazyLoads
+from router_sim.sim.simulator import SimConfig, simulate
+from router_sim.sim.workloads import SyntheticSpec, synthetic_workload
 
 
 class CountingSource:

@@ -1,4 +1,4 @@
-"""The simulator's true overlaps in one native call (router_sim._match.held_prefixes) against
+"""The simulator's true overlaps in one native call (router_sim.router._match.held_prefixes) against
 the per-worker loop they replace (SimWorker.true_overlap), and against hostile arguments."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import router_sim.sim
-from router_sim.sim import Restart, SimConfig, Simulation, simulate
-from router_sim.workloads import SyntheticSpec, synthetic_workload
+import router_sim.sim.simulator
+from router_sim.sim.simulator import Restart, SimConfig, Simulation, simulate
+from router_sim.sim.workloads import SyntheticSpec, synthetic_workload
 
-_match = pytest.importorskip("router_sim._match")
+_match = pytest.importorskip("router_sim.router._match")
 held_prefixes = _match.held_prefixes
 
 
@@ -158,7 +158,7 @@ def test_the_report_is_the_same_without_the_extension(
     reqs = synthetic_workload("mixed", seed=5, spec=SPEC)
     config = SimConfig(workers=3, tokens_per_block=16, device_blocks=300, events=events)
     native = simulate(reqs, policy, config)
-    monkeypatch.setattr(router_sim.sim, "_held_prefixes", None)
+    monkeypatch.setattr(router_sim.sim.simulator, "_held_prefixes", None)
     pure = simulate(reqs, policy, config)
     fields = ("request_id", "worker", "best_overlap_tokens", "chosen_overlap_tokens")
     rows = [[tuple(getattr(r, f) for f in fields) for r in s.records] for s in (native, pure)]

@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events.codec import decode_batch, encode_batch, encode_batch_py
-from events.model import KVCacheEvent, Stored, StoredBlock
-from events.wire_decode import decode_general
+from events.wire.codec import decode_batch, encode_batch, encode_batch_py
+from events.wire.decode import decode_general
+from events.wire.model import KVCacheEvent, Stored, StoredBlock
 
-_wire = pytest.importorskip("events._wire")
+_wire = pytest.importorskip("events.wire._wire")
 MODES = [False, True]
 
 

@@ -23,10 +23,8 @@ from zmq_helpers import (
     zmq_context,
 )
 
-from events.cli import main as kv_events_main
-from events.listener import listen
-from events.publisher import ZmqEventPublisher
-from events.security import (
+from events.stream.publisher import ZmqEventPublisher
+from events.stream.security import (
     CurveClient,
     CurveServer,
     KeyPair,
@@ -37,7 +35,9 @@ from events.security import (
     load_keypair,
     load_public_key,
 )
-from events.subscriber import ZmqEventSubscriber
+from events.stream.subscriber import ZmqEventSubscriber
+from events.tools.cli import main as kv_events_main
+from events.tools.listener import listen
 
 Ctx = zmq.Context[zmq.Socket[bytes]]
 pytestmark = pytest.mark.timeout(30)

@@ -18,7 +18,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from events.sequencer import (
+from events.stream.sequencer import (
     Abandon,
     Deliver,
     Lost,
@@ -27,7 +27,7 @@ from events.sequencer import (
     Reset,
     StreamSequencer,
 )
-from events.snapshot import PublisherInfo, Snapshot
+from events.stream.snapshot import PublisherInfo, Snapshot
 
 Ops = list[list[Any]]
 

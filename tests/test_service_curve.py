@@ -18,7 +18,7 @@ from service_procs import (
     workers_by_id,
 )
 
-from events.security import generate_keys
+from events.stream.security import generate_keys
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,10 +9,10 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from events.publisher import ZmqEventPublisher
+from events.stream.publisher import ZmqEventPublisher
 from kvcache.scope import ReuseScope
 from router_sim.service.engine import LiveEngine, LiveRequest, RequestTooLarge
-from router_sim.timing import ConstantStepTiming
+from router_sim.sim.timing import ConstantStepTiming
 
 pytestmark = pytest.mark.timeout(30)
 _names = itertools.count()

@@ -164,7 +164,7 @@ def test_route_json_bodies_are_read_like_the_pydantic_model(raw: bytes) -> None:
     _read_like_the_pydantic_model(raw)
 
 
-native_json = pytest.importorskip("events._json_prompt")
+native_json = pytest.importorskip("events.wire._json_prompt")
 _PROMPT = msgspec.json.Decoder(list[int])
 
 

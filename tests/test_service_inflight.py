@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router_sim.load import WorkerLoad
+from router_sim.router.load import WorkerLoad
 from router_sim.service.inflight import InFlightLoad
 
 

@@ -16,8 +16,8 @@ from collections import Counter
 import pytest
 
 from events.hashing import chain_hashes
-from events.model import DecodedBatch, KVCacheEvent, Stored, StoredBlock
-from events.subscriber import BatchDelivery
+from events.stream.subscriber import BatchDelivery
+from events.wire.model import DecodedBatch, KVCacheEvent, Stored, StoredBlock
 from kvcache.scope import DEFAULT_SCOPE
 from router_sim.service.core import RouterService
 from router_sim.service.fleet import FleetFile

@@ -10,8 +10,8 @@ import pytest
 from service_procs import Proc, get_json, post_json, request, start_worker
 
 from events.hashing import chain_hashes
-from events.model import AllBlocksCleared, Stored
-from events.subscriber import BatchDelivery, ZmqEventSubscriber
+from events.stream.subscriber import BatchDelivery, ZmqEventSubscriber
+from events.wire.model import AllBlocksCleared, Stored
 from kvcache.scope import ReuseScope
 
 pytestmark = pytest.mark.timeout(60)

@@ -7,10 +7,10 @@ import threading
 
 import pytest
 
-from router_sim.bound import compulsory_bound
-from router_sim.report import build_report, deterministic_view
-from router_sim.sim import Restart, SimConfig, Simulation, simulate
-from router_sim.workloads import (
+from router_sim.sim.bound import compulsory_bound
+from router_sim.sim.report import build_report, deterministic_view
+from router_sim.sim.simulator import Restart, SimConfig, Simulation, simulate
+from router_sim.sim.workloads import (
     Request,
     SyntheticSpec,
     identical_prompts_for_tenants,
@@ -222,7 +222,7 @@ def test_oracle_and_cache_blind_policies_bracket_kv_overlap() -> None:
 
 
 def _trace_requests(n: int) -> list[Request]:
-    from router_sim.trace import load_trace
+    from router_sim.sim.trace import load_trace
 
     return load_trace("mooncake", max_requests=n)
 
@@ -287,7 +287,7 @@ def test_a_workers_publisher_answers_replays_as_fast_as_the_simulator_asks() -> 
     that depends on the host's speed. The workers' publishers take them all."""
     import zmq
 
-    from events.publisher import END_SEQ, SEQ
+    from events.stream.publisher import END_SEQ, SEQ
 
     sim = Simulation("round_robin", _config(transport="inproc", workers=1))
     try:

@@ -8,14 +8,14 @@ from typing import Any
 
 import pytest
 
-from events.cli_args import ArgError
-from router_sim.bound import compulsory_bound
+from events.tools.cli_args import ArgError
 from router_sim.cli import main
-from router_sim.metrics import PolicySummary
-from router_sim.policies import EVENT_FREE, POLICIES
-from router_sim.report import build_report, format_table
-from router_sim.sim import Restart, SimConfig, Simulation, simulate
-from router_sim.workloads import Request, SyntheticSpec, synthetic_workload
+from router_sim.router.policies import EVENT_FREE, POLICIES
+from router_sim.sim.bound import compulsory_bound
+from router_sim.sim.metrics import PolicySummary
+from router_sim.sim.report import build_report, format_table
+from router_sim.sim.simulator import Restart, SimConfig, Simulation, simulate
+from router_sim.sim.workloads import Request, SyntheticSpec, synthetic_workload
 
 SMALL = SyntheticSpec(num_requests=120, system_prompt_len=(300, 700), rate_per_s=30.0)
 

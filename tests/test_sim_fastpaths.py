@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 
 import router_sim.cli
-import router_sim.sim
+import router_sim.sim.simulator
 from kvcache.tree import Block
 from router_sim.cli import main
-from router_sim.sim import Restart, SimConfig, simulate
-from router_sim.worker import SimWorker
-from router_sim.workloads import SyntheticSpec, synthetic_workload
+from router_sim.sim.simulator import Restart, SimConfig, simulate
+from router_sim.sim.worker import SimWorker
+from router_sim.sim.workloads import SyntheticSpec, synthetic_workload
 
 SMALL = SyntheticSpec(num_requests=40, rate_per_s=40.0)
 
@@ -107,7 +107,7 @@ def test_running_requests_stay_in_admission_order(
             checked[0] += 1
             return stepped
 
-    monkeypatch.setattr(router_sim.sim, "SimWorker", Checked)
+    monkeypatch.setattr(router_sim.sim.simulator, "SimWorker", Checked)
     reqs = synthetic_workload("mixed", seed=5, spec=SyntheticSpec(num_requests=150, rate_per_s=60))
     run = simulate(reqs, "kv_overlap", _config(device_blocks=220, restarts=restarts))
     assert checked[0] > 100

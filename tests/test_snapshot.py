@@ -10,11 +10,9 @@ import pytest
 import zmq
 from zmq_helpers import DEADLINE_S, StateModel, poll_until, tcp_any, zmq_context
 
-from events.codec import decode_batch, encode_batch
 from events.manager import KVCacheEventManager
-from events.model import KVCacheEvent, Removed, Stored, StoredBlock
-from events.publisher import ZmqEventPublisher
-from events.snapshot import (
+from events.stream.publisher import ZmqEventPublisher
+from events.stream.snapshot import (
     PublisherInfo,
     Snapshot,
     SnapshotAssembler,
@@ -25,7 +23,9 @@ from events.snapshot import (
     parse_info,
     split_parts,
 )
-from events.subscriber import ZmqEventSubscriber
+from events.stream.subscriber import ZmqEventSubscriber
+from events.wire.codec import decode_batch, encode_batch
+from events.wire.model import KVCacheEvent, Removed, Stored, StoredBlock
 from kvcache.config import KVCacheManagerConfig, TierConfig
 from kvcache.manager import KVCacheManager
 from kvcache.scope import ReuseScope

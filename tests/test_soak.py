@@ -22,8 +22,8 @@ import pytest
 import zmq
 from zmq_helpers import SEQ, free_tcp_port, zmq_context
 
-from events.model import AllBlocksCleared, Removed, Stored
-from events.subscriber import BatchDelivery, ResyncRequired, ZmqEventSubscriber
+from events.stream.subscriber import BatchDelivery, ResyncRequired, ZmqEventSubscriber
+from events.wire.model import AllBlocksCleared, Removed, Stored
 
 Ctx = zmq.Context[zmq.Socket[bytes]]
 WORKER = Path(__file__).with_name("soak_worker.py")

@@ -36,10 +36,10 @@ from zmq_helpers import (
     zmq_context,
 )
 
-from events.publisher import PublisherError, ZmqEventPublisher
-from events.sequencer import HELLO_START
-from events.snapshot import SNAPSHOT_TAG
-from events.subscriber import ZmqEventSubscriber
+from events.stream.publisher import PublisherError, ZmqEventPublisher
+from events.stream.sequencer import HELLO_START
+from events.stream.snapshot import SNAPSHOT_TAG
+from events.stream.subscriber import ZmqEventSubscriber
 
 Ctx = zmq.Context[zmq.Socket[bytes]]
 pytestmark = pytest.mark.timeout(60)
@@ -384,7 +384,7 @@ def test_a_consumer_behind_by_more_than_the_ring_loses_nothing(ctx: Ctx) -> None
 
 def test_listener_fills_a_gap_from_a_replay_without_topic_frames(ctx: Ctx) -> None:
     """``kv-events listen`` against vLLM <= 0.25.1: replies ``[b"", seq, payload]``."""
-    from events.listener import listen
+    from events.tools.listener import listen
 
     fake = FakePublisher(ctx, transport="tcp")
     got: list[tuple[int, bool]] = []

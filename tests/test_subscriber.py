@@ -23,12 +23,12 @@ from zmq_helpers import (
     zmq_context,
 )
 
-from events.codec import DecodeLimits
-from events.publisher import ZmqEventPublisher
-from events.subscriber import (
+from events.stream.publisher import ZmqEventPublisher
+from events.stream.subscriber import (
     SubscriberError,
     ZmqEventSubscriber,
 )
+from events.wire.codec import DecodeLimits
 
 pytestmark = pytest.mark.timeout(60)
 Ctx = zmq.Context[zmq.Socket[bytes]]

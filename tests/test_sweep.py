@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 
 from router_sim.cli import main
-from router_sim.sim import SimConfig, simulate
+from router_sim.sim.simulator import SimConfig, simulate
+from router_sim.sim.workloads import SyntheticSpec, synthetic_workload
 from router_sim.sweep import SweepSpec, WorkloadSpec, run_sweep
 from router_sim.sweep.plan import answer, format_plan
 from router_sim.sweep.runner import POINTS_FILE, SweepResult
-from router_sim.workloads import SyntheticSpec, synthetic_workload
 
 # wall clock and decision time differ between any two runs; everything else is deterministic
 _TIMED = {"wall_s", "decision_us_p50"}

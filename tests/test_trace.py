@@ -12,8 +12,8 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from events.cli_args import ArgError, loads_json
-from router_sim.trace import TraceError, TraceRow, _row, iter_trace, load_trace, resolve_trace
+from events.tools.cli_args import ArgError, loads_json
+from router_sim.sim.trace import TraceError, TraceRow, _row, iter_trace, load_trace, resolve_trace
 
 ROWS = [
     {"timestamp": 1000, "input_length": 600, "output_length": 10, "hash_ids": [0, 1]},

@@ -1,4 +1,4 @@
-"""The native whole-batch codec (``events._wire.encode_events`` / ``decode_events``) agrees
+"""The native whole-batch codec (``events.wire._wire.encode_events`` / ``decode_events``) agrees
 with the msgspec paths it stands in front of: the writer gives, byte for byte, what
 ``encode_batch_py`` (msgspec) writes, and the reader gives batches equal to those of the typed
 structs (``decode_structs``) and the general path, on this project's payloads and on payloads
@@ -20,9 +20,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from events import _records, codec, wire_fast
-from events.codec import DecodeError, decode_batch, encode_batch, encode_batch_py
-from events.model import (
+from events.wire import _records, codec
+from events.wire import fast as wire_fast
+from events.wire.codec import DecodeError, decode_batch, encode_batch, encode_batch_py
+from events.wire.decode import decode_general
+from events.wire.fast import decode_native, decode_structs, decode_typed
+from events.wire.model import (
     AllBlocksCleared,
     Created,
     DecodedBatch,
@@ -33,8 +36,6 @@ from events.model import (
     StoredBlock,
     Updated,
 )
-from events.wire_decode import decode_general
-from events.wire_fast import decode_native, decode_structs, decode_typed
 
 U64 = 2**64
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -16,10 +16,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from events import wire_decode, wire_fast
-from events.capture import read_capture
-from events.codec import DecodeError, DecodeLimits, decode_batch, encode_batch
-from events.model import (
+from events.tools.capture import read_capture
+from events.wire import decode as wire_decode
+from events.wire import fast as wire_fast
+from events.wire.codec import DecodeError, DecodeLimits, decode_batch, encode_batch
+from events.wire.decode import POSITIONAL_FIELDS, decode_general
+from events.wire.fast import decode_typed
+from events.wire.model import (
     AllBlocksCleared,
     Created,
     DecodedBatch,
@@ -31,8 +34,6 @@ from events.model import (
     Updated,
     cache_level_of,
 )
-from events.wire_decode import POSITIONAL_FIELDS, decode_general
-from events.wire_fast import decode_typed
 
 ENGINES = Path(__file__).parent / "data" / "engines"
 U64 = 2**64

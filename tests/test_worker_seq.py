@@ -7,9 +7,9 @@ from array import array
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router_sim.metrics import RequestRecord
-from router_sim.worker import _Seq
-from router_sim.workloads import Request
+from router_sim.sim.metrics import RequestRecord
+from router_sim.sim.worker import _Seq
+from router_sim.sim.workloads import Request
 
 
 @given(

@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 
-import router_sim.sim
+import router_sim.sim.simulator
 from events.manager import KVCacheEventManager
-from events.model import KVCacheEvent
-from router_sim.sim import Restart, SimConfig, simulate
-from router_sim.worker import SimWorker
-from router_sim.workloads import SyntheticSpec, synthetic_workload
+from events.wire.model import KVCacheEvent
+from router_sim.sim.simulator import Restart, SimConfig, simulate
+from router_sim.sim.worker import SimWorker
+from router_sim.sim.workloads import SyntheticSpec, synthetic_workload
 
 
 def _checked_worker(counts: dict[str, int]) -> type[SimWorker]:
@@ -55,7 +55,7 @@ def test_kept_decoding_state_and_capacity_match_the_cache_after_every_step(
     monkeypatch: pytest.MonkeyPatch, extra: dict[str, Any]
 ) -> None:
     counts = {"steps": 0, "decoding": 0, "prefilling": 0}
-    monkeypatch.setattr(router_sim.sim, "SimWorker", _checked_worker(counts))
+    monkeypatch.setattr(router_sim.sim.simulator, "SimWorker", _checked_worker(counts))
     reqs = synthetic_workload("mixed", seed=5, spec=SyntheticSpec(num_requests=120, rate_per_s=60))
     # a small step budget: prompts take several steps (chunked prefill)
     config = SimConfig(workers=2, tokens_per_block=32, max_batch_tokens=256, **extra)

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcache.scope import ReuseScope, cache_salt_id
-from router_sim import workloads
-from router_sim.workloads import (
+from router_sim.sim import workloads
+from router_sim.sim.workloads import (
     WORKLOADS,
     Request,
     SyntheticSpec,

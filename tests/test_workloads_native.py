@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router_sim import workloads
-from router_sim.workloads import Request
+from router_sim.sim import workloads
+from router_sim.sim.workloads import Request
 
-_match = pytest.importorskip("router_sim._match")
+_match = pytest.importorskip("router_sim.router._match")
 
 
 @settings(max_examples=80, deadline=None)
@@ -74,7 +74,7 @@ def test_answers_are_the_same_with_and_without_the_native_run(
 def test_match_details_made_through_their_slots_are_plain_match_details() -> None:
     import dataclasses
 
-    from router_sim.indexer import _MATCH_DETAIL_FIELDS, MatchDetail
+    from router_sim.router.indexer import _MATCH_DETAIL_FIELDS, MatchDetail
 
     table = _match.MaskTable()
     table.set_bit([11, 12, 13], 0)

@@ -25,9 +25,9 @@ from zmq_helpers import (
     zmq_context,
 )
 
-from events.model import KVCacheEvent
-from events.publisher import PublisherError, ZmqEventPublisher
-from events.subscriber import ResyncRequired, ZmqEventSubscriber
+from events.stream.publisher import PublisherError, ZmqEventPublisher
+from events.stream.subscriber import ResyncRequired, ZmqEventSubscriber
+from events.wire.model import KVCacheEvent
 
 Ctx = zmq.Context[zmq.Socket[bytes]]
 W = 0  # the worker id used throughout

@@ -10,15 +10,20 @@ from collections.abc import Callable, Iterable, Iterator
 
 import zmq
 
-from events.codec import encode_batch
-from events.model import (
+from events.stream.subscriber import (
+    BatchDelivery,
+    ResyncRequired,
+    SubscriberMessage,
+    ZmqEventSubscriber,
+)
+from events.wire.codec import encode_batch
+from events.wire.model import (
     AllBlocksCleared,
     KVCacheEvent,
     Removed,
     Stored,
     StoredBlock,
 )
-from events.subscriber import BatchDelivery, ResyncRequired, SubscriberMessage, ZmqEventSubscriber
 
 SEQ = struct.Struct(">Q")
 END = b"\xff" * 8

@@ -36,11 +36,11 @@ import aiohttp
 import prometheus_client
 from aiohttp import web
 
-from events.cli_args import TCP_PORT_MAX, check_float, check_int, check_utf8
-from events.endpoints import EndpointError
-from events.security import curve_client_from
-from router_sim.policies import POLICIES, NoWorkersError
-from router_sim.router import RoutingDecision
+from events.stream.endpoints import EndpointError
+from events.stream.security import curve_client_from
+from events.tools.cli_args import TCP_PORT_MAX, check_float, check_int, check_utf8
+from router_sim.router.policies import POLICIES, NoWorkersError
+from router_sim.router.routing import RoutingDecision
 from router_sim.service.core import FleetConflict, RouterService
 from router_sim.service.fleet import FleetError, FleetFile, load_fleet, parse_worker
 from router_sim.service.protocol import (

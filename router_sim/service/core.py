@@ -1,6 +1,7 @@
 """The live router's state: the fleet, the index, the load view, and what keeps them current.
 
-:class:`RouterService` ties together a :class:`~router_sim.router.Router` (index + policy), an
+:class:`RouterService` ties together a :class:`~router_sim.router.routing.Router` (index + policy),
+an
 :class:`~router_sim.service.inflight.InFlightLoad` (the load view), an
 :class:`~router_sim.service.pump.EventPump` (the workers' event streams) and a health probe
 (each worker's ``GET /healthz``, every ``health_interval_s``). Everything here runs on one
@@ -26,10 +27,10 @@ from typing import Any
 
 import aiohttp
 
-from events.security import CurveClient
-from events.subscriber import BatchDelivery, ResyncRequired
-from router_sim.policies import NoWorkersError, make_policy, without_history
-from router_sim.router import Router, RoutingDecision
+from events.stream.security import CurveClient
+from events.stream.subscriber import BatchDelivery, ResyncRequired
+from router_sim.router.policies import NoWorkersError, make_policy, without_history
+from router_sim.router.routing import Router, RoutingDecision
 from router_sim.service.fleet import FleetFile, WorkerEntry
 from router_sim.service.inflight import InFlightLoad
 from router_sim.service.metrics import IndexView, ServiceMetrics

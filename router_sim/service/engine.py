@@ -1,13 +1,14 @@
 """A simulated inference engine that runs in wall time: the heart of ``router-sim worker``.
 
-It is the simulator's worker model (:mod:`router_sim.worker`) turned inside out: instead of a
+It is the simulator's worker model (:mod:`router_sim.sim.worker`) turned inside out: instead of a
 discrete-event loop over a trace, an asyncio task steps whenever requests are running and
 *sleeps* for each step's duration as the timing model gives it (divided by ``speedup``), so
 that a router in front of it sees real latencies, real queueing and real KV events.
 
 What is real: the :class:`kvcache.manager.KVCacheManager` (metadata-only pages) decides the
 prefix reuse, the :class:`events.manager.KVCacheEventManager` turns its changes into KV events
-and the :class:`events.publisher.ZmqEventPublisher` sends them with seq numbers and replay. One
+and the :class:`events.stream.publisher.ZmqEventPublisher` sends them with seq numbers and replay.
+One
 published batch per step, like an engine that drains its events every iteration.
 
 The schedule is continuous batching kept deliberately simple: FIFO admission while the prompt
@@ -28,15 +29,15 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from events.manager import KVCacheEventManager
-from events.model import KVCacheEvent
-from events.publisher import ZmqEventPublisher
+from events.stream.publisher import ZmqEventPublisher
+from events.wire.model import KVCacheEvent
 from kvcache.config import KVCacheManagerConfig, TierConfig
 from kvcache.errors import OutOfPagesError
 from kvcache.manager import KVCacheManager
 from kvcache.scope import ReuseScope
 from kvcache.sequence import KVCache
-from router_sim.load import WorkerLoad
-from router_sim.timing import StepTiming
+from router_sim.router.load import WorkerLoad
+from router_sim.sim.timing import StepTiming
 
 log = logging.getLogger(__name__)
 

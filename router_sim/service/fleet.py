@@ -29,8 +29,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from events.endpoints import EndpointError, should_bind
 from events.hashing import HashAlgo
+from events.stream.endpoints import EndpointError, should_bind
 
 
 class FleetError(ValueError):

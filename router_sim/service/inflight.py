@@ -1,6 +1,6 @@
 """The router service's load view: what it forwarded and has not seen finish.
 
-A :class:`~router_sim.load.LoadSource` fed by the proxy, not by the workers: each request the
+A :class:`~router_sim.router.load.LoadSource` fed by the proxy, not by the workers: each request the
 router forwards counts as active on its worker, its uncached prompt tokens as pending prefill
 until the first token comes back, then its blocks as decode blocks until the answer ends.
 ``kv_usage`` is the one figure that comes from the worker itself (its ``/healthz``).
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from router_sim.load import WorkerLoad
+from router_sim.router.load import WorkerLoad
 
 
 @dataclass(slots=True)

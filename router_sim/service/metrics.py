@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from events.subscriber import WorkerStatus
+from events.stream.subscriber import WorkerStatus
 
 # decision latency: 10 us .. 100 ms (route() of an 8k-token prompt is ~0.1 ms)
 _LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.1)

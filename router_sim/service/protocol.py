@@ -99,8 +99,8 @@ _PROMPT: Final = msgspec.json.Decoder(
 )
 
 try:
-    from events._json_prompt import json_prompt_first as _native_first
-    from events._json_prompt import tokens_from_json as _native_prompt
+    from events.wire._json_prompt import json_prompt_first as _native_first
+    from events.wire._json_prompt import tokens_from_json as _native_prompt
 except ImportError:  # pragma: no cover - depends on the install
     _native_prompt = _native_first = None  # type: ignore[assignment]
 

@@ -1,9 +1,10 @@
 """The event pump: the router service's ZeroMQ side, on a thread of its own.
 
-:class:`events.subscriber.ZmqEventSubscriber` is synchronous and not thread-safe, and the
+:class:`events.stream.subscriber.ZmqEventSubscriber` is synchronous and not thread-safe, and the
 router's index is mutated by every applied batch. So one thread owns the subscriber: it polls
 (the wait happens inside ZeroMQ, with the GIL released), then hands each round's messages to
-the event loop, which applies them to the :class:`~router_sim.router.Router` between two HTTP
+the event loop, which applies them to the :class:`~router_sim.router.routing.Router` between two
+HTTP
 requests. The index therefore has a single writer, the loop, and routing reads it without a
 lock. The pump waits until the loop has applied a round before polling again: when the loop is
 busy, frames queue in ZeroMQ (bounded by the subscriber's HWM; a loss is replayed) rather than
@@ -32,8 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from events.security import CurveClient
-from events.subscriber import (
+from events.stream.security import CurveClient
+from events.stream.subscriber import (
     ResyncRequired,
     SubscriberMessage,
     WorkerStatus,

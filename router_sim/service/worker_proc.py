@@ -36,16 +36,16 @@ from typing import Any, Final
 
 from aiohttp import web
 
-from events.cli_args import (
+from events.hashing import HashAlgo
+from events.stream.publisher import ZmqEventPublisher
+from events.stream.security import CurveServer, SecurityError, load_allowed_keys, load_keypair
+from events.tools.cli_args import (
     MAX_BLOCK_TOKENS,
     TCP_PORT_MAX,
     check_float,
     check_int,
     check_utf8,
 )
-from events.hashing import HashAlgo
-from events.publisher import ZmqEventPublisher
-from events.security import CurveServer, SecurityError, load_allowed_keys, load_keypair
 from kvcache.scope import ReuseScope
 from router_sim.service.engine import LiveEngine, LiveRequest, RequestTooLarge
 from router_sim.service.protocol import (
@@ -57,7 +57,7 @@ from router_sim.service.protocol import (
     read_body,
     usage,
 )
-from router_sim.timing import default_step_timing
+from router_sim.sim.timing import default_step_timing
 
 ENGINE: web.AppKey[LiveEngine] = web.AppKey("engine", LiveEngine)
 INFO: web.AppKey[dict[str, Any]] = web.AppKey("info", dict)

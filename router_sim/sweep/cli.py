@@ -15,20 +15,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from router_sim.cli import (
+from router_sim.run_args import (
     SYNTH_DEVICE_BLOCKS,
     SYNTH_TOKENS_PER_BLOCK,
     TRACE_DEVICE_BLOCKS,
     TRACE_TOKENS_PER_BLOCK,
-    _parse_policies,
-    _parse_policy_options,
+    check_sweep,
+    parse_policies,
+    parse_policy_options,
 )
-from router_sim.run_args import check_sweep
-from router_sim.sim import EVENT_MODES
+from router_sim.sim.simulator import EVENT_MODES
+from router_sim.sim.workloads import WORKLOADS
 from router_sim.sweep.output import format_table, write_results
 from router_sim.sweep.plan import answer, format_plan, plot_plan
 from router_sim.sweep.runner import SweepError, SweepResult, SweepSpec, WorkloadSpec, run_sweep
-from router_sim.workloads import WORKLOADS
 
 PLAN_WORKERS = "1,2,4,6,8,12,16,24,32"
 
@@ -53,7 +53,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grid", type=Path, help="JSON file with the grid (flags override it)")
     p.add_argument("--max-requests", type=int)
     p.add_argument("--spread-ms", type=float)
-    p.add_argument("--policies", type=_parse_policies, help="comma-separated, or 'all'")
+    p.add_argument("--policies", type=parse_policies, help="comma-separated, or 'all'")
     p.add_argument("--device-blocks", type=_list(int), help="list of device blocks per worker")
     p.add_argument("--speedups", type=_list(float), help="list of arrival speed-ups (load)")
     p.add_argument("--rates", type=_list(float), help="synthetic only: list of requests/s")
@@ -62,7 +62,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens-per-block", type=int)
     p.add_argument("--host-blocks", type=int)
     p.add_argument("--max-batch-tokens", type=int)
-    p.add_argument("--policy-options", type=_parse_policy_options)
+    p.add_argument("--policy-options", type=parse_policy_options)
     p.add_argument(
         "--events",
         choices=EVENT_MODES,
@@ -163,7 +163,7 @@ def build_spec(args: argparse.Namespace, *, plan: bool = False) -> SweepSpec:
     is_trace = trace is not None
     policies = s.get("policies", ["round_robin", "kv_overlap"])
     if isinstance(policies, list) and args.grid is not None and args.policies is None:
-        policies = _parse_policies(",".join(str(p) for p in policies))
+        policies = parse_policies(",".join(str(p) for p in policies))
     return SweepSpec(
         workload=workload,
         policies=policies,

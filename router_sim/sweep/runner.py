@@ -27,10 +27,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Final
 
-from router_sim.bound import compulsory_bound
-from router_sim.sim import SimConfig, check_events, simulate
-from router_sim.trace import load_trace
-from router_sim.workloads import WORKLOADS, Request, SyntheticSpec, synthetic_workload
+from router_sim.sim.bound import compulsory_bound
+from router_sim.sim.simulator import SimConfig, check_events, simulate
+from router_sim.sim.trace import load_trace
+from router_sim.sim.workloads import WORKLOADS, Request, SyntheticSpec, synthetic_workload
 
 POINTS_FILE: Final = "points.jsonl"
 

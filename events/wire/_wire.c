@@ -1,0 +1,1622 @@
+/*
+ * The native msgpack wire codec of the event path (WIRE.md), each function with its readable
+ * pure-Python reference beside its caller:
+ *
+ *   tokens_from_msgpack(data, limit), pack_tokens(tokens): a block's token ids read from, and
+ *     written as, a msgpack array straight into / from an array('i') (events/wire_fast.py,
+ *     events/codec.py);
+ *   decode_events(kit, payload), encode_events(kinds, events, ts, dp_rank): the whole common
+ *     batch read and written in one pass each way (beside events.wire.fast.decode_structs and
+ *     events.wire.codec.encode_batch_py).
+ *
+ * Token ids, most of a payload's bytes, go four at a time through SSSE3 byte shuffles where
+ * the CPU has them (simd() says so and turns them off, for tests), else through portable loops
+ * that write and read the same bytes.
+ *
+ * It is its own extension, apart from the V1 hashes (_v1hash.c) it has nothing to do with, so
+ * each builds and falls back on its own; the token-array and record helpers both use are in
+ * _native_common.h.
+ */
+#include "../_native_common.h"
+
+/* ---- packed token ids of the wire ------------------------------------------------------ */
+
+static inline uint64_t load_be(const unsigned char *p, int width) {
+    uint64_t v = 0;
+    for (int k = 0; k < width; k++) {
+        v = (v << 8) | p[k];
+    }
+    return v;
+}
+
+/* The usual token ids (uint32 msgpack ints in [2**16, 2**31), 5 bytes each: 0xce and the id
+ * big-endian) four at a time with SSSE3 byte shuffles, where the CPU has them: one shuffle
+ * turns four packed ids into the first 16 of their 20 wire bytes (the fourth id's tag last)
+ * and back. Each returns how many ids it did (a multiple of 4), stopping before the first
+ * four that are not all of that form, which the portable loops then take. */
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) &&                         \
+    __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#include <tmmintrin.h>
+#define WIRE_SSSE3 1
+static int have_ssse3; /* set once at import */
+
+/* Writes ids p[0..n) while each four are all in [2**16, 2**31): 20 bytes per four at o (the
+ * same bytes as put_token_ids' loop, nothing past them). */
+__attribute__((target("ssse3"))) static Py_ssize_t put_ids_ssse3(unsigned char *o,
+                                                                   const unsigned char *p,
+                                                                   Py_ssize_t n) {
+    /* byte k of the output: an input byte (the ids big-endian), or -1 (0: the tags, or-ed) */
+    const __m128i order = _mm_setr_epi8(-1, 3, 2, 1, 0, -1, 7, 6, 5, 4, -1, 11, 10, 9, 8, -1);
+    const __m128i tags = _mm_setr_epi8((char)0xce, 0, 0, 0, 0, (char)0xce, 0, 0, 0, 0,
+                                       (char)0xce, 0, 0, 0, 0, (char)0xce);
+    const __m128i low = _mm_set1_epi32(0xffff);
+    Py_ssize_t k = 0;
+    for (; n - k >= 4; k += 4) {
+        __m128i v = _mm_loadu_si128((const __m128i *)(p + 4 * k));
+        /* signed: a negative id fails too */
+        if (_mm_movemask_epi8(_mm_cmpgt_epi32(v, low)) != 0xffff) {
+            break;
+        }
+        _mm_storeu_si128((__m128i *)(o + 5 * k), _mm_or_si128(_mm_shuffle_epi8(v, order), tags));
+        uint32_t last;
+        memcpy(&last, p + 4 * k + 12, 4);
+        last = __builtin_bswap32(last);
+        memcpy(o + 5 * k + 16, &last, 4);
+    }
+    return k;
+}
+
+/* Reads ids while each four are uint32 msgpack ints (0xce tags) in [0, 2**31) with 20 bytes
+ * left for them before end: into out (4 bytes an id). *bad: set when four uint32s held an id
+ * past 2**31 - 1 (the caller refuses the array, as its loop does). */
+__attribute__((target("ssse3"))) static Py_ssize_t read_ids_ssse3(const unsigned char *p,
+                                                                    const unsigned char *end,
+                                                                    Py_ssize_t n,
+                                                                    unsigned char *out, int *bad) {
+    const __m128i order = _mm_setr_epi8(4, 3, 2, 1, 9, 8, 7, 6, 14, 13, 12, 11, -1, -1, -1, -1);
+    const __m128i tag = _mm_set1_epi8((char)0xce);
+    const int tag_bits = (1 << 0) | (1 << 5) | (1 << 10) | (1 << 15);
+    Py_ssize_t k = 0;
+    *bad = 0;
+    for (; n - k >= 4 && end - p >= 20; k += 4, p += 20) {
+        __m128i raw = _mm_loadu_si128((const __m128i *)p);
+        if ((_mm_movemask_epi8(_mm_cmpeq_epi8(raw, tag)) & tag_bits) != tag_bits) {
+            break;
+        }
+        uint32_t last;
+        memcpy(&last, p + 16, 4);
+        last = __builtin_bswap32(last);
+        __m128i v = _mm_or_si128(_mm_shuffle_epi8(raw, order),
+                                 _mm_slli_si128(_mm_cvtsi32_si128((int)last), 12));
+        if (_mm_movemask_epi8(v) & 0x8888) { /* a sign bit: an id past INT32_MAX */
+            *bad = 1;
+            break;
+        }
+        _mm_storeu_si128((__m128i *)(out + 4 * k), v);
+    }
+    return k;
+}
+#endif
+
+/* Reads n msgpack ints in [0, 2**31), in any msgpack int form, from p into out (n int32s):
+ * the position after them, or NULL when an item is anything else or is cut short. */
+static const unsigned char *read_token_ids(const unsigned char *p, const unsigned char *end,
+                                           uint64_t n, unsigned char *out) {
+    for (uint64_t i = 0; i < n; i++) {
+#ifdef WIRE_SSSE3
+        if (have_ssse3 && n - i >= 4) {
+            int bad;
+            Py_ssize_t m = read_ids_ssse3(p, end, (Py_ssize_t)(n - i), out + 4 * i, &bad);
+            if (bad) {
+                return NULL;
+            }
+            p += 5 * m;
+            i += (uint64_t)m;
+        }
+#endif
+        /* four uint32s in a row (the usual form of token ids), read at once */
+        while (n - i >= 4 && end - p >= 20 && p[0] == 0xce && p[5] == 0xce && p[10] == 0xce &&
+               p[15] == 0xce) {
+            uint32_t v[4];
+            for (int k = 0; k < 4; k++) {
+#if defined(__GNUC__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+                memcpy(&v[k], p + 5 * k + 1, 4);
+                v[k] = __builtin_bswap32(v[k]);
+#else
+                v[k] = ((uint32_t)p[5 * k + 1] << 24) | ((uint32_t)p[5 * k + 2] << 16) |
+                       ((uint32_t)p[5 * k + 3] << 8) | p[5 * k + 4];
+#endif
+            }
+            if ((v[0] | v[1] | v[2] | v[3]) > (uint32_t)INT32_MAX) {
+                return NULL;
+            }
+            memcpy(out + 4 * i, v, 16);
+            p += 20;
+            i += 4;
+        }
+        if (i == n) {
+            break;
+        }
+        if (p == end) {
+            return NULL;
+        }
+        unsigned char t = *p++;
+        uint64_t v;
+        if (t == 0xce && end - p >= 4) { /* uint32, the usual form of a token id: inline */
+            v = ((uint64_t)p[0] << 24) | ((uint64_t)p[1] << 16) | ((uint64_t)p[2] << 8) | p[3];
+            p += 4;
+        } else if (t <= 0x7f) { /* positive fixint */
+            v = t;
+        } else if (t >= 0xcc && t <= 0xd3) {
+            /* uint8/16/32/64, then int8/16/32/64: 1, 2, 4, 8 bytes big-endian */
+            int width = 1 << ((t - 0xcc) & 3);
+            if (end - p < width) {
+                return NULL;
+            }
+            if (t >= 0xd0 && (p[0] & 0x80)) {
+                return NULL; /* a negative signed int */
+            }
+            v = load_be(p, width);
+            p += width;
+        } else {
+            return NULL; /* a negative fixint, nil, bool, float, str, bin, array, map, ext */
+        }
+        if (v > (uint64_t)INT32_MAX) {
+            return NULL;
+        }
+        int32_t tok = (int32_t)v;
+        memcpy(out + 4 * i, &tok, 4);
+    }
+    return p;
+}
+
+/* tokens_from_msgpack(data, limit) -> array('i') | None: the token ids of one msgpack array of
+ * at most limit ints in [0, 2**31), in any msgpack int form, that is the whole of data; None for
+ * anything else (another type, a negative, too big or non-int item, a truncated array, bytes
+ * left over), which the caller's general path then reads and names. Every length is checked
+ * against the bytes left before anything is allocated or read (an item takes at least a byte),
+ * so hostile input costs at most its own size. */
+static PyObject *tokens_from_msgpack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    Py_ssize_t limit;
+    if (limit_arg("tokens_from_msgpack", args, nargs, &limit) < 0) {
+        return NULL;
+    }
+    Py_buffer buf;
+    if (PyObject_GetBuffer(args[0], &buf, PyBUF_SIMPLE) < 0) {
+        return NULL;
+    }
+    const unsigned char *p = (const unsigned char *)buf.buf, *end = p + buf.len;
+    PyObject *arr = NULL;
+    uint64_t n;
+    if (p == end) {
+        goto refuse;
+    }
+    unsigned char head = *p++;
+    if ((head & 0xf0) == 0x90) {
+        n = head & 0x0f;
+    } else if (head == 0xdc || head == 0xdd) {
+        int width = head == 0xdc ? 2 : 4;
+        if (end - p < width) {
+            goto refuse;
+        }
+        n = load_be(p, width);
+        p += width;
+    } else {
+        goto refuse;
+    }
+    if (limit < 0 || n > (uint64_t)limit || n > (uint64_t)(end - p)) {
+        goto refuse;
+    }
+    unsigned char *out;
+    arr = new_int32_array((Py_ssize_t)n, &out);
+    if (arr == NULL) {
+        PyBuffer_Release(&buf);
+        return NULL;
+    }
+    p = read_token_ids(p, end, n, out);
+    if (p == NULL || p != end) {
+        goto refuse;
+    }
+    PyBuffer_Release(&buf);
+    return arr;
+refuse:
+    Py_XDECREF(arr);
+    PyBuffer_Release(&buf);
+    Py_RETURN_NONE;
+}
+
+/* Writes x as msgspec (and msgpack-python) do: the smallest msgpack int form. Returns the
+ * bytes written (at most 9). */
+static inline Py_ssize_t put_int(unsigned char *o, int neg, uint64_t ux) {
+    unsigned char tag;
+    int width;
+    if (!neg && ux > 0xffff && ux <= 0xffffffffu) { /* uint32, the usual form of a token id */
+        o[0] = 0xce;
+        o[1] = (unsigned char)(ux >> 24);
+        o[2] = (unsigned char)(ux >> 16);
+        o[3] = (unsigned char)(ux >> 8);
+        o[4] = (unsigned char)ux;
+        return 5;
+    }
+    if (!neg) {
+        if (ux < 0x80) {
+            o[0] = (unsigned char)ux;
+            return 1;
+        }
+        if (ux <= 0xff) {
+            tag = 0xcc, width = 1;
+        } else if (ux <= 0xffff) {
+            tag = 0xcd, width = 2;
+        } else if (ux <= 0xffffffffu) {
+            tag = 0xce, width = 4;
+        } else {
+            tag = 0xcf, width = 8;
+        }
+    } else {
+        int64_t x = (int64_t)ux; /* two's complement of the negative value */
+        if (x >= -32) {
+            o[0] = (unsigned char)(x & 0xff);
+            return 1;
+        }
+        if (x >= -128) {
+            tag = 0xd0, width = 1;
+        } else if (x >= -32768) {
+            tag = 0xd1, width = 2;
+        } else if (x >= -2147483647LL - 1) {
+            tag = 0xd2, width = 4;
+        } else {
+            tag = 0xd3, width = 8;
+        }
+    }
+    o[0] = tag;
+    for (int k = 0; k < width; k++) {
+        o[1 + k] = (unsigned char)(ux >> (8 * (width - 1 - k)));
+    }
+    return 1 + width;
+}
+
+/* Writes n packed int32 token ids as msgspec writes each int (at most 5 bytes each, and up to
+ * 3 bytes of scratch after the last: the caller leaves 5 * n + 3 bytes); returns the position
+ * after them. */
+static unsigned char *put_token_ids(unsigned char *o, const unsigned char *p, Py_ssize_t n) {
+    Py_ssize_t k = 0;
+    while (k < n) {
+#ifdef WIRE_SSSE3
+        if (have_ssse3) {
+            Py_ssize_t m = put_ids_ssse3(o, p + 4 * k, n - k);
+            o += 5 * m;
+            k += m;
+        }
+#endif
+        /* four ids in [2**16, 2**31) in a row (the usual ids), written at once as uint32s */
+        while (n - k >= 4) {
+            int32_t v[4];
+            memcpy(v, p + 4 * k, 16);
+            if (v[0] <= 0xffff || v[1] <= 0xffff || v[2] <= 0xffff || v[3] <= 0xffff) {
+                break;
+            }
+            for (int j = 0; j < 4; j++) {
+#if defined(__GNUC__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+                /* one 8-byte store per id: the tag, the big-endian id, and 3 bytes that the
+                 * next id (or the caller's slack) overwrites */
+                uint64_t word = 0xce | ((uint64_t)__builtin_bswap32((uint32_t)v[j]) << 8);
+                memcpy(o + 5 * j, &word, 8);
+#else
+                uint32_t u = (uint32_t)v[j];
+                o[5 * j] = 0xce;
+                o[5 * j + 1] = (unsigned char)(u >> 24);
+                o[5 * j + 2] = (unsigned char)(u >> 16);
+                o[5 * j + 3] = (unsigned char)(u >> 8);
+                o[5 * j + 4] = (unsigned char)u;
+#endif
+            }
+            o += 20;
+            k += 4;
+        }
+        if (k == n) {
+            break;
+        }
+        int32_t tok;
+        memcpy(&tok, p + 4 * k, 4);
+        o += put_int(o, tok < 0, (uint64_t)(int64_t)tok);
+        k++;
+    }
+    return o;
+}
+
+/* pack_tokens(tokens) -> bytes | None: the msgpack array of tokens (an array('i'), or a list of
+ * ints in [-2**63, 2**64)) byte for byte as msgspec writes the same ints as a list: the smallest
+ * array header and the smallest form of each int. None for anything else (a list holding
+ * another type, an int out of that range, another container), which the caller leaves to
+ * msgspec (and its errors). */
+static PyObject *pack_tokens(PyObject *self, PyObject *obj) {
+    (void)self;
+    Py_buffer view;
+    int packed = int32_view(obj, &view);
+    if (packed < 0) {
+        return NULL;
+    }
+    if (!packed && !PyList_CheckExact(obj)) {
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t n = packed ? view.len / 4 : PyList_GET_SIZE(obj);
+    if ((uint64_t)n > UINT64_C(0xffffffff)) {
+        if (packed) {
+            PyBuffer_Release(&view);
+        }
+        Py_RETURN_NONE; /* msgspec's "too long" error */
+    }
+    /* 5 bytes per int32 at most (and put_token_ids' scratch), 9 per int64 */
+    PyObject *out = PyBytes_FromStringAndSize(NULL, 8 + (packed ? 5 : 9) * n);
+    if (out == NULL) {
+        if (packed) {
+            PyBuffer_Release(&view);
+        }
+        return NULL;
+    }
+    unsigned char *o = (unsigned char *)PyBytes_AS_STRING(out), *start = o;
+    if (n < 16) {
+        *o++ = (unsigned char)(0x90 | n);
+    } else if (n <= 0xffff) {
+        *o++ = 0xdc;
+        *o++ = (unsigned char)(n >> 8);
+        *o++ = (unsigned char)n;
+    } else {
+        *o++ = 0xdd;
+        for (int k = 3; k >= 0; k--) {
+            *o++ = (unsigned char)((uint64_t)n >> (8 * k));
+        }
+    }
+    if (packed) {
+        o = put_token_ids(o, (const unsigned char *)view.buf, n);
+        PyBuffer_Release(&view);
+    } else {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *item = PyList_GET_ITEM(obj, i);
+            if (!PyLong_CheckExact(item)) {
+                Py_DECREF(out);
+                Py_RETURN_NONE;
+            }
+            int overflow = 0;
+            long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
+            if (v == -1 && PyErr_Occurred()) {
+                Py_DECREF(out);
+                return NULL;
+            }
+            uint64_t ux = (uint64_t)v;
+            if (overflow < 0) {
+                Py_DECREF(out);
+                Py_RETURN_NONE; /* below -2**63 */
+            }
+            if (overflow > 0) {
+                ux = PyLong_AsUnsignedLongLong(item);
+                if (ux == (uint64_t)-1 && PyErr_Occurred()) {
+                    PyErr_Clear();
+                    Py_DECREF(out);
+                    Py_RETURN_NONE; /* 2**64 or more */
+                }
+            }
+            o += put_int(o, overflow == 0 && v < 0, ux);
+        }
+    }
+    if (_PyBytes_Resize(&out, o - start) < 0) {
+        return NULL;
+    }
+    return out;
+}
+
+/* ---- whole-batch wire codec -------------------------------------------------------------
+ *
+ * The simulator's event round trip, one call each way: encode_events writes a batch of this
+ * project's events as the bytes events.wire.codec's msgspec path writes, and decode_events reads
+ * the common batch straight into the records events.wire.fast's msgspec structs give (the
+ * record types and their slot descriptors are passed in, as for stored_blocks). Each takes a
+ * strict subset of what its Python path takes and answers None for everything else, which the
+ * caller then hands to that path (which names errors): nothing here raises on the data. */
+
+/* A cursor over a msgpack buffer: every read checks the bytes left first. */
+typedef struct {
+    const unsigned char *p, *end;
+} mp_reader;
+
+/* One msgpack int of any form: 1 with *ux set (two's complement, *neg set, when negative); 0
+ * when the next value is not an int or is cut short. */
+static int mp_int(mp_reader *r, uint64_t *ux, int *neg) {
+    if (r->p >= r->end) {
+        return 0;
+    }
+    unsigned char t = *r->p;
+    if (t <= 0x7f) {
+        *ux = t, *neg = 0, r->p++;
+        return 1;
+    }
+    if (t >= 0xe0) {
+        *ux = (uint64_t)(int64_t)(int8_t)t, *neg = 1, r->p++;
+        return 1;
+    }
+    if (t < 0xcc || t > 0xd3) {
+        return 0;
+    }
+    int width = 1 << ((t - 0xcc) & 3);
+    if (r->end - r->p - 1 < width) {
+        return 0;
+    }
+    uint64_t v = load_be(r->p + 1, width);
+    *neg = 0;
+    if (t >= 0xd0 && (r->p[1] & 0x80)) {
+        if (width < 8) {
+            v |= ~UINT64_C(0) << (8 * width); /* sign-extended */
+        }
+        *neg = 1;
+    }
+    *ux = v;
+    r->p += 1 + width;
+    return 1;
+}
+
+/* A non-negative int below limit (0: no limit besides 2**64). */
+static int mp_uint(mp_reader *r, uint64_t *v, uint64_t limit) {
+    int neg;
+    return mp_int(r, v, &neg) && !neg && (limit == 0 || *v < limit);
+}
+
+static int mp_nil(mp_reader *r) {
+    if (r->p < r->end && *r->p == 0xc0) {
+        r->p++;
+        return 1;
+    }
+    return 0;
+}
+
+/* A container header (base: 0x90 fixarray / 0x80 fixmap; wide: 0xdc array16 / 0xde map16,
+ * the 32-bit form one after): 1 with *n set when n items (at least a byte each) can follow. */
+static int mp_header(mp_reader *r, unsigned char base, unsigned char wide, uint64_t *n) {
+    if (r->p >= r->end) {
+        return 0;
+    }
+    unsigned char t = *r->p;
+    int width = 0;
+    if ((t & 0xf0) == base) {
+        *n = t & 0x0f;
+    } else if (t == wide || t == wide + 1) {
+        width = t == wide ? 2 : 4;
+        if (r->end - r->p - 1 < width) {
+            return 0;
+        }
+        *n = load_be(r->p + 1, width);
+    } else {
+        return 0;
+    }
+    r->p += 1 + width;
+    return *n <= (uint64_t)(r->end - r->p);
+}
+
+/* A str of at most max_len bytes: 1 with *s, *len set. */
+static int mp_str(mp_reader *r, const char **s, Py_ssize_t *len, Py_ssize_t max_len) {
+    if (r->p >= r->end) {
+        return 0;
+    }
+    unsigned char t = *r->p;
+    int width;
+    uint64_t n;
+    if ((t & 0xe0) == 0xa0) {
+        width = 0, n = t & 0x1f;
+    } else if (t >= 0xd9 && t <= 0xdb) {
+        width = 1 << (t - 0xd9);
+        if (r->end - r->p - 1 < width) {
+            return 0;
+        }
+        n = load_be(r->p + 1, width);
+    } else {
+        return 0;
+    }
+    const unsigned char *at = r->p + 1 + width;
+    if (n > (uint64_t)max_len || n > (uint64_t)(r->end - at)) {
+        return 0;
+    }
+    *s = (const char *)at, *len = (Py_ssize_t)n;
+    r->p = at + n;
+    return 1;
+}
+
+/* Bounds of the typed path's types (events.wire.fast), which the Python side checks agree. */
+#define WIRE_MAX_EVENTS 65536
+#define WIRE_MAX_TOKENS 1048576
+#define WIRE_MAX_BLOCKS 65536
+#define WIRE_MAX_STR 16384 /* bytes here; the typed path counts characters, at most as many */
+#define TOKEN_LIMIT_U (UINT64_C(1) << 31)
+
+enum {
+    F_TYPE, F_EVENT_ID, F_WINDOW, F_ALGO, F_RANK, F_HASHES, F_PARENT, F_TOKENS, F_BLOCK_SIZE,
+    F_LORA, F_MEDIUM, F_LORA_NAME, F_SALT_ID, F_PRIORITY, F_SALT, F_EXTRA, F_GROUP, F_COUNT
+};
+#define NAME(s) {s, sizeof(s) - 1}
+static const struct {
+    const char *name;
+    Py_ssize_t len;
+} FIELD_NAMES[F_COUNT] = {
+    NAME("type"), NAME("event_id"), NAME("window_size"), NAME("hash_algo"),
+    NAME("attention_dp_rank"), NAME("block_hashes"), NAME("parent_block_hash"),
+    NAME("token_ids"), NAME("block_size"), NAME("lora_id"), NAME("medium"), NAME("lora_name"),
+    NAME("cache_salt_id"), NAME("priority"), NAME("cache_salt"), NAME("extra_keys"),
+    NAME("group_idx"),
+};
+#undef NAME
+#define BIT(f) (1u << (f))
+#define WIRE_COMMON_FIELDS (BIT(F_TYPE) | BIT(F_EVENT_ID) | BIT(F_WINDOW) | BIT(F_ALGO) | BIT(F_RANK))
+#define REMOVED_FIELDS (WIRE_COMMON_FIELDS | BIT(F_HASHES) | BIT(F_MEDIUM) | BIT(F_GROUP))
+#define STORED_FIELDS                                                                           \
+    (REMOVED_FIELDS | BIT(F_PARENT) | BIT(F_TOKENS) | BIT(F_BLOCK_SIZE) | BIT(F_LORA) |         \
+     BIT(F_LORA_NAME) | BIT(F_SALT_ID) | BIT(F_PRIORITY) | BIT(F_SALT) | BIT(F_EXTRA))
+
+enum { KIND_STORED = 1, KIND_REMOVED, KIND_CLEARED };
+
+/* An optional value as read: absent (the default applies), nil, or a value. */
+typedef struct {
+    int state; /* 0 absent, 1 nil, 2 value */
+    uint64_t u;
+    const char *s;
+    Py_ssize_t len;
+} wire_opt;
+
+typedef struct {
+    int kind;
+    unsigned seen;
+    wire_opt f[F_COUNT];
+    PyObject *hashes; /* the block hashes, a list of ints (owned) */
+    PyObject *tokens; /* the token ids, one array('i') (owned) */
+} wire_event;
+
+static void clear_wire_event(wire_event *ev) {
+    Py_CLEAR(ev->hashes);
+    Py_CLEAR(ev->tokens);
+}
+
+/* Reads one field's value into ev: 1, 0 when the typed path would not take it here, -1 on
+ * error (an allocation failed). */
+static int read_field(mp_reader *r, int f, wire_event *ev) {
+    wire_opt *o = &ev->f[f];
+    uint64_t n, ux;
+    int neg;
+    o->state = 2;
+    switch (f) {
+    case F_TYPE: {
+        if (!mp_str(r, &o->s, &o->len, 32)) {
+            return 0;
+        }
+#define IS(name) (o->len == (Py_ssize_t)sizeof(name) - 1 && memcmp(o->s, name, o->len) == 0)
+        ev->kind = IS("BlockStored")    ? KIND_STORED
+                   : IS("BlockRemoved") ? KIND_REMOVED
+                   : IS("AllBlocksCleared") ? KIND_CLEARED
+                                            : 0;
+#undef IS
+        return ev->kind != 0;
+    }
+    case F_EVENT_ID:
+    case F_WINDOW:
+        return mp_uint(r, &o->u, 0);
+    case F_BLOCK_SIZE:
+        return mp_uint(r, &o->u, TOKEN_LIMIT_U);
+    case F_PRIORITY:
+        return mp_uint(r, &o->u, 101);
+    case F_ALGO:
+        return mp_str(r, &o->s, &o->len, WIRE_MAX_STR);
+    case F_RANK:
+    case F_LORA:
+    case F_SALT_ID:
+    case F_GROUP:
+        if (mp_nil(r)) {
+            o->state = 1;
+            return 1;
+        }
+        return mp_uint(r, &o->u, f == F_GROUP ? TOKEN_LIMIT_U : 0);
+    case F_MEDIUM:
+    case F_LORA_NAME:
+    case F_SALT:
+        if (mp_nil(r)) {
+            o->state = 1;
+            return 1;
+        }
+        return mp_str(r, &o->s, &o->len, WIRE_MAX_STR);
+    case F_EXTRA:
+        o->state = 1;
+        return mp_nil(r); /* vLLM's extra_keys lists: the typed path's */
+    case F_PARENT:
+        if (mp_nil(r)) {
+            o->state = 1;
+            return 1;
+        }
+        return mp_int(r, &o->u, &neg); /* a negative hash: its uint64 */
+    case F_HASHES:
+        if (!mp_header(r, 0x90, 0xdc, &n) || n > WIRE_MAX_BLOCKS) {
+            return 0;
+        }
+        if ((ev->hashes = PyList_New((Py_ssize_t)n)) == NULL) {
+            return -1;
+        }
+        for (uint64_t i = 0; i < n; i++) {
+            if (!mp_int(r, &ux, &neg)) {
+                return 0; /* bin hashes: the typed path's */
+            }
+            PyObject *h = PyLong_FromUnsignedLongLong(ux); /* a negative one: its uint64 */
+            if (h == NULL) {
+                return -1;
+            }
+            PyList_SET_ITEM(ev->hashes, (Py_ssize_t)i, h);
+        }
+        return 1;
+    case F_TOKENS: {
+        if (!mp_header(r, 0x90, 0xdc, &n) || n > WIRE_MAX_TOKENS) {
+            return 0;
+        }
+        unsigned char *out;
+        if ((ev->tokens = new_int32_array((Py_ssize_t)n, &out)) == NULL) {
+            return -1;
+        }
+        r->p = read_token_ids(r->p, r->end, n, out);
+        return r->p != NULL;
+    }
+    }
+    return 0;
+}
+
+/* Reads one event map: 1, 0 when the typed path would not take it here, -1 on error. The
+ * caller clears ev whatever the answer. */
+static int read_event(mp_reader *r, wire_event *ev) {
+    uint64_t n;
+    memset(ev, 0, sizeof(*ev));
+    if (!mp_header(r, 0x80, 0xde, &n)) {
+        return 0;
+    }
+    for (uint64_t i = 0; i < n; i++) {
+        const char *key;
+        Py_ssize_t len;
+        if (!mp_str(r, &key, &len, 32)) {
+            return 0;
+        }
+        int f = 0;
+        while (f < F_COUNT &&
+               !(FIELD_NAMES[f].len == len && memcmp(FIELD_NAMES[f].name, key, len) == 0)) {
+            f++;
+        }
+        if (f == F_COUNT || ev->seen & BIT(f)) {
+            return 0; /* an unknown field or a repeated one */
+        }
+        ev->seen |= BIT(f);
+        int rc = read_field(r, f, ev);
+        if (rc != 1) {
+            return rc;
+        }
+    }
+    unsigned allowed = ev->kind == KIND_STORED    ? STORED_FIELDS
+                       : ev->kind == KIND_REMOVED ? REMOVED_FIELDS
+                                                  : WIRE_COMMON_FIELDS;
+    unsigned required = ev->kind == KIND_STORED
+                            ? BIT(F_TYPE) | BIT(F_HASHES) | BIT(F_TOKENS) | BIT(F_BLOCK_SIZE)
+                        : ev->kind == KIND_REMOVED ? BIT(F_TYPE) | BIT(F_HASHES)
+                                                   : BIT(F_TYPE);
+    if (ev->seen & ~allowed || (ev->seen & required) != required) {
+        return 0;
+    }
+    if (ev->kind == KIND_STORED) {
+        /* the stores whose blocks are cut from their token ids as they come: others
+         * (placeholders, masked, empty, inconsistent) are the typed path's */
+        uint64_t bs = ev->f[F_BLOCK_SIZE].u, nh = (uint64_t)PyList_GET_SIZE(ev->hashes);
+        uint64_t nt = (uint64_t)Py_SIZE(ev->tokens);
+        if (nh == 0 || bs == 0 || !((nh - 1) * bs < nt && nt <= nh * bs)) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* The decode kit: (StoredBlock, its 6 setters, Stored, its 7, Removed, its 3, AllBlocksCleared,
+ * KVCacheEvent, its 5, DecodedBatch, its 4, cache_level_of). */
+enum {
+    KIT_BLOCK, KIT_BLOCK_SET, KIT_STORED, KIT_STORED_SET, KIT_REMOVED, KIT_REMOVED_SET,
+    KIT_CLEARED, KIT_EVENT, KIT_EVENT_SET, KIT_BATCH, KIT_BATCH_SET, KIT_LEVEL_OF, KIT_SIZE
+};
+
+static PyObject *STR_DEFAULT_ALGO; /* "v1_block_key" */
+
+static int check_kit(PyObject *kit) {
+    static const Py_ssize_t fields[][2] = {{KIT_BLOCK, RECORD_FIELDS}, {KIT_STORED, 7},
+                                           {KIT_REMOVED, 3}, {KIT_EVENT, 5}, {KIT_BATCH, 4}};
+    if (!PyTuple_CheckExact(kit) || PyTuple_GET_SIZE(kit) != KIT_SIZE ||
+        !PyType_Check(PyTuple_GET_ITEM(kit, KIT_CLEARED))) {
+        PyErr_SetString(PyExc_TypeError, "decode_events: not a record kit");
+        return -1;
+    }
+    for (size_t k = 0; k < sizeof(fields) / sizeof(fields[0]); k++) {
+        PyObject *cls = PyTuple_GET_ITEM(kit, fields[k][0]);
+        PyObject *setters = PyTuple_GET_ITEM(kit, fields[k][0] + 1);
+        if (!PyType_Check(cls) || !PyTuple_CheckExact(setters) ||
+            PyTuple_GET_SIZE(setters) != fields[k][1]) {
+            PyErr_SetString(PyExc_TypeError, "decode_events: not a record kit");
+            return -1;
+        }
+        for (Py_ssize_t i = 0; i < fields[k][1]; i++) {
+            if (Py_TYPE(PyTuple_GET_ITEM(setters, i))->tp_descr_set == NULL) {
+                PyErr_SetString(PyExc_TypeError, "decode_events: not a record kit");
+                return -1;
+            }
+        }
+    }
+    return 0;
+}
+
+/* The Python value of an optional field: None, its default, or the value read. */
+static PyObject *opt_int(const wire_opt *o, PyObject *dflt) {
+    if (o->state == 2) {
+        return PyLong_FromUnsignedLongLong(o->u);
+    }
+    return Py_NewRef(o->state == 1 ? Py_None : dflt);
+}
+
+static PyObject *opt_str(const wire_opt *o) {
+    if (o->state == 2) {
+        return PyUnicode_DecodeUTF8(o->s, o->len, NULL);
+    }
+    return Py_NewRef(Py_None);
+}
+
+/* The cache level of a medium: None and "GPU" 0, "CPU" 1, any other name cache_level_of's. */
+static PyObject *medium_level(const wire_opt *o, PyObject *level_of) {
+    if (o->state != 2 || (o->len == 3 && memcmp(o->s, "GPU", 3) == 0)) {
+        return PyLong_FromLong(0);
+    }
+    if (o->len == 3 && memcmp(o->s, "CPU", 3) == 0) {
+        return PyLong_FromLong(1);
+    }
+    PyObject *name = opt_str(o);
+    if (name == NULL) {
+        return NULL;
+    }
+    PyObject *level = PyObject_CallOneArg(level_of, name);
+    Py_DECREF(name);
+    return level;
+}
+
+/* The blocks of a store read by read_event: block i holds hashes[i] and its block_size slice of
+ * the token ids, an array('i') (a lone block the whole array). */
+static PyObject *store_blocks(PyObject *kit, const wire_event *ev, PyObject *level) {
+    PyObject *lora = NULL, *priority = NULL, *salt = NULL, *out = NULL;
+    PyObject *py35 = PyLong_FromLong(35);
+    lora = opt_int(&ev->f[F_LORA], Py_None);
+    priority = opt_int(&ev->f[F_PRIORITY], py35);
+    salt = opt_int(&ev->f[F_SALT_ID], Py_None);
+    Py_ssize_t n = PyList_GET_SIZE(ev->hashes), left = Py_SIZE(ev->tokens);
+    Py_ssize_t bs = (Py_ssize_t)ev->f[F_BLOCK_SIZE].u;
+    Py_buffer view;
+    if (py35 == NULL || lora == NULL || priority == NULL || salt == NULL ||
+        (out = PyList_New(n)) == NULL) {
+        goto done;
+    }
+    if (PyObject_GetBuffer(ev->tokens, &view, PyBUF_SIMPLE) < 0) {
+        Py_CLEAR(out);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t count = left < bs ? left : bs;
+        PyObject *tokens;
+        if (n == 1) {
+            tokens = Py_NewRef(ev->tokens);
+        } else {
+            unsigned char *data;
+            tokens = new_int32_array(count, &data);
+            if (tokens == NULL) {
+                Py_CLEAR(out);
+                break;
+            }
+            memcpy(data, (const unsigned char *)view.buf + 4 * (i * bs), 4 * (size_t)count);
+        }
+        left -= count;
+        PyObject *values[RECORD_FIELDS] = {PyList_GET_ITEM(ev->hashes, i), tokens, lora, level,
+                                           priority, salt};
+        PyObject *rec = new_record(PyTuple_GET_ITEM(kit, KIT_BLOCK),
+                                   PyTuple_GET_ITEM(kit, KIT_BLOCK_SET), values);
+        Py_DECREF(tokens);
+        if (rec == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, i, rec);
+    }
+    PyBuffer_Release(&view);
+done:
+    Py_XDECREF(py35);
+    Py_XDECREF(lora);
+    Py_XDECREF(priority);
+    Py_XDECREF(salt);
+    return out;
+}
+
+/* The event payload (Stored, Removed, AllBlocksCleared) of an event read by read_event. */
+static PyObject *event_data(PyObject *kit, const wire_event *ev) {
+    if (ev->kind == KIND_CLEARED) {
+        return PyObject_CallNoArgs(PyTuple_GET_ITEM(kit, KIT_CLEARED));
+    }
+    PyObject *level_of = PyTuple_GET_ITEM(kit, KIT_LEVEL_OF);
+    PyObject *group = opt_int(&ev->f[F_GROUP], Py_None);
+    if (group == NULL) {
+        return NULL;
+    }
+    PyObject *data = NULL;
+    if (ev->kind == KIND_REMOVED) {
+        PyObject *level = ev->f[F_MEDIUM].state == 2 ? medium_level(&ev->f[F_MEDIUM], level_of)
+                                                     : Py_NewRef(Py_None);
+        if (level != NULL) {
+            PyObject *values[3] = {ev->hashes, level, group};
+            data = new_record_n(PyTuple_GET_ITEM(kit, KIT_REMOVED),
+                                PyTuple_GET_ITEM(kit, KIT_REMOVED_SET), values, 3);
+        }
+        Py_XDECREF(level);
+        Py_DECREF(group);
+        return data;
+    }
+    PyObject *level = medium_level(&ev->f[F_MEDIUM], level_of);
+    PyObject *blocks = level == NULL ? NULL : store_blocks(kit, ev, level);
+    PyObject *parent = opt_int(&ev->f[F_PARENT], Py_None);
+    PyObject *bs = PyLong_FromUnsignedLongLong(ev->f[F_BLOCK_SIZE].u);
+    PyObject *lora_name = opt_str(&ev->f[F_LORA_NAME]);
+    PyObject *salt = opt_str(&ev->f[F_SALT]);
+    if (blocks != NULL && parent != NULL && bs != NULL && lora_name != NULL && salt != NULL) {
+        PyObject *values[7] = {parent, blocks, bs, group, lora_name, salt, Py_False};
+        data = new_record_n(PyTuple_GET_ITEM(kit, KIT_STORED),
+                            PyTuple_GET_ITEM(kit, KIT_STORED_SET), values, 7);
+    }
+    Py_XDECREF(level);
+    Py_XDECREF(blocks);
+    Py_XDECREF(parent);
+    Py_XDECREF(bs);
+    Py_XDECREF(lora_name);
+    Py_XDECREF(salt);
+    Py_DECREF(group);
+    return data;
+}
+
+/* The KVCacheEvent of the event at index i of its batch; an event without its own rank gets
+ * None here (the batch's rank follows the events: the caller sets it then). */
+static PyObject *wire_event_record(PyObject *kit, const wire_event *ev, Py_ssize_t i) {
+    PyObject *data = event_data(kit, ev);
+    if (data == NULL) {
+        return NULL;
+    }
+    const wire_opt *algo = &ev->f[F_ALGO];
+    PyObject *event_id = ev->f[F_EVENT_ID].state == 2
+                             ? PyLong_FromUnsignedLongLong(ev->f[F_EVENT_ID].u)
+                             : PyLong_FromSsize_t(i);
+    PyObject *window = PyLong_FromUnsignedLongLong(ev->f[F_WINDOW].u); /* 0 when absent */
+    PyObject *hash_algo =
+        algo->state != 2 || (algo->len == 12 && memcmp(algo->s, "v1_block_key", 12) == 0)
+            ? Py_NewRef(STR_DEFAULT_ALGO)
+            : PyUnicode_DecodeUTF8(algo->s, algo->len, NULL);
+    PyObject *rank = opt_int(&ev->f[F_RANK], Py_None);
+    PyObject *rec = NULL;
+    if (event_id != NULL && window != NULL && hash_algo != NULL && rank != NULL) {
+        PyObject *values[5] = {event_id, data, window, hash_algo, rank};
+        rec = new_record_n(PyTuple_GET_ITEM(kit, KIT_EVENT), PyTuple_GET_ITEM(kit, KIT_EVENT_SET),
+                           values, 5);
+    }
+    Py_DECREF(data);
+    Py_XDECREF(event_id);
+    Py_XDECREF(window);
+    Py_XDECREF(hash_algo);
+    Py_XDECREF(rank);
+    return rec;
+}
+
+/* decode_events(kit, payload) -> DecodedBatch | None: the batch of a map-form payload
+ * [ts: float64, events, dp_rank] whose events are BlockStored (int hashes, token ids that fill
+ * their blocks, no extra_keys list), BlockRemoved (int hashes) and AllBlocksCleared with known
+ * fields only, each once; None for anything else. Every length is checked against the bytes
+ * left before it is used, no nesting beyond the format's is read, and nothing is built that the
+ * payload's bytes do not pay for, so hostile input costs at most its own size (a string that is
+ * not UTF-8 is refused too). One pass: each event's records are built as it is read, and
+ * dropped if a later one is refused. */
+static PyObject *decode_events(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "decode_events takes 2 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *kit = args[0];
+    if (check_kit(kit) < 0) {
+        return NULL;
+    }
+    Py_buffer buf;
+    if (PyObject_GetBuffer(args[1], &buf, PyBUF_SIMPLE) < 0) {
+        PyErr_Clear(); /* not one contiguous buffer: the typed path's */
+        Py_RETURN_NONE;
+    }
+    const unsigned char *end = (const unsigned char *)buf.buf + buf.len;
+    mp_reader r = {(const unsigned char *)buf.buf, end};
+    PyObject *events = NULL, *dp_rank = NULL, *result = NULL;
+    unsigned char *unranked = NULL; /* per event: it has no rank of its own */
+    uint64_t n_top, n_events, rank = 0;
+    int refused = 1;
+    if (!mp_header(&r, 0x90, 0xdc, &n_top) || (n_top != 2 && n_top != 3) ||
+        end - r.p < 9 || r.p[0] != 0xcb) {
+        goto done;
+    }
+    uint64_t bits = load_be(r.p + 1, 8);
+    double ts;
+    memcpy(&ts, &bits, 8);
+    r.p += 9;
+    if (!isfinite(ts) || !mp_header(&r, 0x90, 0xdc, &n_events) || n_events > WIRE_MAX_EVENTS) {
+        goto done;
+    }
+    refused = 0;
+    events = PyList_New((Py_ssize_t)n_events);
+    unranked = PyMem_Calloc((size_t)n_events + 1, 1);
+    if (events == NULL || unranked == NULL) {
+        goto error;
+    }
+    for (uint64_t i = 0; i < n_events; i++) {
+        wire_event ev;
+        int rc = read_event(&r, &ev);
+        PyObject *rec = rc == 1 ? wire_event_record(kit, &ev, (Py_ssize_t)i) : NULL;
+        unranked[i] = ev.f[F_RANK].state == 0;
+        clear_wire_event(&ev);
+        if (rec == NULL) {
+            refused = rc == 0;
+            goto error;
+        }
+        PyList_SET_ITEM(events, (Py_ssize_t)i, rec);
+    }
+    refused = 1;
+    if (n_top == 3 && !mp_nil(&r)) {
+        if (!mp_uint(&r, &rank, TOKEN_LIMIT_U)) {
+            goto error;
+        }
+        dp_rank = PyLong_FromUnsignedLongLong(rank);
+    } else {
+        dp_rank = Py_NewRef(Py_None);
+    }
+    if (r.p != end) {
+        goto error;
+    }
+    refused = 0;
+    if (dp_rank == NULL) {
+        goto error;
+    }
+    PyObject *rank_setter = PyTuple_GET_ITEM(PyTuple_GET_ITEM(kit, KIT_EVENT_SET), 4);
+    for (uint64_t i = 0; dp_rank != Py_None && i < n_events; i++) {
+        /* records built here and seen by no one yet: their rank is the batch's */
+        if (unranked[i] && Py_TYPE(rank_setter)->tp_descr_set(
+                               rank_setter, PyList_GET_ITEM(events, (Py_ssize_t)i), dp_rank) < 0) {
+            goto error;
+        }
+    }
+    PyObject *py_ts = PyFloat_FromDouble(ts), *malformed = PyList_New(0);
+    if (py_ts != NULL && malformed != NULL) {
+        PyObject *values[4] = {py_ts, events, dp_rank, malformed};
+        result = new_record_n(PyTuple_GET_ITEM(kit, KIT_BATCH), PyTuple_GET_ITEM(kit, KIT_BATCH_SET),
+                              values, 4);
+    }
+    Py_XDECREF(py_ts);
+    Py_XDECREF(malformed);
+error:
+    if (result == NULL && !refused && PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) {
+        PyErr_Clear(); /* a string that is not UTF-8: the typed path's to refuse */
+        refused = 1;
+    }
+done:
+    PyMem_Free(unranked);
+    Py_XDECREF(events);
+    Py_XDECREF(dp_rank);
+    PyBuffer_Release(&buf);
+    if (refused) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    return result;
+}
+
+/* A growing bytes object the encoder writes into (its length trimmed at the end). */
+typedef struct {
+    PyObject *obj;
+    Py_ssize_t len, cap;
+} mp_writer;
+
+/* Room for extra more bytes: a pointer to write them at, or NULL with an exception set. */
+static unsigned char *mw_room(mp_writer *w, Py_ssize_t extra) {
+    if (w->len + extra > w->cap) {
+        Py_ssize_t cap = w->cap * 2 > w->len + extra ? w->cap * 2 : w->len + extra;
+        if (_PyBytes_Resize(&w->obj, cap) < 0) {
+            return NULL;
+        }
+        w->cap = cap;
+    }
+    return (unsigned char *)PyBytes_AS_STRING(w->obj) + w->len;
+}
+
+static int mw_int(mp_writer *w, int neg, uint64_t ux) {
+    unsigned char *o = mw_room(w, 9);
+    if (o == NULL) {
+        return -1;
+    }
+    w->len += put_int(o, neg, ux);
+    return 0;
+}
+
+static int mw_byte(mp_writer *w, unsigned char b) {
+    unsigned char *o = mw_room(w, 1);
+    if (o == NULL) {
+        return -1;
+    }
+    *o = b;
+    w->len++;
+    return 0;
+}
+
+/* An array (base 0x90, wide 0xdc) or map (0x80, 0xde) header as msgspec writes it. */
+static int mw_header(mp_writer *w, unsigned char base, unsigned char wide, uint64_t n) {
+    unsigned char *o = mw_room(w, 5);
+    if (o == NULL) {
+        return -1;
+    }
+    if (n < 16) {
+        o[0] = (unsigned char)(base | n);
+        w->len += 1;
+    } else if (n <= 0xffff) {
+        o[0] = wide, o[1] = (unsigned char)(n >> 8), o[2] = (unsigned char)n;
+        w->len += 3;
+    } else {
+        o[0] = (unsigned char)(wide + 1);
+        for (int k = 0; k < 4; k++) {
+            o[1 + k] = (unsigned char)(n >> (8 * (3 - k)));
+        }
+        w->len += 5;
+    }
+    return 0;
+}
+
+/* A str as msgspec writes it: fixstr, then str8, str16, str32 as the length needs. */
+static int mw_str(mp_writer *w, const char *s, Py_ssize_t len) {
+    unsigned char *o = mw_room(w, 5 + len);
+    if (o == NULL) {
+        return -1;
+    }
+    Py_ssize_t head;
+    if (len < 32) {
+        o[0] = (unsigned char)(0xa0 | len), head = 1;
+    } else if (len < 256) {
+        o[0] = 0xd9, o[1] = (unsigned char)len, head = 2;
+    } else if (len < 65536) {
+        o[0] = 0xda, o[1] = (unsigned char)(len >> 8), o[2] = (unsigned char)len, head = 3;
+    } else {
+        o[0] = 0xdb, head = 5;
+        for (int k = 0; k < 4; k++) {
+            o[1 + k] = (unsigned char)((uint64_t)len >> (8 * (3 - k)));
+        }
+    }
+    memcpy(o + head, s, (size_t)len);
+    w->len += head + len;
+    return 0;
+}
+
+#define MW_KEY(w, lit) mw_str(w, lit, (Py_ssize_t)sizeof(lit) - 1)
+
+/* An int or None as read for the encoder. */
+typedef struct {
+    int state; /* 1 None, 2 an int */
+    int neg;
+    uint64_t ux;
+} py_opt;
+
+/* Reads obj (None, or an exact int in [-2**63, 2**64) when ints_only is 0; an exact int in
+ * [0, 2**64) when it is 1): 1, or 0 for anything else (which msgspec's path writes or refuses).
+ * Takes the reference to obj (new from a getattr; NULL when that failed: -1). */
+static int take_opt(PyObject *obj, py_opt *v, int ints_only) {
+    if (obj == NULL) {
+        return -1;
+    }
+    int ok = 1;
+    if (obj == Py_None) {
+        v->state = 1, v->neg = 0, v->ux = 0;
+        ok = !ints_only;
+    } else if (PyLong_CheckExact(obj)) {
+        int overflow = 0;
+        long long x = PyLong_AsLongLongAndOverflow(obj, &overflow);
+        v->state = 2, v->neg = overflow == 0 && x < 0, v->ux = (uint64_t)x;
+        if (overflow > 0) {
+            v->ux = PyLong_AsUnsignedLongLong(obj);
+            if (PyErr_Occurred()) {
+                PyErr_Clear();
+                ok = 0;
+            }
+        }
+        ok = ok && overflow >= 0 && !(ints_only && v->neg);
+    } else {
+        ok = 0;
+    }
+    Py_DECREF(obj);
+    return ok;
+}
+
+static int same_opt(const py_opt *a, const py_opt *b) {
+    return a->state == b->state && a->neg == b->neg && a->ux == b->ux;
+}
+
+static int mw_opt(mp_writer *w, const py_opt *v) {
+    return v->state == 1 ? mw_byte(w, 0xc0) : mw_int(w, v->neg, v->ux);
+}
+
+static const char *const MEDIUM_NAMES[] = {"GPU", "CPU", "DISK"}; /* events.wire.model.MEDIUMS */
+
+/* A block as the encoder reads it. */
+typedef struct {
+    PyObject *tokens; /* an array('i') */
+    Py_ssize_t n;
+    py_opt hash, lora, level, priority, salt;
+} enc_block;
+
+/* The event's common fields, read once. */
+typedef struct {
+    py_opt event_id, window, rank;
+    PyObject *algo_obj; /* held while the event is written */
+    const char *algo;
+    Py_ssize_t algo_len;
+    int algo_default, rank_differs;
+} enc_common;
+
+static PyObject *STR_EVENT_ID, *STR_DATA, *STR_WINDOW_SIZE, *STR_HASH_ALGO, *STR_DP_RANK,
+    *STR_PARENT_HASH, *STR_BLOCKS, *STR_BLOCK_SIZE, *STR_BLOCK_HASHES;
+
+/* Writes the common fields after an event's own: hash_algo (when with_algo), event_id,
+ * window_size (when not 0) and attention_dp_rank (when not the batch's). */
+static int mw_common(mp_writer *w, const enc_common *c, int with_algo) {
+    if (with_algo && (MW_KEY(w, "hash_algo") < 0 || mw_str(w, c->algo, c->algo_len) < 0)) {
+        return -1;
+    }
+    if (MW_KEY(w, "event_id") < 0 || mw_opt(w, &c->event_id) < 0) {
+        return -1;
+    }
+    if (c->window.ux != 0 && (MW_KEY(w, "window_size") < 0 || mw_opt(w, &c->window) < 0)) {
+        return -1;
+    }
+    if (c->rank_differs && (MW_KEY(w, "attention_dp_rank") < 0 || mw_opt(w, &c->rank) < 0)) {
+        return -1;
+    }
+    return 0;
+}
+
+static int mw_medium(mp_writer *w, const py_opt *level) {
+    if (level->state == 1) {
+        return mw_byte(w, 0xc0);
+    }
+    const char *name = MEDIUM_NAMES[level->ux];
+    return mw_str(w, name, (Py_ssize_t)strlen(name));
+}
+
+/* A cache level the encoder names itself: None (when allowed) or 0..2. */
+static int plain_level(const py_opt *level, int none_ok) {
+    return level->state == 1 ? none_ok : !level->neg && level->ux < 3;
+}
+
+/* Reads a block; 1, 0 when the encoder leaves it to msgspec's path, -1 on error. */
+static int read_enc_block(PyObject *block, enc_block *b) {
+    int rc;
+    b->tokens = NULL;
+    if ((rc = take_opt(PyObject_GetAttr(block, STR_BLOCK_HASH), &b->hash, 1)) != 1 ||
+        (rc = take_opt(PyObject_GetAttr(block, STR_LORA_ID), &b->lora, 0)) != 1 ||
+        (rc = take_opt(PyObject_GetAttr(block, STR_CACHE_LEVEL), &b->level, 1)) != 1 ||
+        (rc = take_opt(PyObject_GetAttr(block, STR_PRIORITY), &b->priority, 0)) != 1 ||
+        (rc = take_opt(PyObject_GetAttr(block, STR_CACHE_SALT_ID), &b->salt, 0)) != 1) {
+        return rc;
+    }
+    /* a level whose medium is named here */
+    if (!plain_level(&b->level, 0)) {
+        return 0;
+    }
+    PyObject *tokens = PyObject_GetAttr(block, STR_TOKENS);
+    if (tokens == NULL) {
+        return -1;
+    }
+    Py_buffer view;
+    int packed = int32_view(tokens, &view);
+    if (packed <= 0) {
+        Py_DECREF(tokens);
+        return packed; /* a list of ids: msgspec's path */
+    }
+    b->n = view.len / 4;
+    PyBuffer_Release(&view);
+    b->tokens = tokens;
+    return 1;
+}
+
+/* Writes the token ids of blocks[lo, hi) as one msgpack array of total ints. */
+static int mw_tokens(mp_writer *w, const enc_block *blocks, Py_ssize_t lo, Py_ssize_t hi,
+                     Py_ssize_t total) {
+    if (mw_header(w, 0x90, 0xdc, (uint64_t)total) < 0) {
+        return -1;
+    }
+    unsigned char *o = mw_room(w, 5 * total + 3); /* 5 bytes per int32 at most, and scratch */
+    if (o == NULL) {
+        return -1;
+    }
+    unsigned char *start = o;
+    for (Py_ssize_t i = lo; i < hi; i++) {
+        Py_buffer view;
+        if (PyObject_GetBuffer(blocks[i].tokens, &view, PyBUF_SIMPLE) < 0) {
+            return -1;
+        }
+        if (view.len != 4 * blocks[i].n) {
+            PyBuffer_Release(&view);
+            PyErr_SetString(PyExc_RuntimeError, "encode_events: a block's tokens changed");
+            return -1;
+        }
+        o = put_token_ids(o, (const unsigned char *)view.buf, blocks[i].n);
+        PyBuffer_Release(&view);
+    }
+    w->len += o - start;
+    return 0;
+}
+
+/* Writes a Stored event as its BlockStored wire events (events.wire.codec._encode_stored); counts
+ * them in *n_wire. 1, 0 when left to msgspec's path, -1 on error. */
+static int encode_stored(mp_writer *w, PyObject *data, const enc_common *c, Py_ssize_t *n_wire) {
+    PyObject *blocks = PyObject_GetAttr(data, STR_BLOCKS);
+    if (blocks == NULL) {
+        return -1;
+    }
+    int rc = 0;
+    py_opt parent, size;
+    enc_block *bs = NULL;
+    Py_ssize_t n = 0, got = 0;
+    if (!PyList_CheckExact(blocks) ||
+        (rc = take_opt(PyObject_GetAttr(data, STR_PARENT_HASH), &parent, 0)) != 1 ||
+        (rc = take_opt(PyObject_GetAttr(data, STR_BLOCK_SIZE), &size, 0)) != 1) {
+        goto done;
+    }
+    rc = 0;
+    n = PyList_GET_SIZE(blocks);
+    if (n == 0) {
+        rc = 1; /* nothing stored: nothing to announce */
+        goto done;
+    }
+    if (parent.neg || (size.state == 2 && (size.neg || size.ux < 1 || size.ux > INT32_MAX))) {
+        goto done;
+    }
+    bs = PyMem_Calloc((size_t)n, sizeof(enc_block));
+    if (bs == NULL) {
+        PyErr_NoMemory();
+        rc = -1;
+        goto done;
+    }
+    for (; got < n; got++) {
+        if (got >= PyList_GET_SIZE(blocks)) { /* a getattr ran code that shrank the list */
+            goto done;
+        }
+        if ((rc = read_enc_block(PyList_GET_ITEM(blocks, got), &bs[got])) != 1) {
+            goto done; /* holding no tokens */
+        }
+    }
+    Py_ssize_t block_size = size.state == 2 ? (Py_ssize_t)size.ux : bs[0].n;
+    Py_ssize_t start = 0, total = 0, ids = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        ids += bs[i].n;
+    }
+    /* room for the whole event at once (5 bytes an id, 9 a hash, the fields of a wire event
+     * per block at most, about 280 bytes with its hash_algo), so that it is never moved while
+     * written (the room is a reservation: a write past it still grows the buffer) */
+    if (mw_room(w, 5 * ids + 3 + n * (9 + 320 + c->algo_len)) == NULL) {
+        rc = -1;
+        goto done;
+    }
+    rc = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!(0 < bs[i].n && bs[i].n <= block_size)) {
+            goto done; /* msgspec's path raises */
+        }
+        total += bs[i].n;
+        const enc_block *a = &bs[i], *b = i + 1 < n ? &bs[i + 1] : NULL;
+        if (b != NULL && a->n == block_size && same_opt(&a->lora, &b->lora) &&
+            same_opt(&a->level, &b->level) && same_opt(&a->priority, &b->priority) &&
+            same_opt(&a->salt, &b->salt)) {
+            continue;
+        }
+        /* blocks [start, i] travel as one BlockStored */
+        const enc_block *first = &bs[start];
+        if (mw_header(w, 0x80, 0xde, 12 + (c->window.ux != 0) + c->rank_differs) < 0 ||
+            MW_KEY(w, "type") < 0 || MW_KEY(w, "BlockStored") < 0 ||
+            MW_KEY(w, "block_hashes") < 0 || mw_header(w, 0x90, 0xdc, i + 1 - start) < 0) {
+            rc = -1;
+            goto done;
+        }
+        for (Py_ssize_t k = start; k <= i; k++) {
+            if (mw_opt(w, &bs[k].hash) < 0) {
+                rc = -1;
+                goto done;
+            }
+        }
+        if (MW_KEY(w, "parent_block_hash") < 0 || mw_opt(w, &parent) < 0 ||
+            MW_KEY(w, "token_ids") < 0 || mw_tokens(w, bs, start, i + 1, total) < 0 ||
+            MW_KEY(w, "block_size") < 0 || mw_int(w, 0, (uint64_t)block_size) < 0 ||
+            MW_KEY(w, "lora_id") < 0 || mw_opt(w, &first->lora) < 0 ||
+            MW_KEY(w, "medium") < 0 || mw_medium(w, &first->level) < 0 ||
+            MW_KEY(w, "lora_name") < 0 || mw_byte(w, 0xc0) < 0 ||
+            MW_KEY(w, "cache_salt_id") < 0 || mw_opt(w, &first->salt) < 0 ||
+            MW_KEY(w, "hash_algo") < 0 || mw_str(w, c->algo, c->algo_len) < 0 ||
+            MW_KEY(w, "priority") < 0 || mw_opt(w, &first->priority) < 0 ||
+            mw_common(w, c, 0) < 0) {
+            rc = -1;
+            goto done;
+        }
+        ++*n_wire;
+        parent = bs[i].hash;
+        start = i + 1;
+        total = 0;
+    }
+    rc = 1;
+done:
+    for (Py_ssize_t i = 0; i < got; i++) {
+        Py_XDECREF(bs[i].tokens);
+    }
+    PyMem_Free(bs);
+    Py_DECREF(blocks);
+    return rc;
+}
+
+/* Writes a Removed event's BlockRemoved; 1, 0 when left to msgspec's path, -1 on error. */
+static int encode_removed(mp_writer *w, PyObject *data, const enc_common *c) {
+    py_opt level, h;
+    int rc = take_opt(PyObject_GetAttr(data, STR_CACHE_LEVEL), &level, 0);
+    if (rc != 1 || !plain_level(&level, 1)) {
+        return rc < 0 ? -1 : 0;
+    }
+    PyObject *hashes = PyObject_GetAttr(data, STR_BLOCK_HASHES);
+    if (hashes == NULL) {
+        return -1;
+    }
+    rc = 0;
+    if (!PyList_CheckExact(hashes)) {
+        goto done;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(hashes);
+    int keys = 4 + !c->algo_default + (c->window.ux != 0) + c->rank_differs;
+    if (mw_header(w, 0x80, 0xde, (uint64_t)keys) < 0 || MW_KEY(w, "type") < 0 ||
+        MW_KEY(w, "BlockRemoved") < 0 || MW_KEY(w, "block_hashes") < 0 ||
+        mw_header(w, 0x90, 0xdc, (uint64_t)n) < 0) {
+        rc = -1;
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) { /* reading an int runs no Python code */
+        if ((rc = take_opt(Py_NewRef(PyList_GET_ITEM(hashes, i)), &h, 1)) != 1 ||
+            mw_opt(w, &h) < 0) {
+            rc = rc == 1 ? -1 : rc;
+            goto done;
+        }
+    }
+    rc = MW_KEY(w, "medium") < 0 || mw_medium(w, &level) < 0 || mw_common(w, c, !c->algo_default) < 0
+             ? -1
+             : 1;
+done:
+    Py_DECREF(hashes);
+    return rc;
+}
+
+/* Reads an event's common fields; 1, 0 when left to msgspec's path, -1 on error. The caller
+ * releases c->algo_obj (when set) after writing the event. */
+static int read_common(PyObject *event, const py_opt *batch_rank, enc_common *c) {
+    int rc;
+    if ((rc = take_opt(PyObject_GetAttr(event, STR_EVENT_ID), &c->event_id, 0)) != 1 ||
+        (rc = take_opt(PyObject_GetAttr(event, STR_WINDOW_SIZE), &c->window, 0)) != 1 ||
+        (rc = take_opt(PyObject_GetAttr(event, STR_DP_RANK), &c->rank, 0)) != 1) {
+        return rc;
+    }
+    if (c->event_id.state != 2 || c->window.state != 2) {
+        return 0;
+    }
+    c->rank_differs = !same_opt(&c->rank, batch_rank);
+    PyObject *algo = PyObject_GetAttr(event, STR_HASH_ALGO);
+    if (algo == NULL) {
+        return -1;
+    }
+    c->algo_obj = algo;
+    rc = 0;
+    if (PyUnicode_CheckExact(algo)) {
+        c->algo = PyUnicode_AsUTF8AndSize(algo, &c->algo_len);
+        if (c->algo == NULL) {
+            PyErr_Clear(); /* a lone surrogate: msgspec's path names it */
+        } else {
+            c->algo_default = c->algo_len == 12 && memcmp(c->algo, "v1_block_key", 12) == 0;
+            rc = 1;
+        }
+    }
+    return rc;
+}
+
+/* encode_events(kinds, events, ts, dp_rank) -> bytes | None: the payload events.wire.codec's
+ * encode_batch writes (map form, no extension events) for a list of events whose data are
+ * Stored (int hashes, blocks of packed token ids on tiers 0-2), Removed and AllBlocksCleared
+ * (kinds: those three classes); None for anything else, which msgspec's path writes or
+ * refuses. */
+static PyObject *encode_events(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "encode_events takes 4 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *kinds = args[0], *events = args[1], *ts_obj = args[2];
+    if (!PyTuple_CheckExact(kinds) || PyTuple_GET_SIZE(kinds) != 3 || !PyList_Check(events)) {
+        PyErr_SetString(PyExc_TypeError, "encode_events(kinds, events: list, ts, dp_rank)");
+        return NULL;
+    }
+    double ts;
+    if (PyFloat_CheckExact(ts_obj)) {
+        ts = PyFloat_AS_DOUBLE(ts_obj);
+    } else if (PyLong_CheckExact(ts_obj)) {
+        ts = PyLong_AsDouble(ts_obj);
+        if (ts == -1.0 && PyErr_Occurred()) {
+            PyErr_Clear();
+            Py_RETURN_NONE;
+        }
+    } else {
+        Py_RETURN_NONE;
+    }
+    py_opt rank;
+    if (take_opt(Py_NewRef(args[3]), &rank, 0) != 1) {
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t count = PyList_GET_SIZE(events);
+    mp_writer w = {PyBytes_FromStringAndSize(NULL, 256 + 64 * count), 0, 256 + 64 * count};
+    if (w.obj == NULL) {
+        return NULL;
+    }
+    /* [ts, events, dp_rank]; the events' array header is written when their count is known,
+     * in the byte kept for it (moving the events when it needs more) */
+    unsigned char *o = mw_room(&w, 11);
+    if (o == NULL) {
+        return NULL;
+    }
+    uint64_t bits;
+    memcpy(&bits, &ts, 8);
+    o[0] = 0x93, o[1] = 0xcb;
+    for (int k = 0; k < 8; k++) {
+        o[2 + k] = (unsigned char)(bits >> (8 * (7 - k)));
+    }
+    w.len = 11;
+    Py_ssize_t body = 10, n_wire = 0;
+    int rc = 1;
+    for (Py_ssize_t i = 0; rc == 1 && i < PyList_GET_SIZE(events); i++) {
+        PyObject *event = Py_NewRef(PyList_GET_ITEM(events, i));
+        PyObject *data = PyObject_GetAttr(event, STR_DATA);
+        enc_common c;
+        c.algo_obj = NULL;
+        rc = data == NULL ? -1 : read_common(event, &rank, &c);
+        if (rc == 1) {
+            if (Py_IS_TYPE(data, (PyTypeObject *)PyTuple_GET_ITEM(kinds, 0))) {
+                rc = encode_stored(&w, data, &c, &n_wire);
+            } else if (Py_IS_TYPE(data, (PyTypeObject *)PyTuple_GET_ITEM(kinds, 1))) {
+                rc = encode_removed(&w, data, &c);
+                n_wire += rc == 1;
+            } else if (Py_IS_TYPE(data, (PyTypeObject *)PyTuple_GET_ITEM(kinds, 2))) {
+                int keys = 2 + !c.algo_default + (c.window.ux != 0) + c.rank_differs;
+                rc = mw_header(&w, 0x80, 0xde, (uint64_t)keys) < 0 || MW_KEY(&w, "type") < 0 ||
+                             MW_KEY(&w, "AllBlocksCleared") < 0 ||
+                             mw_common(&w, &c, !c.algo_default) < 0
+                         ? -1
+                         : 1;
+                n_wire += rc == 1;
+            } else {
+                rc = 0; /* Updated, Created: msgspec's path */
+            }
+        }
+        Py_XDECREF(c.algo_obj);
+        Py_XDECREF(data);
+        Py_DECREF(event);
+    }
+    if (rc == -1 && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        PyErr_Clear(); /* not an event record: msgspec's path names what is missing */
+        rc = 0;
+    }
+    if (rc != 1 || mw_opt(&w, &rank) < 0) {
+        Py_XDECREF(w.obj);
+        if (rc == 0) {
+            Py_RETURN_NONE;
+        }
+        return NULL;
+    }
+    /* the events' header goes between the ts and the events written after it */
+    Py_ssize_t head_len = n_wire < 16 ? 1 : n_wire <= 0xffff ? 3 : 5;
+    if (mw_room(&w, head_len - 1) == NULL) {
+        return NULL;
+    }
+    unsigned char *buf = (unsigned char *)PyBytes_AS_STRING(w.obj) + body;
+    if (head_len > 1) {
+        memmove(buf + head_len, buf + 1, (size_t)(w.len - body - 1));
+        w.len += head_len - 1;
+    }
+    if (head_len == 1) {
+        buf[0] = (unsigned char)(0x90 | n_wire);
+    } else if (head_len == 3) {
+        buf[0] = 0xdc, buf[1] = (unsigned char)(n_wire >> 8), buf[2] = (unsigned char)n_wire;
+    } else {
+        buf[0] = 0xdd;
+        for (int k = 0; k < 4; k++) {
+            buf[1 + k] = (unsigned char)((uint64_t)n_wire >> (8 * (3 - k)));
+        }
+    }
+    if (_PyBytes_Resize(&w.obj, w.len) < 0) {
+        return NULL;
+    }
+    return w.obj;
+}
+
+/* simd(on=None) -> bool: whether the token ids go through the SSSE3 loops (False where the CPU
+ * or the build has none); on: use them (when there are) or not, so that tests compare both
+ * ways on one machine. */
+static PyObject *simd(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs > 1) {
+        PyErr_Format(PyExc_TypeError, "simd takes at most 1 argument, got %zd", nargs);
+        return NULL;
+    }
+#ifdef WIRE_SSSE3
+    if (nargs == 1 && args[0] != Py_None) {
+        int on = PyObject_IsTrue(args[0]);
+        if (on < 0) {
+            return NULL;
+        }
+        have_ssse3 = on && __builtin_cpu_supports("ssse3");
+    }
+    return PyBool_FromLong(have_ssse3);
+#else
+    if (nargs == 1 && args[0] != Py_None && PyObject_IsTrue(args[0]) < 0) {
+        return NULL;
+    }
+    Py_RETURN_FALSE;
+#endif
+}
+
+static PyMethodDef methods[] = {
+    {"simd", (PyCFunction)(void (*)(void))simd, METH_FASTCALL,
+     "simd(on=None) -> bool: whether token ids are read and written with SSSE3 shuffles."},
+    {"int32_array_raw", (PyCFunction)(void (*)(void))int32_array_raw, METH_FASTCALL,
+     "int32_array_raw(on=None) -> bool: whether arrays are made without filling them first."},
+    {"tokens_from_msgpack", (PyCFunction)(void (*)(void))tokens_from_msgpack, METH_FASTCALL,
+     "tokens_from_msgpack(data, limit) -> array('i') | None: the token ids of one msgpack array "
+     "of at most limit ints in [0, 2**31); None for anything else."},
+    {"pack_tokens", pack_tokens, METH_O,
+     "pack_tokens(tokens) -> bytes | None: the msgpack array of an array('i') or a list of ints, "
+     "as msgspec writes it; None for what it leaves to msgspec."},
+    {"decode_events", (PyCFunction)(void (*)(void))decode_events, METH_FASTCALL,
+     "decode_events(kit, payload) -> DecodedBatch | None: the common map-form batch read "
+     "straight into its records; None for anything else."},
+    {"encode_events", (PyCFunction)(void (*)(void))encode_events, METH_FASTCALL,
+     "encode_events(kinds, events, ts, dp_rank) -> bytes | None: the map-form payload of a "
+     "list of Stored / Removed / AllBlocksCleared events; None for anything else."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_wire",
+    "Native msgpack wire codec (see events.wire.codec, events.wire.fast).", -1, methods, NULL, NULL,
+    NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__wire(void) {
+    if (native_common_init() < 0) {
+        return NULL;
+    }
+#ifdef WIRE_SSSE3
+    __builtin_cpu_init();
+    have_ssse3 = __builtin_cpu_supports("ssse3");
+#endif
+    if ((STR_EVENT_ID = PyUnicode_InternFromString("event_id")) == NULL ||
+        (STR_DATA = PyUnicode_InternFromString("data")) == NULL ||
+        (STR_WINDOW_SIZE = PyUnicode_InternFromString("window_size")) == NULL ||
+        (STR_HASH_ALGO = PyUnicode_InternFromString("hash_algo")) == NULL ||
+        (STR_DP_RANK = PyUnicode_InternFromString("attention_dp_rank")) == NULL ||
+        (STR_PARENT_HASH = PyUnicode_InternFromString("parent_hash")) == NULL ||
+        (STR_BLOCKS = PyUnicode_InternFromString("blocks")) == NULL ||
+        (STR_BLOCK_SIZE = PyUnicode_InternFromString("block_size")) == NULL ||
+        (STR_BLOCK_HASHES = PyUnicode_InternFromString("block_hashes")) == NULL ||
+        (STR_DEFAULT_ALGO = PyUnicode_InternFromString("v1_block_key")) == NULL) {
+        return NULL;
+    }
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,403 @@
+"""Event codecs: the msgpack wire format of WIRE.md section 4 and the JSON shape of section 6.
+
+This module holds the wire encoder and re-exports the decoder (``events.wire.decode``) and
+the JSON codec (``events.wire.json_codec``), so ``events.wire.codec`` is the one import callers
+need.
+
+Payload: a msgpack array ``[ts: float64, events: array, data_parallel_rank: int | nil]``.
+:func:`encode_batch` writes vLLM-style tagged maps:
+
+- ``Stored``  -> ``BlockStored`` (``block_hashes``, ``parent_block_hash``, ``token_ids``,
+  ``block_size``, ``lora_id``, ``medium``, ``lora_name``) plus this project's extensions
+  ``cache_salt_id``, ``hash_algo`` and ``priority``. One wire event carries one value of
+  lora_id / medium / priority / salt and only its last block may be short, so a ``Stored``
+  whose blocks differ in those is sent as several chained ``BlockStored`` events.
+- ``Removed`` -> ``BlockRemoved``; ``AllBlocksCleared`` -> ``AllBlocksCleared``.
+- ``Updated`` and ``Created`` have no event of their own in vLLM's or SGLang's decoders, which
+  reject a whole batch with an event type they do not know. By default a tier move
+  (``Updated`` with a ``cache_level`` diff) travels as the pair engines send for it:
+  ``BlockRemoved`` on the old medium, then a placeholder ``BlockStored`` on the new one (no
+  token ids, ``block_size`` 0, as vLLM's CPU offload announces blocks); a priority change and
+  ``Created`` are not sent. With ``extensions=True`` they travel as this project's extension
+  events ``{"type": "BlockUpdated", "block_hash", "cache_level": [old, new] | nil,
+  "priority": [old, new] | nil}`` and ``{"type": "CacheCreated", "num_blocks_per_cache_level"}``.
+- Every event map also carries ``event_id``; ``window_size`` and ``attention_dp_rank`` only when
+  they are not the defaults (0, the batch's rank).
+- ``form="positional"`` writes each event as an array instead, for consumers built on vLLM
+  0.11, whose events are positional (0.25.1 already reads maps): ``["BlockStored",
+  block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]`` (vLLM 0.11's
+  fields, in its order), ``["BlockRemoved", block_hashes, medium]``, ``["AllBlocksCleared"]``;
+  extension fields are not sent (a positional decoder reads them by position), and extension
+  events are map-only.
+
+What the default writes decodes in vLLM >= 0.26 and SGLang: their map-form structs ignore
+unknown fields and every field they require is present (``lora_id``, ``lora_name``,
+``medium``); tests check it against the structs recorded from their releases
+(``tests/data/engines/decoder_rules.json``).
+
+The payload is written by msgspec (:func:`encode_batch_py`); with the optional extension, one C
+pass splits a Stored event's blocks into wire events (the pure form stays as the reference and
+the fallback), and token ids that come packed (``array('i')``, as the event manager's records
+hold them) are written as a msgpack array straight from the int32s, byte for byte what msgspec
+writes for the same ints as a list, and handed to msgspec as ``msgspec.Raw``: no Python int per
+token. The common batch (``Stored`` with uint64 hashes, packed token ids and tiers 0-2,
+``Removed``, ``AllBlocksCleared``; the map form without extension events) is written by the
+extension's ``encode_events`` in one pass, without the wire dicts, runs and Raw arrays: the
+same bytes (tested against :func:`encode_batch_py`), and None for any other batch, which
+msgspec then writes (or refuses, naming the error).
+
+Hashes travel as uint64. A ``v2_sha256`` hash (64 hex characters) travels as a 32-byte msgpack
+``bin`` and decodes back to its hex string: an extension, since 64-bit integers cannot hold it.
+
+:func:`decode_batch` is tolerant of what existing engines send (map or legacy positional
+events, 2- or 3-element envelopes, int64 hashes read as two's complement, unknown fields and
+event types skipped) and strict about everything else: any malformed payload raises
+:class:`DecodeError`, and :class:`DecodeLimits` bound the work and memory one payload can cost.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Callable, Iterable
+from typing import Any, Final, cast
+
+import msgspec
+
+from events.wire.decode import DEFAULT_LIMITS, POSITIONAL_FIELDS, DecodeLimits, decode_batch
+from events.wire.json_codec import (
+    DecodeError,
+    from_json,
+    to_json,
+)
+from events.wire.model import (
+    AllBlocksCleared,
+    BlockHash,
+    Created,
+    EventDiff,
+    KVCacheEvent,
+    Removed,
+    Stored,
+    StoredBlock,
+    TokenIds,
+    Updated,
+    medium_of,
+)
+from kvcache.scope import U64_LIMIT
+
+try:  # one C pass splits a Stored event's blocks into wire events when the extension is built
+    from events._v1hash import stored_runs as _native_stored_runs
+except ImportError:  # pragma: no cover - depends on the install
+    _native_stored_runs = None  # type: ignore[assignment]
+try:  # and writes packed token ids as a msgpack array
+    from events.wire._wire import pack_tokens as _native_pack_tokens
+except ImportError:  # pragma: no cover - depends on the install
+    _native_pack_tokens = None  # type: ignore[assignment]
+try:  # and writes a whole batch of the common events (an extension built before it lacks it)
+    from events.wire._wire import encode_events as _native_encode_events
+except ImportError:  # pragma: no cover - depends on the install
+    _native_encode_events = None  # type: ignore[assignment]
+
+# msgspec writes the payload (the library vLLM and SGLang encode these events with): maps in
+# insertion order, each int in its smallest form, floats as float64, bytes as bin.
+_ENCODER: Final = msgspec.msgpack.Encoder()
+
+_DEFAULT_ALGO: Final = "v1_block_key"
+_SHA256_BYTES: Final = 32
+
+
+def _wire_hash(h: BlockHash) -> int | bytes:
+    if type(h) is int:
+        if not 0 <= h < U64_LIMIT:
+            raise ValueError(f"block hash {h} is not an unsigned 64-bit value")
+        return h
+    if isinstance(h, str) and len(h) == 2 * _SHA256_BYTES:
+        try:
+            return bytes.fromhex(h)
+        except ValueError:
+            pass
+    raise ValueError(
+        f"block hash {h!r} is neither a uint64 nor a 64-character hex v2_sha256 digest"
+    )
+
+
+def _wire_hashes(hashes: list[BlockHash]) -> list[int | bytes]:
+    if hashes and set(map(type, hashes)) == {int}:
+        ints = cast(list[int], hashes)
+        if min(ints) >= 0 and max(ints) < U64_LIMIT:
+            return list(ints)
+    return [_wire_hash(h) for h in hashes]
+
+
+def _common(event: KVCacheEvent, out: dict[str, Any], dp_rank: int | None) -> dict[str, Any]:
+    if "hash_algo" not in out and event.hash_algo != _DEFAULT_ALGO:
+        out["hash_algo"] = event.hash_algo
+    out["event_id"] = event.event_id
+    if event.window_size:
+        out["window_size"] = event.window_size
+    if event.attention_dp_rank != dp_rank:
+        out["attention_dp_rank"] = event.attention_dp_rank
+    return out
+
+
+_Run = tuple[int, TokenIds, list[BlockHash]]
+
+
+def _packed(tokens: TokenIds) -> bool:
+    return type(tokens) is array and tokens.typecode == "i"
+
+
+def _joined(parts: list[TokenIds]) -> TokenIds:
+    """A run's token ids in one container: an ``array('i')`` when every part is one, else a
+    list."""
+    if all(map(_packed, parts)):
+        joined = array("i")
+        for part in parts:
+            joined += cast("array[int]", part)
+        return joined
+    return [t for part in parts for t in part]
+
+
+def _stored_runs_py(blocks: list[StoredBlock], block_size: int) -> list[_Run]:
+    """The wire events of a Stored event's blocks as ``(end, token_ids, hashes)`` runs: blocks
+    ``[previous end, end)`` share one lora/medium/priority/salt, only a run's last block may be
+    short, and the run's token ids (packed when every block's are) and hashes are concatenated
+    in order (the readable reference of the native ``stored_runs``)."""
+    runs: list[_Run] = []
+    parts: list[TokenIds] = []
+    hashes: list[BlockHash] = []
+    for i, block in enumerate(blocks):
+        n = len(block.tokens)
+        if not 0 < n <= block_size:
+            raise ValueError(
+                f"stored block {i} has {n} tokens; blocks must hold 1..block_size "
+                f"({block_size}) tokens"
+            )
+        parts.append(block.tokens)
+        hashes.append(block.block_hash)
+        nxt = blocks[i + 1] if i + 1 < len(blocks) else None
+        # A wire event has one lora/medium/priority/salt and only its last block may be short.
+        if (
+            nxt is None
+            or n < block_size
+            or nxt.lora_id != block.lora_id
+            or nxt.cache_level != block.cache_level
+            or nxt.priority != block.priority
+            or nxt.cache_salt_id != block.cache_salt_id
+        ):
+            runs.append((i + 1, _joined(parts), hashes))
+            parts, hashes = [], []
+    return runs
+
+
+_stored_runs: Callable[[list[StoredBlock], int], list[_Run]] = (
+    _native_stored_runs if _native_stored_runs is not None else _stored_runs_py
+)
+
+
+def pack_tokens_py(tokens: TokenIds) -> bytes | None:
+    """The msgpack array of an ``array('i')`` of token ids, as msgspec writes the same ints as
+    a list; None for any other container (the reference form of the native ``pack_tokens``,
+    which also packs a list of ints)."""
+    return _ENCODER.encode(tokens.tolist()) if type(tokens) is array else None
+
+
+_pack_tokens: Callable[[TokenIds], bytes | None] = (
+    _native_pack_tokens if _native_pack_tokens is not None else pack_tokens_py
+)
+
+
+def wire_tokens(tokens: TokenIds) -> TokenIds | msgspec.Raw:
+    """Token ids as msgspec should write them: packed ones (``array('i')``) already written as
+    their msgpack array (``msgspec.Raw``, the same bytes the ints as a list give), anything
+    else as it is."""
+    if type(tokens) is not array:
+        return tokens
+    packed = _pack_tokens(tokens)
+    return tokens.tolist() if packed is None else msgspec.Raw(packed)
+
+
+def _encode_stored(
+    event: KVCacheEvent, data: Stored, dp_rank: int | None, out: list[dict[str, Any]]
+) -> None:
+    blocks = data.blocks
+    if not blocks:
+        return  # nothing stored: nothing to announce
+    block_size = data.block_size or len(blocks[0].tokens)
+    if data.block_size is not None and data.block_size < 1:
+        raise ValueError(f"Stored.block_size must be >= 1, got {block_size}")
+    parent = data.parent_hash
+    start = 0
+    for end, token_ids, hashes in _stored_runs(blocks, block_size):
+        first = blocks[start]
+        wire = {
+            "type": "BlockStored",
+            "block_hashes": _wire_hashes(hashes),
+            "parent_block_hash": None if parent is None else _wire_hash(parent),
+            "token_ids": wire_tokens(token_ids),
+            "block_size": block_size,
+            "lora_id": first.lora_id,
+            "medium": medium_of(first.cache_level),
+            "lora_name": None,
+            "cache_salt_id": first.cache_salt_id,
+            "hash_algo": event.hash_algo,
+            "priority": first.priority,
+        }
+        out.append(_common(event, wire, dp_rank))
+        parent = hashes[-1]
+        start = end
+
+
+def _diff_wire(diff: EventDiff | None) -> list[int] | None:
+    return None if diff is None else [diff.old_value, diff.new_value]
+
+
+def _encode_move(
+    event: KVCacheEvent, data: Updated, dp_rank: int | None, out: list[dict[str, Any]]
+) -> None:
+    """A tier move as engines send it: removed on the old medium, a placeholder store (no
+    token ids) on the new one. A priority change alone is not announced."""
+    diff = data.cache_level
+    if diff is None or diff.old_value == diff.new_value:
+        return
+    h = _wire_hash(data.block_hash)
+    removed = {"type": "BlockRemoved", "block_hashes": [h], "medium": medium_of(diff.old_value)}
+    out.append(_common(event, removed, dp_rank))
+    stored = {
+        "type": "BlockStored",
+        "block_hashes": [h],
+        "parent_block_hash": None,
+        "token_ids": [],
+        "block_size": 0,
+        "lora_id": None,
+        "medium": medium_of(diff.new_value),
+        "lora_name": None,
+    }
+    out.append(_common(event, stored, dp_rank))
+
+
+def _encode_event(
+    event: KVCacheEvent, dp_rank: int | None, out: list[dict[str, Any]], extensions: bool = False
+) -> None:
+    data = event.data
+    if isinstance(data, Stored):
+        _encode_stored(event, data, dp_rank, out)
+        return
+    if not extensions:
+        if isinstance(data, Updated):
+            _encode_move(event, data, dp_rank, out)
+            return
+        if isinstance(data, Created):
+            return
+    wire: dict[str, Any]
+    if isinstance(data, Removed):
+        wire = {
+            "type": "BlockRemoved",
+            "block_hashes": _wire_hashes(data.block_hashes),
+            "medium": None if data.cache_level is None else medium_of(data.cache_level),
+        }
+    elif isinstance(data, AllBlocksCleared):
+        wire = {"type": "AllBlocksCleared"}
+    elif isinstance(data, Updated):
+        wire = {
+            "type": "BlockUpdated",
+            "block_hash": _wire_hash(data.block_hash),
+            "cache_level": _diff_wire(data.cache_level),
+            "priority": _diff_wire(data.priority),
+        }
+    elif isinstance(data, Created):
+        wire = {
+            "type": "CacheCreated",
+            "num_blocks_per_cache_level": list(data.num_blocks_per_cache_level),
+        }
+    else:
+        raise TypeError(f"not an event payload: {type(data).__name__}")
+    out.append(_common(event, wire, dp_rank))
+
+
+_POSITIONAL_FIELDS: Final[dict[str, tuple[str, ...]]] = {
+    # vLLM 0.11's array_like structs, in field order: the decoder's order up to ``medium``
+    "BlockStored": POSITIONAL_FIELDS["BlockStored"][:6],
+    "BlockRemoved": POSITIONAL_FIELDS["BlockRemoved"],
+    "AllBlocksCleared": POSITIONAL_FIELDS["AllBlocksCleared"],
+}
+
+
+def _positional(wire: list[dict[str, Any]]) -> list[list[Any]]:
+    out: list[list[Any]] = []
+    for event in wire:
+        kind = event["type"]
+        names = _POSITIONAL_FIELDS.get(kind)
+        if names is None:
+            raise ValueError(f"{kind} has no positional form (extension events are map-only)")
+        out.append([kind, *(event[name] for name in names)])
+    return out
+
+
+_NATIVE_KINDS: Final = (Stored, Removed, AllBlocksCleared)
+NATIVE_ENCODE: Final[bool] = _native_encode_events is not None
+"""True when the native batch writer is loaded."""
+
+
+def encode_batch(
+    events: Iterable[KVCacheEvent],
+    ts: float,
+    dp_rank: int | None = None,
+    *,
+    form: str = "map",
+    extensions: bool = False,
+) -> bytes:
+    """One wire payload ``[ts, events, dp_rank]`` for ``events`` in order.
+
+    ``form``: ``"map"`` (tagged maps, what vLLM >= 0.25 and SGLang read) or ``"positional"``
+    (arrays, what vLLM 0.11's consumers read). ``extensions``: send ``Updated`` and
+    ``Created`` as this project's extension events instead of what engines send (see the
+    module docstring).
+
+    Raises ``ValueError`` for a hash that is not a uint64 or v2_sha256 hex digest, a stored
+    block with no tokens or more than ``block_size``, an unknown ``form``, or an extension
+    event in the positional form.
+
+    With the extension, the map form of a batch of ``Stored`` (uint64 hashes, packed token
+    ids, tiers 0-2), ``Removed`` and ``AllBlocksCleared`` events is written in one native pass
+    (``encode_events``: no wire dicts, runs or Raw token arrays), byte for byte what
+    :func:`encode_batch_py` writes (tested); any other batch is written by msgspec.
+    """
+    # any other form is refused by encode_batch_py below
+    if form == "map" and not extensions and _native_encode_events is not None:
+        if type(events) is not list:
+            events = list(events)
+        payload: bytes | None = _native_encode_events(_NATIVE_KINDS, events, ts, dp_rank)
+        if payload is not None:
+            return payload
+    return encode_batch_py(events, ts, dp_rank, form=form, extensions=extensions)
+
+
+def encode_batch_py(
+    events: Iterable[KVCacheEvent],
+    ts: float,
+    dp_rank: int | None = None,
+    *,
+    form: str = "map",
+    extensions: bool = False,
+) -> bytes:
+    """:func:`encode_batch` written by msgspec alone (the reference of the native writer, and
+    what writes every batch it leaves)."""
+    if form not in ("map", "positional"):
+        raise ValueError(f"form must be 'map' or 'positional', got {form!r}")
+    wire: list[dict[str, Any]] = []
+    for event in events:
+        _encode_event(event, dp_rank, wire, extensions)
+    if form == "positional":
+        return _ENCODER.encode([float(ts), _positional(wire), dp_rank])
+    return _ENCODER.encode([float(ts), wire, dp_rank])
+
+
+__all__ = [
+    "DEFAULT_LIMITS",
+    "DecodeError",
+    "DecodeLimits",
+    "decode_batch",
+    "encode_batch",
+    "from_json",
+    "to_json",
+]

@@ -1,0 +1,466 @@
+"""Decoder of the msgpack wire format (WIRE.md section 4); ``events.wire.codec`` re-exports it.
+
+Tolerant of what existing engines send: map-form or legacy positional events, 2- or
+3-element envelopes, int64 hashes (read as two's complement), bin hashes of any length,
+unknown fields and event types (skipped). Strict about everything else: a malformed envelope
+raises :class:`DecodeError` with the path of the bad value, a malformed event is left out of
+its batch and named in ``DecodedBatch.malformed``, and :class:`DecodeLimits` bound the work and
+memory one payload can cost (a payload beyond them is refused whole).
+
+Two paths give the same batches. The typed path (``events.wire.fast``) has msgspec decode the
+payload into structs that mirror the wire, checking types and ranges as it reads; it takes
+well-formed map-form or positional batches under limits at least as loose as the defaults.
+Everything else (malformed input, unknown fields or event types, bigram pages, tighter
+limits) takes the general path: msgspec's untyped decode (which refuses any declared length
+beyond the bytes present before it allocates, and bounds nesting by its recursion guard), a
+walk that holds every array, map, string and bin and the nesting to the limits, then field
+by field checks here. Both build model objects by the rules in ``events.wire.values``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, Final
+
+import msgspec
+
+from events.wire.fast import (
+    FAST_DEPTH,
+    MAX_BIN,
+    MAX_BLOCKS,
+    MAX_EVENTS,
+    MAX_STR,
+    MAX_TOKENS,
+    decode_typed,
+)
+from events.wire.json_codec import (
+    DecodeError,
+    expect_int,
+    expect_list,
+    expect_optional_int,
+    expect_str,
+)
+from events.wire.model import (
+    AllBlocksCleared,
+    Created,
+    DecodedBatch,
+    EventData,
+    EventDiff,
+    KVCacheEvent,
+    Removed,
+    Stored,
+    Updated,
+    cache_level_of,
+)
+from events.wire.values import (
+    LimitError,
+    build_stored,
+    salt_from_extra_keys,
+)
+from events.wire.values import wire_hash as _hash
+from events.wire.values import wire_hashes as _hashes
+from kvcache.keys import TOKEN_LIMIT
+
+# What msgspec's untyped decode may build that the format holds (ext types are not in it:
+# msgspec returns unknown ones as Ext objects and the timestamp type as a datetime).
+_SCALARS: Final = frozenset((type(None), bool, int, float, str, bytes))
+_CONTAINERS: Final = frozenset((list, dict))
+_KEYS: Final = frozenset((str, bytes))
+_UNTYPED: Final = msgspec.msgpack.Decoder()
+_TOKEN_LIST: Final = list[Annotated[int, msgspec.Meta(ge=0, lt=TOKEN_LIMIT)]]
+
+_DEFAULT_ALGO: Final = "v1_block_key"
+_DEFAULT_PRIORITY: Final = 35
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeLimits:
+    """Bounds on what one payload may cost the decoder; anything beyond raises DecodeError.
+
+    The payload size is checked before decoding, and no declared length beyond the bytes
+    present is allocated, so memory stays proportional to ``max_payload_bytes``.
+    """
+
+    max_payload_bytes: int = 16 << 20
+    max_events: int = 1 << 16
+    max_tokens_per_event: int = 1 << 20
+    max_blocks_per_event: int = 1 << 16
+    max_str_len: int = 1 << 16
+    max_bin_len: int = 1 << 16
+    max_fields: int = 64
+    #: nesting of arrays and maps, the envelope counting 1 (the format itself needs 4)
+    max_depth: int = 8
+
+    def __post_init__(self) -> None:
+        for name in self.__slots__:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"DecodeLimits.{name} must be a positive int, got {value!r}")
+        if self.max_depth < 4:
+            raise ValueError(
+                f"DecodeLimits.max_depth must be >= 4 (the format nests 4 deep), "
+                f"got {self.max_depth}"
+            )
+
+
+DEFAULT_LIMITS: Final = DecodeLimits()
+
+# the typed path's types are capped at the defaults, and nest no deeper than they allow
+assert (DEFAULT_LIMITS.max_events, DEFAULT_LIMITS.max_tokens_per_event) == (MAX_EVENTS, MAX_TOKENS)
+assert (DEFAULT_LIMITS.max_blocks_per_event, DEFAULT_LIMITS.max_str_len) == (MAX_BLOCKS, MAX_STR)
+assert DEFAULT_LIMITS.max_bin_len == MAX_BIN and DEFAULT_LIMITS.max_depth >= FAST_DEPTH
+_typed_limits: dict[DecodeLimits, bool] = {DEFAULT_LIMITS: True}
+
+
+def _typed_ok(limits: DecodeLimits) -> bool:
+    """Whether the typed path may decode under ``limits``: only when they are at least as
+    loose as the defaults, so that whatever its types accept is within them."""
+    ok = _typed_limits.get(limits)
+    if ok is None:
+        ok = all(getattr(limits, n) >= getattr(DEFAULT_LIMITS, n) for n in DecodeLimits.__slots__)
+        if len(_typed_limits) < 256:
+            _typed_limits[limits] = ok
+    return ok
+
+
+# Field order of the legacy positional form (element 0 is the type name); the encoder's
+# positional form writes vLLM 0.11's prefix of it.
+POSITIONAL_FIELDS: Final[dict[str, tuple[str, ...]]] = {
+    "BlockStored": (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+    ),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+    "BlockUpdated": ("block_hash", "cache_level", "priority"),
+    "CacheCreated": ("num_blocks_per_cache_level",),
+}
+_COMMON_FIELDS: Final = ("type", "event_id", "window_size", "hash_algo", "attention_dp_rank")
+# The map fields each event type has here (the typed structs declare these; tests check).
+_KNOWN_FIELDS: Final[dict[str, frozenset[str]]] = {
+    "BlockStored": frozenset(
+        (
+            *_COMMON_FIELDS,
+            *POSITIONAL_FIELDS["BlockStored"],
+            "cache_salt_id",
+            "priority",
+            "cache_salt",
+            "extra_keys",
+            "group_idx",
+        )
+    ),
+    "BlockRemoved": frozenset((*_COMMON_FIELDS, *POSITIONAL_FIELDS["BlockRemoved"], "group_idx")),
+    "AllBlocksCleared": frozenset(_COMMON_FIELDS),
+    "BlockUpdated": frozenset((*_COMMON_FIELDS, *POSITIONAL_FIELDS["BlockUpdated"])),
+    "CacheCreated": frozenset((*_COMMON_FIELDS, *POSITIONAL_FIELDS["CacheCreated"])),
+}
+
+
+def _unpack(payload: bytes | bytearray | memoryview, limits: DecodeLimits) -> object:
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise DecodeError(f"payload must be bytes, got {type(payload).__name__}")
+    size = memoryview(payload).nbytes
+    if size == 0:
+        raise DecodeError("empty payload")
+    if size > limits.max_payload_bytes:
+        raise DecodeError(
+            f"payload of {size} bytes exceeds DecodeLimits.max_payload_bytes "
+            f"({limits.max_payload_bytes})"
+        )
+    try:
+        top = _UNTYPED.decode(payload)
+    except RecursionError:  # msgspec's guard: nesting deeper than the interpreter's stack
+        raise DecodeError("arrays/maps nested too deep for a KV event payload") from None
+    except msgspec.DecodeError as exc:
+        text = str(exc)
+        if "trailing characters" in text:
+            raise DecodeError("trailing bytes after the payload's msgpack array") from None
+        if "truncated" in text:
+            raise DecodeError("not a valid msgpack payload: truncated (incomplete input)") from None
+        raise DecodeError(f"not a valid msgpack payload: {text}") from None
+    _check_tree(top, limits, size)
+    return top
+
+
+def _too_long(kind: str, n: int, cap: int) -> DecodeError:
+    return DecodeError(
+        f"not a valid msgpack payload: ValueError: {n} exceeds max_{kind}_len({cap})"
+    )
+
+
+def _check_tree(top: object, limits: DecodeLimits, size: int) -> None:
+    """Holds the decoded payload to ``limits``, level by level: nesting, the length of every
+    array, map, string and bin, map keys (strings or bins), no ext types.
+
+    msgspec refuses any declared length beyond the bytes left before it allocates, and its
+    recursion guard bounds the nesting it builds, so what it builds is proportional to the
+    payload; this walk then applies the tighter bounds (one pass over each container, with a
+    C-speed type scan of its items)."""
+    # no declared length can exceed the bytes present (each element costs at least one byte)
+    max_array = min(size, max(limits.max_events, limits.max_tokens_per_event))
+    max_map, max_str = min(size, limits.max_fields), min(size, limits.max_str_len)
+    max_bin = min(size, limits.max_bin_len)
+    level, depth = [top], 0
+    while level:
+        depth += 1
+        if depth > limits.max_depth:
+            raise DecodeError(
+                f"arrays/maps nested deeper than DecodeLimits.max_depth ({limits.max_depth})"
+            )
+        nested: list[object] = []
+        for item in level:
+            values: Any
+            if type(item) is list:
+                if len(item) > max_array:
+                    raise _too_long("array", len(item), max_array)
+                values = item
+            elif type(item) is dict:
+                if len(item) > max_map:
+                    raise _too_long("map", len(item), max_map)
+                keys = item.keys()
+                kinds = set(map(type, keys))
+                if not kinds <= _KEYS:
+                    bad = next(iter(kinds - _KEYS)).__name__
+                    raise DecodeError(
+                        f"not a valid msgpack payload: ValueError: {bad} is not allowed for "
+                        "map key when strict_map_key=True"
+                    )
+                _check_strings(keys, kinds, max_str, max_bin)
+                values = item.values()
+            elif type(item) in _SCALARS:
+                continue  # a scalar envelope: the envelope check says what is wrong
+            else:
+                raise DecodeError(
+                    f"not a valid msgpack payload: {type(item).__name__} is not in the format"
+                )
+            kinds = set(map(type, values))
+            if not kinds <= _SCALARS:
+                if not kinds <= _SCALARS | _CONTAINERS:
+                    bad = next(iter(kinds - _SCALARS - _CONTAINERS)).__name__
+                    raise DecodeError(f"not a valid msgpack payload: {bad} is not in the format")
+                nested.extend(v for v in values if type(v) is list or type(v) is dict)
+            _check_strings(values, kinds, max_str, max_bin)
+        level = nested
+
+
+def _check_strings(values: Any, kinds: set[type], max_str: int, max_bin: int) -> None:
+    if str in kinds:
+        for v in values:
+            # msgpack bounds a string's UTF-8 bytes; a character is at most 4 of them
+            if type(v) is str and len(v) * 4 > max_str and len(v.encode()) > max_str:
+                raise _too_long("str", len(v.encode()), max_str)
+    if bytes in kinds:
+        for v in values:
+            if type(v) is bytes and len(v) > max_bin:
+                raise _too_long("bin", len(v), max_bin)
+
+
+def _first_bad_token(items: list[Any]) -> int:
+    """Index of the first item that is not an int in [0, 2**31), or -1 (msgspec checks the
+    whole list at C speed; the index is looked for only when something is wrong)."""
+    try:
+        msgspec.convert(items, _TOKEN_LIST)
+    except msgspec.ValidationError:
+        return next(
+            i for i, t in enumerate(items) if type(t) is not int or not 0 <= t < TOKEN_LIMIT
+        )
+    return -1
+
+
+def _bigram_tokens(items: list[Any], where: str) -> list[int]:
+    """SGLang's bigram pages (EAGLE): each item is the pair ``[t_i, t_i+1]``; the page's own
+    tokens are the pairs' first elements (consecutive pairs share their boundary token)."""
+    firsts: list[Any] = []
+    for i, pair in enumerate(items):
+        if type(pair) is not list or len(pair) != 2:
+            raise DecodeError(f"{where}[{i}]: a bigram page holds [token, next token] pairs")
+        firsts.append(pair[0])
+    return firsts
+
+
+def _tokens(value: object, where: str, limit: int) -> list[int]:
+    items = expect_list(value, where)
+    if items and type(items[0]) is list:
+        items = _bigram_tokens(items, where)
+    if len(items) > limit:
+        raise LimitError(
+            f"{where}: {len(items)} tokens exceed DecodeLimits.max_tokens_per_event ({limit})"
+        )
+    bad = _first_bad_token(items)
+    if bad >= 0:
+        item = items[bad]
+        if type(item) is not int:
+            raise DecodeError(f"{where}[{bad}]: token ids must be ints, got {type(item).__name__}")
+        raise DecodeError(f"{where}[{bad}]: token id {item} is outside [0, 2**31)")
+    return items
+
+
+def _diff(value: object, where: str) -> EventDiff | None:
+    if value is None:
+        return None
+    pair = expect_list(value, where)
+    if len(pair) != 2:
+        raise DecodeError(f"{where}: expected [old, new], got {len(pair)} elements")
+    return EventDiff(expect_int(pair[0], f"{where}[0]"), expect_int(pair[1], f"{where}[1]"))
+
+
+def _medium(value: object, where: str) -> int | None:
+    return None if value is None else cache_level_of(expect_str(value, where))
+
+
+def _optional_str(value: object, where: str) -> str | None:
+    return None if value is None else expect_str(value, where)
+
+
+def _stored(f: Mapping[str, Any], where: str, limits: DecodeLimits) -> Stored | None:
+    hashes = _hashes(f.get("block_hashes"), f"{where}.block_hashes", limits.max_blocks_per_event)
+    tokens = _tokens(f.get("token_ids"), f"{where}.token_ids", limits.max_tokens_per_event)
+    block_size = expect_int(f.get("block_size"), f"{where}.block_size", 0, TOKEN_LIMIT)
+    parent = f.get("parent_block_hash")
+    parent_hash = None if parent is None else _hash(parent, f"{where}.parent_block_hash")
+    lora_id = expect_optional_int(f.get("lora_id"), f"{where}.lora_id")
+    level = _medium(f.get("medium"), f"{where}.medium")
+    salt = expect_optional_int(f.get("cache_salt_id"), f"{where}.cache_salt_id")
+    priority = expect_int(f.get("priority", _DEFAULT_PRIORITY), f"{where}.priority", 0, 101)
+    lora_name = _optional_str(f.get("lora_name"), f"{where}.lora_name")
+    group = expect_optional_int(f.get("group_idx"), f"{where}.group_idx", 0, TOKEN_LIMIT)
+    salt_name = _optional_str(f.get("cache_salt"), f"{where}.cache_salt")
+    if salt_name is None:
+        salt_name = salt_from_extra_keys(f.get("extra_keys"), lora_name, f"{where}.extra_keys")
+    fields = (lora_id, level or 0, salt, priority, lora_name, group, salt_name)
+    return build_stored(hashes, tokens, block_size, parent_hash, fields, where)
+
+
+def _data(kind: str, f: Mapping[str, Any], where: str, limits: DecodeLimits) -> EventData | None:
+    if kind == "BlockStored":
+        return _stored(f, where, limits)
+    if kind == "BlockRemoved":
+        return Removed(
+            block_hashes=_hashes(
+                f.get("block_hashes"), f"{where}.block_hashes", limits.max_blocks_per_event
+            ),
+            cache_level=_medium(f.get("medium"), f"{where}.medium"),
+            group=expect_optional_int(f.get("group_idx"), f"{where}.group_idx", 0, TOKEN_LIMIT),
+        )
+    if kind == "AllBlocksCleared":
+        return AllBlocksCleared()
+    if kind == "BlockUpdated":
+        return Updated(
+            block_hash=_hash(f.get("block_hash"), f"{where}.block_hash"),
+            cache_level=_diff(f.get("cache_level"), f"{where}.cache_level"),
+            priority=_diff(f.get("priority"), f"{where}.priority"),
+        )
+    levels = expect_list(f.get("num_blocks_per_cache_level"), f"{where}.num_blocks_per_cache_level")
+    return Created([expect_int(n, f"{where}.num_blocks_per_cache_level") for n in levels])
+
+
+def _event(
+    raw: object, index: int, dp_rank: int | None, limits: DecodeLimits
+) -> KVCacheEvent | None:
+    where = f"events[{index}]"
+    if type(raw) is dict:
+        kind = expect_str(raw.get("type"), f"{where}.type")
+        fields: Mapping[str, Any] = raw
+    elif type(raw) is list:
+        if not raw:
+            raise DecodeError(f"{where}: an event array needs its type name as element 0")
+        kind = expect_str(raw[0], f"{where}[0] (type)")
+        names = POSITIONAL_FIELDS.get(kind, ())
+        fields = dict(zip(names, raw[1:], strict=False))
+    else:
+        raise DecodeError(f"{where}: an event must be a map or an array, got {type(raw).__name__}")
+    if kind not in POSITIONAL_FIELDS:
+        return None  # an event type this decoder does not know: skipped
+    data = _data(kind, fields, where, limits)
+    if data is None:
+        return None
+    return KVCacheEvent(
+        event_id=expect_int(fields.get("event_id", index), f"{where}.event_id"),
+        data=data,
+        window_size=expect_int(fields.get("window_size", 0), f"{where}.window_size"),
+        hash_algo=expect_str(fields.get("hash_algo", _DEFAULT_ALGO), f"{where}.hash_algo"),
+        attention_dp_rank=expect_optional_int(
+            fields.get("attention_dp_rank", dp_rank), f"{where}.attention_dp_rank"
+        ),
+    )
+
+
+def decode_batch(
+    payload: bytes | bytearray | memoryview, limits: DecodeLimits | None = None
+) -> DecodedBatch:
+    """The batch in one wire payload.
+
+    Raises :class:`DecodeError` (a ``ValueError``) for anything malformed: not msgpack, wrong
+    envelope, wrong field types, token counts that do not match ``block_size``, or a payload
+    beyond ``limits``. Unknown fields and event types are skipped.
+    """
+    lim = DEFAULT_LIMITS if limits is None else limits
+    typed = lim is DEFAULT_LIMITS or _typed_ok(lim)
+    if typed and type(payload) in (bytes, bytearray, memoryview):
+        size = memoryview(payload).nbytes
+        if 0 < size <= lim.max_payload_bytes:
+            batch = decode_typed(payload)
+            if batch is not None:
+                return batch
+    return decode_general(payload, lim)
+
+
+def decode_general(
+    payload: bytes | bytearray | memoryview, limits: DecodeLimits | None = None
+) -> DecodedBatch:
+    """:func:`decode_batch` without the typed path: every field checked one by one (what
+    decodes a payload the typed structs do not accept, and their reference in tests)."""
+    lim = DEFAULT_LIMITS if limits is None else limits
+    top = _unpack(payload, lim)
+    try:
+        if type(top) is not list or len(top) not in (2, 3):
+            shape = f"{len(top)} elements" if type(top) is list else type(top).__name__
+            raise DecodeError(
+                f"payload must be an array [ts, events] or [ts, events, dp_rank], got {shape}"
+            )
+        ts = top[0]
+        if type(ts) not in (float, int) or not math.isfinite(ts):
+            raise DecodeError(f"payload[0] (ts): expected a finite number, got {ts!r:.40}")
+        events = expect_list(top[1], "payload[1] (events)")
+        if len(events) > lim.max_events:
+            raise DecodeError(
+                f"{len(events)} events exceed DecodeLimits.max_events ({lim.max_events})"
+            )
+        dp_rank = (
+            expect_optional_int(top[2], "payload[2] (dp_rank)", 0, TOKEN_LIMIT)
+            if len(top) == 3
+            else None
+        )
+        decoded: list[KVCacheEvent] = []
+        malformed: list[str] = []
+        for i, raw in enumerate(events):
+            # One malformed event costs that event: the rest of the batch stands, and the
+            # batch says what was left out.
+            try:
+                event = _event(raw, i, dp_rank, lim)
+            except LimitError:
+                raise
+            except DecodeError as exc:
+                malformed.append(str(exc))
+                continue
+            except (TypeError, ValueError, KeyError, IndexError, OverflowError) as exc:
+                malformed.append(f"events[{i}]: {type(exc).__name__}: {exc}")
+                continue
+            if event is not None:
+                decoded.append(event)
+        return DecodedBatch(ts=float(ts), events=decoded, dp_rank=dp_rank, malformed=malformed)
+    except DecodeError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as exc:
+        # Every field is checked above; this keeps the promise of one error type regardless.
+        raise DecodeError(f"malformed payload: {type(exc).__name__}: {exc}") from None
+
+
+__all__ = ["DEFAULT_LIMITS", "DecodeError", "DecodeLimits", "decode_batch", "decode_general"]

@@ -1,0 +1,1398 @@
+/*
+ * Native match loop of router_sim.router.indexer: an open-addressing table key -> worker mask, and
+ * the indexer's common per-block updates done in one call per event.
+ *
+ * KvIndexer's dicts stay the source of truth; this table mirrors, for every key that is an int
+ * in [0, 2**64), the mask of workers holding the block on any tier (bit b set iff the worker
+ * whose bit is b holds the key). A mask is as many 64-bit words as the highest bit in use
+ * needs (one word up to 64 workers, two up to 128, ...): the table is rebuilt one word wider
+ * when a worker's bit passes the width, so any fleet size takes the native path. One request
+ * lookup is then one slot per block, and the slots of the next keys are prefetched before
+ * they are read, so a request's misses overlap instead of following one another (Python dicts
+ * cost several dependent misses per block: index slot, entry, key object, value object).
+ * indexer.py keeps the pure-Python matching loop as the reference and the fallback; tests
+ * check both agree.
+ *
+ *   MaskTable()
+ *   .sync(keys, bit, held)  for each int key: set bit `bit` if key in dict `held`, else clear
+ *                           it (keys of other types are ignored)
+ *   .set_bit(keys, bit) / .clear_bit(keys, bit)   the same where every key is / none is held
+ *   .runs(keys, worker_of_bit) -> {worker: run length} as KvIndexer.find_matches, or None
+ *                           when a key before the cut is not an int in [0, 2**64)
+ *   .store(blocks, keys, start, bit, bitobj, held, device) -> index
+ *   .evict(hashes, start, bit, bitobj, held, device, keys, recent, recent_max) -> index
+ *                           the indexer's device-tier store / eviction loops (see below)
+ *   .words                  64-bit words per mask;  len(table): keys held
+ *
+ * It also writes the simulator's prompts and answers as array('i') (expand_array, id_run),
+ * and counts how many leading block keys each worker's cache holds (held_prefixes).
+ *
+ * Linear probing, splitmix64-scrambled keys (so sequential or crafted hashes spread out),
+ * load <= 3/4, deletion by backward shift (no tombstones), memory from PyMem_Raw* (traced).
+ * A slot: the key, the any-tier mask, the device mask (each `words` uint64s), padded to a
+ * power of two words; a slot is empty iff both masks are 0.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <string.h>
+
+#include "../../events/wire/_int32_array.h"
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
+
+typedef struct {
+    PyObject_HEAD
+    uint64_t *slots; /* cap * stride_of(words): key, any-tier mask; cache-line aligned */
+    uint64_t *dev;   /* cap * words: the device mask of the key in the same slot */
+    void *raw;       /* the allocations holding slots and dev */
+    void *raw_dev;
+    size_t cap; /* a power of two */
+    size_t count;
+    size_t words;    /* mask words per slot */
+    PyObject *other; /* key -> device mask for keys that are not ints in [0, 2**64) */
+} MaskTable;
+
+#define MIN_CAP 1024
+#define AHEAD 16 /* how many keys ahead the slots are fetched */
+#define STACK_KEYS 256
+#define STACK_WORDS 32
+/* bits of worker masks: 2**20 workers (a 128 KiB mask per slot) is far past any fleet; the
+   bound keeps a wild bit number from asking for terabytes */
+#define MAX_BIT ((1L << 20) - 1)
+
+static inline uint64_t scramble(uint64_t x) {
+    x ^= x >> 30;
+    x *= UINT64_C(0xbf58476d1ce4e5b9);
+    x ^= x >> 27;
+    x *= UINT64_C(0x94d049bb133111eb);
+    return x ^ (x >> 31);
+}
+
+/* A slot: the key and the any-tier mask, padded to a power of two words, so that in a table
+   aligned to cache lines a lookup reads one line (up to 448 workers); the device masks lie in
+   a parallel array that only updates and device reads touch. A device bit is never set
+   without the key's any-tier bit (a worker holding a block on the device tier holds it), so
+   a slot is empty iff its any-tier mask is 0. */
+static inline size_t stride_of(size_t words) {
+    size_t n = 2;
+    while (n < 1 + words)
+        n *= 2;
+    return n;
+}
+
+/* `n_words` zeroed words aligned to a cache line; *raw receives what to free */
+static uint64_t *alloc_words(size_t n_words, void **raw) {
+    void *r = PyMem_RawCalloc(n_words * sizeof(uint64_t) + 64, 1);
+    if (r == NULL)
+        return NULL;
+    *raw = r;
+    return (uint64_t *)(((uintptr_t)r + 63) & ~(uintptr_t)63);
+}
+
+static inline uint64_t *slot_at(const MaskTable *t, size_t j) {
+    return t->slots + j * stride_of(t->words);
+}
+
+static inline size_t index_of(const MaskTable *t, const uint64_t *s) {
+    return (size_t)(s - t->slots) / stride_of(t->words);
+}
+
+static inline uint64_t *dev_at(const MaskTable *t, size_t j) { return t->dev + j * t->words; }
+
+static inline int slot_empty(const uint64_t *s, size_t words) {
+    for (size_t w = 1; w <= words; w++)
+        if (s[w])
+            return 0;
+    return 1;
+}
+
+static inline void prefetch_key(const MaskTable *t, uint64_t key, int with_dev) {
+    size_t j = scramble(key) & (t->cap - 1);
+    __builtin_prefetch(slot_at(t, j));
+    if (with_dev)
+        __builtin_prefetch(dev_at(t, j));
+}
+
+/* A large table is read at random: ask for huge pages (where the kernel leaves it to
+   madvise), so that a lookup costs a cache miss without a page walk besides. A hint only. */
+static void advise_huge(void *p, size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    const uintptr_t page = 4096, huge = (uintptr_t)1 << 21;
+    if (bytes < 2 * huge)
+        return;
+    uintptr_t start = ((uintptr_t)p + page - 1) & ~(page - 1);
+    uintptr_t end = ((uintptr_t)p + bytes) & ~(page - 1);
+    (void)madvise((void *)start, end - start, MADV_HUGEPAGE);
+#else
+    (void)p;
+    (void)bytes;
+#endif
+}
+
+/* rebuild into `cap` slots of `words` mask words (words >= the current width) */
+static int table_rebuild(MaskTable *t, size_t cap, size_t words) {
+    const size_t stride = stride_of(words), old_words = t->words;
+    if (cap > (PY_SSIZE_T_MAX - 64) / 8 / (stride + words)) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    void *raw = NULL, *raw_dev = NULL;
+    uint64_t *fresh = alloc_words(cap * stride, &raw);
+    uint64_t *fresh_dev = fresh == NULL ? NULL : alloc_words(cap * words, &raw_dev);
+    if (fresh_dev == NULL) {
+        PyMem_RawFree(raw);
+        PyErr_NoMemory();
+        return -1;
+    }
+    advise_huge(fresh, cap * stride * sizeof(uint64_t));
+    advise_huge(fresh_dev, cap * words * sizeof(uint64_t));
+    for (size_t i = 0; i < t->cap; i++) {
+        const uint64_t *s = slot_at(t, i);
+        if (slot_empty(s, old_words))
+            continue;
+        size_t j = scramble(s[0]) & (cap - 1);
+        while (!slot_empty(fresh + j * stride, words))
+            j = (j + 1) & (cap - 1);
+        uint64_t *d = fresh + j * stride;
+        d[0] = s[0];
+        memcpy(d + 1, s + 1, old_words * sizeof(uint64_t));
+        memcpy(fresh_dev + j * words, dev_at(t, i), old_words * sizeof(uint64_t));
+    }
+    PyMem_RawFree(t->raw);
+    PyMem_RawFree(t->raw_dev);
+    t->raw = raw;
+    t->raw_dev = raw_dev;
+    t->slots = fresh;
+    t->dev = fresh_dev;
+    t->cap = cap;
+    t->words = words;
+    return 0;
+}
+
+/* the slot holding key, else the empty slot where it would go */
+static inline uint64_t *table_find(const MaskTable *t, uint64_t key) {
+    const size_t cap_mask = t->cap - 1, words = t->words;
+    size_t j = scramble(key) & cap_mask;
+    for (;;) {
+        uint64_t *s = slot_at(t, j);
+        if (slot_empty(s, words) || s[0] == key)
+            return s;
+        j = (j + 1) & cap_mask;
+    }
+}
+
+static void table_delete(MaskTable *t, uint64_t *hole_slot) {
+    const size_t cap_mask = t->cap - 1, words = t->words, stride = stride_of(words);
+    size_t hole = index_of(t, hole_slot);
+    size_t j = hole;
+    for (;;) {
+        j = (j + 1) & cap_mask;
+        uint64_t *s = slot_at(t, j);
+        if (slot_empty(s, words))
+            break;
+        size_t home = scramble(s[0]) & cap_mask;
+        /* the entry at j may move into the hole unless its home lies in (hole, j] */
+        if (((j - home) & cap_mask) >= ((j - hole) & cap_mask)) {
+            memcpy(slot_at(t, hole), s, stride * sizeof(uint64_t));
+            memcpy(dev_at(t, hole), dev_at(t, j), words * sizeof(uint64_t));
+            hole = j;
+        }
+    }
+    memset(slot_at(t, hole), 0, stride * sizeof(uint64_t));
+    memset(dev_at(t, hole), 0, words * sizeof(uint64_t));
+    t->count--;
+}
+
+/* set (on) or clear bit `bit` of key's any-tier mask (tier 0) or device mask (tier 1); the
+   table is widened first where the bit needs it. Setting a device bit sets the any-tier bit
+   too, clearing an any-tier bit clears the device bit too (device holders are holders). */
+static int table_put(MaskTable *t, uint64_t key, long bit, int on, int tier) {
+    const size_t word = (size_t)bit >> 6;
+    const uint64_t b = UINT64_C(1) << (bit & 63);
+    if (word >= t->words) {
+        if (!on)
+            return 0; /* no key holds a bit past the width */
+        if (table_rebuild(t, t->cap, word + 1) < 0)
+            return -1;
+    }
+    uint64_t *s = table_find(t, key);
+    uint64_t *d = dev_at(t, index_of(t, s));
+    if (on) {
+        if (tier)
+            d[word] |= b;
+        if (!slot_empty(s, t->words)) {
+            s[1 + word] |= b;
+            return 0;
+        }
+        s[0] = key;
+        s[1 + word] = b;
+        if (++t->count * 4 > t->cap * 3)
+            return table_rebuild(t, t->cap * 2, t->words);
+    } else if (tier) {
+        d[word] &= ~b;
+    } else if (s[1 + word] & b) {
+        s[1 + word] &= ~b;
+        d[word] &= ~b;
+        if (slot_empty(s, t->words)) {
+            table_delete(t, s);
+            if (t->cap > MIN_CAP && t->count * 8 < t->cap)
+                return table_rebuild(t, t->cap / 2, t->words);
+        }
+    }
+    return 0;
+}
+
+static PyObject *MaskTable_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    PyObject *other = NULL;
+    if (PyTuple_GET_SIZE(args) > 1 || (kwds != NULL && PyDict_GET_SIZE(kwds)) ||
+        (PyTuple_GET_SIZE(args) == 1 && !PyDict_Check(PyTuple_GET_ITEM(args, 0)))) {
+        PyErr_SetString(PyExc_TypeError, "MaskTable(other: dict = {}) takes one dict at most");
+        return NULL;
+    }
+    other = PyTuple_GET_SIZE(args) ? Py_NewRef(PyTuple_GET_ITEM(args, 0)) : PyDict_New();
+    if (other == NULL)
+        return NULL;
+    MaskTable *t = (MaskTable *)type->tp_alloc(type, 0);
+    if (t == NULL) {
+        Py_DECREF(other);
+        return NULL;
+    }
+    t->other = other;
+    t->slots = alloc_words(MIN_CAP * stride_of(1), &t->raw);
+    t->dev = t->slots == NULL ? NULL : alloc_words(MIN_CAP, &t->raw_dev);
+    if (t->dev == NULL) {
+        Py_DECREF(t);
+        return PyErr_NoMemory();
+    }
+    t->cap = MIN_CAP;
+    t->count = 0;
+    t->words = 1;
+    return (PyObject *)t;
+}
+
+static void MaskTable_dealloc(MaskTable *t) {
+    PyMem_RawFree(t->raw);
+    PyMem_RawFree(t->raw_dev);
+    Py_XDECREF(t->other);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+/* 1: *out holds the key; 0: not an int in [0, 2**64) (no error set); -1: error set */
+static inline int as_key(PyObject *o, uint64_t *out) {
+    if (!PyLong_Check(o))
+        return 0;
+    unsigned long long v = PyLong_AsUnsignedLongLong(o);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+            return -1;
+        PyErr_Clear();
+        return 0;
+    }
+    *out = (uint64_t)v;
+    return 1;
+}
+
+/* d.pop(key) with one lookup: a new reference, Py_None (new) when absent, NULL on error */
+static inline PyObject *dict_pop(PyObject *d, PyObject *key) {
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *v = NULL;
+    int found = PyDict_Pop(d, key, &v);
+    if (found < 0)
+        return NULL;
+    return found ? v : Py_NewRef(Py_None);
+#else
+    return _PyDict_Pop(d, key, Py_None);
+#endif
+}
+
+static long as_bit(PyObject *o) {
+    long bit = PyLong_AsLong(o);
+    if (bit == -1 && PyErr_Occurred())
+        return -1;
+    if (bit < 0 || bit > MAX_BIT) {
+        PyErr_Format(PyExc_ValueError, "bit must lie in [0, %ld]", MAX_BIT);
+        return -1;
+    }
+    return bit;
+}
+
+/* held: a dict (membership decides), or Py_True / Py_False (set / clear every key) */
+static PyObject *update(MaskTable *t, PyObject *keys_arg, PyObject *bit_arg, PyObject *held) {
+    long bit = as_bit(bit_arg);
+    if (bit < 0)
+        return NULL;
+    const int by_dict = held != Py_True && held != Py_False;
+    if (by_dict && !PyDict_Check(held)) {
+        PyErr_SetString(PyExc_TypeError, "held must be a dict");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(keys_arg, "keys must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    /* keys converted up front; while key i is applied, the slot of key i + AHEAD is
+       fetched (a hint only: the updates may move entries, and each probes afresh) */
+    uint64_t stack_keys[STACK_KEYS];
+    uint64_t *keys = n <= STACK_KEYS ? stack_keys : PyMem_Malloc(n * sizeof(uint64_t));
+    int8_t stack_ok[STACK_KEYS];
+    int8_t *is_key = n <= STACK_KEYS ? stack_ok : PyMem_Malloc(n);
+    if (keys == NULL || is_key == NULL) {
+        PyErr_NoMemory();
+        goto fail_keys;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int ok = as_key(items[i], &keys[i]);
+        if (ok < 0)
+            goto fail_keys;
+        is_key[i] = (int8_t)ok;
+        if (ok && i < AHEAD)
+            prefetch_key(t, keys[i], 0);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + AHEAD < n && is_key[i + AHEAD])
+            prefetch_key(t, keys[i + AHEAD], 0);
+        if (!is_key[i])
+            continue;
+        int present = by_dict ? PyDict_Contains(held, items[i]) : held == Py_True;
+        if (present < 0 || table_put(t, keys[i], bit, present, 0) < 0)
+            goto fail_keys;
+    }
+    if (keys != stack_keys)
+        PyMem_Free(keys);
+    if (is_key != stack_ok)
+        PyMem_Free(is_key);
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+fail_keys:
+    if (keys != NULL && keys != stack_keys)
+        PyMem_Free(keys);
+    if (is_key != NULL && is_key != stack_ok)
+        PyMem_Free(is_key);
+    Py_DECREF(seq);
+    return NULL;
+}
+
+static PyObject *MaskTable_sync(MaskTable *t, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "sync(keys, bit, held) takes 3 arguments");
+        return NULL;
+    }
+    return update(t, args[0], args[1], args[2]);
+}
+
+static PyObject *MaskTable_set_bit(MaskTable *t, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "set_bit(keys, bit) takes 2 arguments");
+        return NULL;
+    }
+    return update(t, args[0], args[1], Py_True);
+}
+
+static PyObject *MaskTable_clear_bit(MaskTable *t, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "clear_bit(keys, bit) takes 2 arguments");
+        return NULL;
+    }
+    return update(t, args[0], args[1], Py_False);
+}
+
+/* worker_of_bit[b] (borrowed), or NULL with an exception set (KeyError when absent) */
+static PyObject *worker_for_bit(PyObject *worker_of_bit, long b) {
+    PyObject *bo = PyLong_FromLong(b);
+    if (bo == NULL)
+        return NULL;
+    PyObject *w = PyDict_GetItemWithError(worker_of_bit, bo);
+    Py_DECREF(bo);
+    if (w == NULL && !PyErr_Occurred())
+        PyErr_Format(PyExc_KeyError, "no worker for bit %ld", b);
+    return w;
+}
+
+/* result[worker_of_bit[base + b]] = n for every bit b in lost, low bits first (as the Python
+   loop) */
+static int put_lost(PyObject *result, PyObject *worker_of_bit, uint64_t lost, long base,
+                    Py_ssize_t n) {
+    while (lost) {
+        long b = base + __builtin_ctzll(lost);
+        lost &= lost - 1;
+        PyObject *w = worker_for_bit(worker_of_bit, b);
+        if (w == NULL)
+            return -1;
+        PyObject *v = PyLong_FromSsize_t(n);
+        if (v == NULL || PyDict_SetItem(result, w, v) < 0) {
+            Py_XDECREF(v);
+            return -1;
+        }
+        Py_DECREF(v);
+    }
+    return 0;
+}
+
+/* runs()'s loop; 0: done, 1: a key is not an int in range (None), -1: error. Inlined twice,
+   once with words == 1 (the compiler then keeps the mask in a register: fleets up to 64) */
+static inline __attribute__((always_inline)) int
+runs_loop(const MaskTable *t, PyObject **items, Py_ssize_t n, PyObject *result,
+          PyObject *worker_of_bit, const size_t words, uint64_t *acc) {
+    const size_t cap_mask = t->cap - 1, stride = stride_of(words);
+    /* key i + AHEAD is read and its slot fetched while key i is looked up, so the misses of
+       a request overlap; a ring of AHEAD + 1 keys */
+    uint64_t ring[AHEAD + 1];
+    for (Py_ssize_t i = -AHEAD; i < n; i++) {
+        Py_ssize_t ahead = i + AHEAD;
+        if (ahead < n) {
+            uint64_t key;
+            int ok = as_key(items[ahead], &key);
+            if (ok <= 0)
+                return ok < 0 ? -1 : 1;
+            ring[ahead % (AHEAD + 1)] = key;
+            __builtin_prefetch(t->slots + (scramble(key) & cap_mask) * stride);
+        }
+        if (i < 0)
+            continue;
+        uint64_t key = ring[i % (AHEAD + 1)];
+        size_t j = scramble(key) & cap_mask;
+        const uint64_t *s = t->slots + j * stride;
+        while (!slot_empty(s, words) && s[0] != key) {
+            j = (j + 1) & cap_mask;
+            s = t->slots + j * stride;
+        }
+        /* an empty slot's mask is 0: the key is absent */
+        uint64_t any = 0;
+        for (size_t w = 0; w < words; w++) {
+            uint64_t next = i == 0 ? s[1 + w] : acc[w] & s[1 + w];
+            uint64_t lost = acc[w] & ~next;
+            if (i > 0 && lost && put_lost(result, worker_of_bit, lost, (long)(64 * w), i) < 0)
+                return -1;
+            acc[w] = next;
+            any |= next;
+        }
+        if (!any)
+            return 0;
+    }
+    for (size_t w = 0; w < words && n > 0; w++)
+        if (put_lost(result, worker_of_bit, acc[w], (long)(64 * w), n) < 0)
+            return -1;
+    return 0;
+}
+
+static PyObject *MaskTable_runs(MaskTable *t, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyDict_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "runs(keys, worker_of_bit: dict) takes 2 arguments");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[0], "keys must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    const size_t words = t->words;
+    uint64_t stack_acc[STACK_WORDS];
+    uint64_t *acc = words <= STACK_WORDS ? stack_acc : PyMem_Malloc(words * sizeof(uint64_t));
+    PyObject *result = acc == NULL ? PyErr_NoMemory() : PyDict_New();
+    if (result != NULL) {
+        memset(acc, 0, words * sizeof(uint64_t));
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+        PyObject **items = PySequence_Fast_ITEMS(seq);
+        int rc = words == 1 ? runs_loop(t, items, n, result, args[1], 1, acc)
+                            : runs_loop(t, items, n, result, args[1], words, acc);
+        if (rc) {
+            Py_DECREF(result);
+            result = rc < 0 ? NULL : Py_NewRef(Py_None); /* None: the reference path */
+        }
+    }
+    if (acc != NULL && acc != stack_acc)
+        PyMem_Free(acc);
+    Py_DECREF(seq);
+    return result;
+}
+
+/* result[worker_of_bit[b]] = make(run, drun, on_device, run - on_device) */
+static PyObject *empty_tuple;
+
+/* make(a, b, c, d), or, with `fields` (a tuple of make's four data descriptors, in its
+   __init__'s order), a new make whose fields are set as its __init__ sets them (through their
+   descriptors, as object.__setattr__ does): for a class whose __init__ does nothing else
+   (router_sim.router.indexer.MatchDetail), without a Python call. */
+static PyObject *make4(PyObject *make, PyObject *fields, Py_ssize_t a, Py_ssize_t b,
+                       Py_ssize_t c, Py_ssize_t d) {
+    if (fields == NULL)
+        return PyObject_CallFunction(make, "nnnn", a, b, c, d);
+    PyTypeObject *type = (PyTypeObject *)make;
+    PyObject *obj = type->tp_new(type, empty_tuple, NULL);
+    if (obj == NULL)
+        return NULL;
+    const Py_ssize_t values[4] = {a, b, c, d};
+    for (int k = 0; k < 4; k++) {
+        PyObject *desc = PyTuple_GET_ITEM(fields, k);
+        PyObject *v = PyLong_FromSsize_t(values[k]);
+        int err = v == NULL ? -1 : Py_TYPE(desc)->tp_descr_set(desc, obj, v);
+        Py_XDECREF(v);
+        if (err < 0) {
+            Py_DECREF(obj);
+            return NULL;
+        }
+    }
+    return obj;
+}
+
+static int emit_detail(PyObject *result, PyObject *worker_of_bit, PyObject *make,
+                       PyObject *fields, long b, Py_ssize_t run, Py_ssize_t drun,
+                       Py_ssize_t on_device) {
+    PyObject *w = worker_for_bit(worker_of_bit, b);
+    if (w == NULL)
+        return -1;
+    PyObject *v = make4(make, fields, run, drun, on_device, run - on_device);
+    if (v == NULL)
+        return -1;
+    int err = PyDict_SetItem(result, w, v);
+    Py_DECREF(v);
+    return err;
+}
+
+/* detailed(keys, worker_of_bit, make[, fields]) -> {worker: make(run, device_run, on_device,
+   run - on_device)} as KvIndexer.find_matches_detailed, or None when a key before the cut is
+   not an int in [0, 2**64). `fields`: see make4 (make must then be a class). One pass: the prefix-AND of the any-tier masks cuts each
+   worker's run, that of the device masks its device run, and within its run each worker's
+   device copies are counted; a worker is emitted when its run ends (low bits first, as
+   runs() and the Python loop order them). */
+static PyObject *MaskTable_detailed(MaskTable *t, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 3 || nargs > 4 || !PyDict_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "detailed(keys, worker_of_bit: dict, make[, fields])");
+        return NULL;
+    }
+    PyObject *fields = nargs == 4 && args[3] != Py_None ? args[3] : NULL;
+    if (fields != NULL) {
+        int ok = PyType_Check(args[2]) && PyTuple_Check(fields) && PyTuple_GET_SIZE(fields) == 4;
+        for (Py_ssize_t k = 0; ok && k < 4; k++)
+            ok = Py_TYPE(PyTuple_GET_ITEM(fields, k))->tp_descr_set != NULL;
+        if (!ok) {
+            PyErr_SetString(PyExc_TypeError,
+                            "detailed: fields must be a tuple of make's 4 data descriptors");
+            return NULL;
+        }
+    }
+    PyObject *seq = PySequence_Fast(args[0], "keys must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    const size_t words = t->words, bits = 64 * words;
+    /* acc, dacc: words each; counts, druns: one per bit */
+    uint64_t *acc = PyMem_Calloc(2 * words, sizeof(uint64_t));
+    Py_ssize_t *counts = PyMem_Calloc(2 * bits, sizeof(Py_ssize_t));
+    PyObject *result = acc == NULL || counts == NULL ? PyErr_NoMemory() : PyDict_New();
+    if (result == NULL)
+        goto out;
+    uint64_t *dacc = acc + words;
+    Py_ssize_t *druns = counts + bits;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    const size_t cap_mask = t->cap - 1;
+    uint64_t ring[AHEAD + 1];
+    Py_ssize_t i;
+    for (i = -AHEAD; i < n; i++) {
+        Py_ssize_t ahead = i + AHEAD;
+        if (ahead < n) {
+            uint64_t key;
+            int ok = as_key(items[ahead], &key);
+            if (ok <= 0) {
+                Py_DECREF(result);
+                result = ok < 0 ? NULL : Py_NewRef(Py_None);
+                goto out;
+            }
+            ring[ahead % (AHEAD + 1)] = key;
+            prefetch_key(t, key, 1);
+        }
+        if (i < 0)
+            continue;
+        uint64_t key = ring[i % (AHEAD + 1)];
+        size_t j = scramble(key) & cap_mask;
+        const uint64_t *s = slot_at(t, j);
+        while (!slot_empty(s, words) && s[0] != key) {
+            j = (j + 1) & cap_mask;
+            s = slot_at(t, j);
+        }
+        const int empty = slot_empty(s, words);
+        const uint64_t *d = dev_at(t, j);
+        uint64_t any_left = 0;
+        for (size_t w = 0; w < words; w++) {
+            uint64_t m = s[1 + w], dm = empty ? 0 : d[w];
+            uint64_t next = i == 0 ? m : acc[w] & m;
+            uint64_t dnext = i == 0 ? dm : dacc[w] & dm;
+            for (uint64_t lost = dacc[w] & ~dnext; lost; lost &= lost - 1)
+                druns[64 * w + __builtin_ctzll(lost)] = i;
+            dacc[w] = dnext;
+            for (uint64_t c = next & dm; c; c &= c - 1)
+                counts[64 * w + __builtin_ctzll(c)]++;
+            uint64_t lost = i == 0 ? 0 : acc[w] & ~next;
+            acc[w] = next;
+            any_left |= next;
+            for (; lost; lost &= lost - 1) {
+                size_t b = 64 * w + __builtin_ctzll(lost);
+                if (emit_detail(result, args[1], args[2], fields, (long)b, i, druns[b],
+                                counts[b]) < 0)
+                    goto fail;
+            }
+        }
+        if (!any_left)
+            goto out;
+    }
+    for (size_t w = 0; w < words; w++) {
+        for (uint64_t left = dacc[w]; left; left &= left - 1)
+            druns[64 * w + __builtin_ctzll(left)] = n;
+        for (uint64_t left = acc[w]; left; left &= left - 1) {
+            size_t b = 64 * w + __builtin_ctzll(left);
+            if (emit_detail(result, args[1], args[2], fields, (long)b, n, druns[b],
+                            counts[b]) < 0)
+                goto fail;
+        }
+    }
+out:
+    PyMem_Free(acc);
+    PyMem_Free(counts);
+    Py_DECREF(seq);
+    return result;
+fail:
+    Py_CLEAR(result);
+    goto out;
+}
+
+/* ------------------------------------------------ the indexer's per-block update loops */
+
+static PyObject *str_cache_level, *str_block_hash, *one;
+
+/* Touch what an update loop is about to read, for keys items[from:to]: the table slots are
+   prefetched and the dict entries looked up (`map` first maps a key, as evict does). These
+   lookups do not depend on one another, so the CPU overlaps their cache misses, where the
+   update loop's dependent steps would take them one after the other; the loop then finds
+   them cached. A hint only: nothing is changed. */
+static void warm(const MaskTable *t, PyObject *const *items, Py_ssize_t from, Py_ssize_t to,
+                 PyObject *map, PyObject *d1, PyObject *d2) {
+    for (Py_ssize_t i = from; i < to; i++) {
+        PyObject *h = items[i];
+        if (map != NULL) {
+            PyObject *k = PyDict_GetItemWithError(map, h);
+            if (k != NULL)
+                h = k;
+        }
+        uint64_t key;
+        int ok = as_key(h, &key);
+        if (ok > 0)
+            prefetch_key(t, key, 1);
+        /* the device dict holds only keys the table does not */
+        if (ok < 0 || PyDict_GetItemWithError(d1, h) == NULL ||
+            (!ok && PyDict_GetItemWithError(d2, h) == NULL)) {
+            PyErr_Clear(); /* an unhashable key fails again, with its error, in the loop */
+        }
+    }
+}
+
+/* store(blocks, keys, start, bit, bitobj, held, device) -> index
+
+   KvIndexer's store of blocks on the device tier for the worker whose bit is `bit`
+   (`bitobj` == 1 << bit), from blocks[start] on: each block's key is keys[i] (or its
+   block_hash when keys is None); held[key] |= 1, device[key] |= bitobj, and the table's bit
+   set, exactly as the Python loop does. Stops at the first block whose cache_level is not 0
+   (the caller handles it and calls again) and returns its index, else len(blocks). */
+static PyObject *MaskTable_store(MaskTable *t, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7 || !PyList_Check(args[0]) || (args[1] != Py_None && !PyList_Check(args[1])) ||
+        !PyDict_Check(args[5]) || !PyDict_Check(args[6])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "store(blocks: list, keys: list | None, start, bit, bitobj, held: dict, "
+                        "device: dict)");
+        return NULL;
+    }
+    PyObject *blocks = args[0], *keys = args[1], *bitobj = args[4];
+    PyObject *held = args[5], *device = args[6];
+    Py_ssize_t n = PyList_GET_SIZE(blocks);
+    if (keys != Py_None && PyList_GET_SIZE(keys) != n) {
+        PyErr_SetString(PyExc_ValueError, "keys and blocks differ in length");
+        return NULL;
+    }
+    Py_ssize_t i = PyLong_AsSsize_t(args[2]);
+    if (i == -1 && PyErr_Occurred())
+        return NULL;
+    long bit = as_bit(args[3]);
+    if (bit < 0)
+        return NULL;
+    if (i < 0)
+        i = 0;
+    if (keys != Py_None)
+        warm(t, PySequence_Fast_ITEMS(keys), i, n, NULL, held, device);
+    for (; i < n; i++) {
+        PyObject *block = PyList_GET_ITEM(blocks, i);
+        PyObject *level = PyObject_GetAttr(block, str_cache_level);
+        if (level == NULL)
+            return NULL;
+        int deeper = PyObject_IsTrue(level);
+        Py_DECREF(level);
+        if (deeper < 0)
+            return NULL;
+        if (deeper)
+            break;
+        PyObject *h;
+        if (keys == Py_None) {
+            h = PyObject_GetAttr(block, str_block_hash);
+            if (h == NULL)
+                return NULL;
+        } else {
+            h = PyList_GET_ITEM(keys, i);
+            Py_INCREF(h);
+        }
+        Py_ssize_t size = PyDict_GET_SIZE(held);
+        PyObject *old = PyDict_SetDefault(held, h, one); /* borrowed */
+        if (old == NULL)
+            goto fail_h;
+        if (PyDict_GET_SIZE(held) == size) { /* the worker knew the block */
+            if (!PyLong_Check(old)) {
+                PyErr_SetString(PyExc_TypeError, "held levels must be ints");
+                goto fail_h;
+            }
+            if (PyLong_AsUnsignedLongLongMask(old) & 1) {
+                Py_DECREF(h);
+                continue; /* already on the device tier */
+            }
+            PyObject *levels = PyNumber_Or(old, one);
+            if (levels == NULL)
+                goto fail_h;
+            int err = PyDict_SetItem(held, h, levels);
+            Py_DECREF(levels);
+            if (err < 0)
+                goto fail_h;
+        }
+        uint64_t key;
+        int ok = as_key(h, &key);
+        if (ok < 0)
+            goto fail_h;
+        if (ok) { /* the table holds both masks */
+            if (table_put(t, key, bit, 1, 1) < 0) /* the any-tier bit with it */
+                goto fail_h;
+            Py_DECREF(h);
+            continue;
+        }
+        PyObject *m = PyDict_SetDefault(device, h, bitobj); /* borrowed */
+        if (m == NULL)
+            goto fail_h;
+        if (m != bitobj) {
+            PyObject *mm = PyNumber_Or(m, bitobj);
+            if (mm == NULL)
+                goto fail_h;
+            int err = PyDict_SetItem(device, h, mm);
+            Py_DECREF(mm);
+            if (err < 0)
+                goto fail_h;
+        }
+        Py_DECREF(h);
+        continue;
+    fail_h:
+        Py_DECREF(h);
+        return NULL;
+    }
+    return PyLong_FromSsize_t(i);
+}
+
+/* evict(hashes, start, bit, bitobj, held, device, keys, recent, recent_max) -> index
+
+   KvIndexer's common eviction (a removal that covers the device tier) for the worker whose
+   bit is `bit`, from hashes[start] on: each hash names its key through `keys` (popped:
+   engine hash -> key; None: the hash is the key); a block the worker holds on the device
+   tier only is dropped from held and from device[key] (and the table), and its mapping goes
+   to `recent`. Stops and returns the index of the first hash that needs the general path
+   (held elsewhere or not held: its mapping is put back), or the index after the mapping that
+   took `recent` past `recent_max` (the caller trims it), else len(hashes). */
+static PyObject *MaskTable_evict(MaskTable *t, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 9 || !PyList_Check(args[0]) || !PyDict_Check(args[4]) ||
+        !PyDict_Check(args[5]) || (args[6] != Py_None && !PyDict_Check(args[6])) ||
+        (args[7] != Py_None && !PyDict_Check(args[7]))) {
+        PyErr_SetString(PyExc_TypeError,
+                        "evict(hashes: list, start, bit, bitobj, held: dict, device: dict, "
+                        "keys: dict | None, recent: dict | None, recent_max)");
+        return NULL;
+    }
+    PyObject *hashes = args[0], *bitobj = args[3], *held = args[4], *device = args[5];
+    PyObject *keys = args[6], *recent = args[7];
+    Py_ssize_t n = PyList_GET_SIZE(hashes);
+    Py_ssize_t i = PyLong_AsSsize_t(args[1]);
+    if (i == -1 && PyErr_Occurred())
+        return NULL;
+    long bit = as_bit(args[2]);
+    if (bit < 0)
+        return NULL;
+    Py_ssize_t recent_max = PyLong_AsSsize_t(args[8]);
+    if (recent_max == -1 && PyErr_Occurred())
+        return NULL;
+    if (i < 0)
+        i = 0;
+    PyObject *keep = PyNumber_Invert(bitobj);
+    if (keep == NULL)
+        return NULL;
+    warm(t, PySequence_Fast_ITEMS(hashes), i, n, keys == Py_None ? NULL : keys, held, device);
+    for (; i < n; i++) {
+        PyObject *eh = PyList_GET_ITEM(hashes, i);
+        PyObject *h = NULL;
+        /* the mapping and the levels are popped (one lookup each) and put back in the rare
+           case that the general path must take the block */
+        if (keys != Py_None) {
+            h = dict_pop(keys, eh); /* keys map to ints, never None */
+            if (h == NULL)
+                goto fail;
+            if (h == Py_None) {
+                Py_DECREF(h);
+                h = NULL;
+            }
+        }
+        if (h == NULL) {
+            h = eh;
+            Py_INCREF(h);
+        }
+        PyObject *old = dict_pop(held, h); /* levels are ints, never None */
+        if (old == NULL)
+            goto fail_h;
+        int only_device = 0;
+        if (PyLong_CheckExact(old)) {
+            int overflow;
+            long v = PyLong_AsLongAndOverflow(old, &overflow);
+            only_device = !overflow && v == 1;
+        }
+        if (!only_device) {
+            int err = old == Py_None ? 0 : PyDict_SetItem(held, h, old); /* put back */
+            Py_DECREF(old);
+            if (err < 0 || (h != eh && PyDict_SetItem(keys, eh, h) < 0))
+                goto fail_h;
+            Py_DECREF(h);
+            break;
+        }
+        Py_DECREF(old);
+        uint64_t key;
+        int ok = as_key(h, &key);
+        if (ok < 0)
+            goto fail_h;
+        PyObject *m = NULL;
+        if (ok) { /* the table holds both masks */
+            if (table_put(t, key, bit, 0, 0) < 0) /* the device bit with it */
+                goto fail_h;
+        } else {
+            m = PyDict_GetItemWithError(device, h); /* borrowed */
+            if (m == NULL && PyErr_Occurred())
+                goto fail_h;
+        }
+        if (m != NULL) {
+            PyObject *mm = PyNumber_And(m, keep);
+            if (mm == NULL)
+                goto fail_h;
+            int truth = PyObject_IsTrue(mm);
+            int err = truth < 0 ? -1
+                      : truth   ? PyDict_SetItem(device, h, mm)
+                                : PyDict_DelItem(device, h);
+            Py_DECREF(mm);
+            if (err < 0)
+                goto fail_h;
+        }
+        if (h != eh && recent != Py_None) {
+            if (PyDict_SetItem(recent, eh, h) < 0)
+                goto fail_h;
+            if (PyDict_GET_SIZE(recent) > recent_max) {
+                Py_DECREF(h);
+                i++;
+                break;
+            }
+        }
+        Py_DECREF(h);
+        continue;
+    fail_h:
+        Py_DECREF(h);
+        goto fail;
+    }
+    Py_DECREF(keep);
+    return PyLong_FromSsize_t(i);
+fail:
+    Py_DECREF(keep);
+    return NULL;
+}
+
+/* ------------------------------------------------------------ the device-tier masks */
+
+/* the device mask of key as a Python int (0 when absent) */
+static PyObject *device_mask(const MaskTable *t, uint64_t key) {
+    const uint64_t *s = table_find(t, key);
+    const size_t words = t->words;
+    if (slot_empty(s, words))
+        return PyLong_FromLong(0);
+    const uint64_t *d = dev_at(t, index_of(t, s));
+    if (words == 1)
+        return PyLong_FromUnsignedLongLong(d[0]);
+    PyObject *r = PyLong_FromLong(0);
+    for (size_t w = words; w-- > 0 && r != NULL;) {
+        PyObject *sixty_four = PyLong_FromLong(64), *word = PyLong_FromUnsignedLongLong(d[w]);
+        PyObject *shifted = sixty_four == NULL ? NULL : PyNumber_Lshift(r, sixty_four);
+        PyObject *next = shifted == NULL || word == NULL ? NULL : PyNumber_Or(shifted, word);
+        Py_XDECREF(sixty_four);
+        Py_XDECREF(word);
+        Py_XDECREF(shifted);
+        Py_DECREF(r);
+        r = next;
+    }
+    return r;
+}
+
+/* device_get(key) -> the mask of workers holding key on the device tier: from the table for
+   an int in [0, 2**64), else from the device dict the table was made with (0 when absent) */
+static PyObject *MaskTable_device_get(MaskTable *t, PyObject *h) {
+    uint64_t key;
+    int ok = as_key(h, &key);
+    if (ok < 0)
+        return NULL;
+    if (ok)
+        return device_mask(t, key);
+    PyObject *m = PyDict_GetItemWithError(t->other, h);
+    if (m == NULL)
+        return PyErr_Occurred() ? NULL : PyLong_FromLong(0);
+    Py_INCREF(m);
+    return m;
+}
+
+/* device_bit(keys, bit, on): set (on) or clear bit `bit` of each key's device mask, where
+   device_get reads it */
+static PyObject *MaskTable_device_bit(MaskTable *t, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "device_bit(keys, bit, on) takes 3 arguments");
+        return NULL;
+    }
+    long bit = as_bit(args[1]);
+    if (bit < 0)
+        return NULL;
+    int on = PyObject_IsTrue(args[2]);
+    if (on < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[0], "keys must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    PyObject *bitobj = NULL, *keep = NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *h = items[i];
+        uint64_t key;
+        int ok = as_key(h, &key);
+        if (ok < 0)
+            goto fail;
+        if (ok) {
+            if (table_put(t, key, bit, on, 1) < 0)
+                goto fail;
+            continue;
+        }
+        if (bitobj == NULL) {
+            bitobj = PyLong_FromLong(1);
+            PyObject *shift = bitobj == NULL ? NULL : PyLong_FromLong(bit);
+            PyObject *b = shift == NULL ? NULL : PyNumber_Lshift(bitobj, shift);
+            Py_XDECREF(shift);
+            Py_XSETREF(bitobj, b);
+            keep = bitobj == NULL ? NULL : PyNumber_Invert(bitobj);
+            if (keep == NULL)
+                goto fail;
+        }
+        PyObject *m = PyDict_GetItemWithError(t->other, h); /* borrowed */
+        if (m == NULL && PyErr_Occurred())
+            goto fail;
+        if (m == NULL && !on)
+            continue;
+        PyObject *mm = m == NULL ? Py_NewRef(bitobj) : PyNumber_Or(m, bitobj);
+        if (!on) {
+            Py_XDECREF(mm);
+            mm = PyNumber_And(m, keep);
+        }
+        if (mm == NULL)
+            goto fail;
+        int truth = PyObject_IsTrue(mm);
+        int err = truth < 0 ? -1 : truth ? PyDict_SetItem(t->other, h, mm) : PyDict_DelItem(t->other, h);
+        Py_DECREF(mm);
+        if (err < 0)
+            goto fail;
+    }
+    Py_XDECREF(bitobj);
+    Py_XDECREF(keep);
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+fail:
+    Py_XDECREF(bitobj);
+    Py_XDECREF(keep);
+    Py_DECREF(seq);
+    return NULL;
+}
+
+/* remember(blocks, keys, keys_map) -> bool
+
+   True when each block's block_hash equals its key (a worker hashing as the router does:
+   nothing to map); else keys_map[block_hash] = key for every block, and False. What
+   KvIndexer._stored_keys does with a store keyed from its tokens, one call per event. */
+static PyObject *MaskTable_remember(MaskTable *t, PyObject *const *args, Py_ssize_t nargs) {
+    (void)t;
+    if (nargs != 3 || !PyList_Check(args[0]) || !PyList_Check(args[1]) ||
+        !PyDict_Check(args[2]) || PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[1])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "remember(blocks: list, keys: list of the same length, keys_map: dict)");
+        return NULL;
+    }
+    PyObject *blocks = args[0], *keys = args[1], *map = args[2];
+    Py_ssize_t n = PyList_GET_SIZE(blocks), i;
+    for (i = 0; i < n; i++) {
+        PyObject *h = PyObject_GetAttr(PyList_GET_ITEM(blocks, i), str_block_hash);
+        if (h == NULL)
+            return NULL;
+        int eq = PyObject_RichCompareBool(h, PyList_GET_ITEM(keys, i), Py_EQ);
+        Py_DECREF(h);
+        if (eq < 0)
+            return NULL;
+        if (!eq)
+            break;
+    }
+    if (i == n)
+        Py_RETURN_TRUE;
+    for (i = 0; i < n; i++) {
+        PyObject *h = PyObject_GetAttr(PyList_GET_ITEM(blocks, i), str_block_hash);
+        if (h == NULL)
+            return NULL;
+        int err = PyDict_SetItem(map, h, PyList_GET_ITEM(keys, i));
+        Py_DECREF(h);
+        if (err < 0)
+            return NULL;
+    }
+    Py_RETURN_FALSE;
+}
+
+static Py_ssize_t MaskTable_len(MaskTable *t) { return (Py_ssize_t)t->count; }
+
+static PyObject *MaskTable_get_words(MaskTable *t, void *closure) {
+    (void)closure;
+    return PyLong_FromSize_t(t->words);
+}
+
+static PyGetSetDef MaskTable_getset[] = {
+    {"words", (getter)MaskTable_get_words, NULL, "64-bit words per worker mask.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef MaskTable_methods[] = {
+    {"sync", (PyCFunction)(void (*)(void))MaskTable_sync, METH_FASTCALL,
+     "sync(keys, bit, held): mirror membership of each int key in held as bit `bit`."},
+    {"set_bit", (PyCFunction)(void (*)(void))MaskTable_set_bit, METH_FASTCALL,
+     "set_bit(keys, bit): set bit `bit` of each int key (all are held)."},
+    {"clear_bit", (PyCFunction)(void (*)(void))MaskTable_clear_bit, METH_FASTCALL,
+     "clear_bit(keys, bit): clear bit `bit` of each int key (none is held)."},
+    {"runs", (PyCFunction)(void (*)(void))MaskTable_runs, METH_FASTCALL,
+     "runs(keys, worker_of_bit) -> {worker: run length}, or None (reference path needed)."},
+    {"device_get", (PyCFunction)MaskTable_device_get, METH_O,
+     "device_get(key) -> mask of the workers holding key on the device tier (0: none)."},
+    {"device_bit", (PyCFunction)(void (*)(void))MaskTable_device_bit, METH_FASTCALL,
+     "device_bit(keys, bit, on): set or clear bit `bit` of each key's device mask."},
+    {"detailed", (PyCFunction)(void (*)(void))MaskTable_detailed, METH_FASTCALL,
+     "detailed(keys, worker_of_bit, make) -> {worker: make(run, device run, on device, "
+     "slower)}, or None (reference path needed)."},
+    {"remember", (PyCFunction)(void (*)(void))MaskTable_remember, METH_FASTCALL,
+     "remember(blocks, keys, keys_map) -> True when every block's hash is its key, else "
+     "maps each hash to its key."},
+    {"store", (PyCFunction)(void (*)(void))MaskTable_store, METH_FASTCALL,
+     "store(blocks, keys, start, bit, bitobj, held, device) -> index of the first block not "
+     "on the device tier."},
+    {"evict", (PyCFunction)(void (*)(void))MaskTable_evict, METH_FASTCALL,
+     "evict(hashes, start, bit, bitobj, held, device, keys, recent, recent_max) -> index "
+     "where the general path is needed."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods MaskTable_as_sequence = {.sq_length = (lenfunc)MaskTable_len};
+
+static PyTypeObject MaskTableType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "router_sim.router._match.MaskTable",
+    .tp_basicsize = sizeof(MaskTable),
+    .tp_dealloc = (destructor)MaskTable_dealloc,
+    .tp_as_sequence = &MaskTable_as_sequence,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Key -> mask of workers holding the block (see router_sim.router.indexer).",
+    .tp_methods = MaskTable_methods,
+    .tp_getset = MaskTable_getset,
+    .tp_new = MaskTable_new,
+};
+
+/* expand_ids(ids, count, per_id, shift, mask) -> bytes
+   expand_array(ids, count, per_id, shift, mask) -> array('i')
+
+   The simulator's prompt of Mooncake-style hash ids (router_sim.sim.workloads.expand_hash_ids):
+   token j of the block of id h is (j << shift) | (h & mask), blocks in id order, `count`
+   tokens in all (the last block cut short), as native-order int32s: bytes, or the array the
+   prompt is (written in place: no copy of a bytes object into an array). */
+/* A new array('i') of n items for the caller to fill, *data its storage (the array is ours
+   alone: it stays put); see events/_int32_array.h. */
+static PyObject *new_int32_array(Py_ssize_t n, uint32_t **data) {
+    unsigned char *bytes = NULL;
+    PyObject *arr = int32_array_new(n, &bytes);
+    *data = (uint32_t *)bytes;
+    return arr;
+}
+
+static PyObject *expand_common(PyObject *const *args, Py_ssize_t nargs, int as_array) {
+    if (nargs != 5 || !PyTuple_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError,
+                        as_array ? "expand_array(ids: tuple, count, per_id, shift, mask)"
+                                 : "expand_ids(ids: tuple, count, per_id, shift, mask) -> bytes");
+        return NULL;
+    }
+    PyObject *ids = args[0];
+    Py_ssize_t count = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t per_id = PyLong_AsSsize_t(args[2]);
+    long shift = PyLong_AsLong(args[3]);
+    unsigned long long mask = PyLong_AsUnsignedLongLong(args[4]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (count < 0 || per_id < 1 || shift < 0 || shift > 31 || mask > UINT32_MAX ||
+        count > PY_SSIZE_T_MAX / 4 ||
+        count / per_id + (count % per_id != 0) > PyTuple_GET_SIZE(ids)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "expand_ids: count must be in [0, len(ids) * per_id], per_id >= 1, "
+                        "shift in [0, 31], mask < 2**32");
+        return NULL;
+    }
+    uint32_t *t;
+    PyObject *out;
+    if (as_array) {
+        out = new_int32_array(count, &t);
+    } else {
+        out = PyBytes_FromStringAndSize(NULL, count * 4);
+        t = out == NULL ? NULL : (uint32_t *)PyBytes_AS_STRING(out);
+    }
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t k = 0, done = 0; done < count; k++) {
+        PyObject *h = PyTuple_GET_ITEM(ids, k);
+        if (!PyLong_Check(h)) {
+            Py_DECREF(out);
+            PyErr_SetString(PyExc_TypeError, "expand_ids: hash ids must be ints");
+            return NULL;
+        }
+        uint32_t id = (uint32_t)(PyLong_AsUnsignedLongLongMask(h) & mask);
+        if (id == (uint32_t)-1 && PyErr_Occurred()) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_ssize_t n = count - done < per_id ? count - done : per_id;
+        for (Py_ssize_t j = 0; j < n; j++)
+            t[done + j] = ((uint32_t)j << shift) | id;
+        done += n;
+    }
+    return out;
+}
+
+static PyObject *expand_ids(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    return expand_common(args, nargs, 0);
+}
+
+static PyObject *expand_array(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    return expand_common(args, nargs, 1);
+}
+
+/* id_run(base, count) -> array('i') [base, base + 1, ..., base + count - 1]: a generated
+   answer (router_sim.sim.workloads.Request.output_tokens), every id in [0, 2**31). */
+static PyObject *id_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "id_run(base, count) -> array('i')");
+        return NULL;
+    }
+    long long base = PyLong_AsLongLong(args[0]);
+    long long count = PyLong_AsLongLong(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (base < 0 || count < 0 || base > INT32_MAX || count > (long long)INT32_MAX + 1 - base) {
+        PyErr_SetString(PyExc_ValueError, "id_run: the ids must lie in [0, 2**31)");
+        return NULL;
+    }
+    uint32_t *t;
+    PyObject *out = new_int32_array((Py_ssize_t)count, &t);
+    if (out == NULL)
+        return NULL;
+    for (long long j = 0; j < count; j++)
+        t[j] = (uint32_t)(base + j);
+    return out;
+}
+
+/* held_prefixes(sets, keys) -> list[int]: for each set or frozenset, how many of keys,
+   first key first, it holds before the first it does not: the simulator's true overlap of a
+   request's block keys with every worker's cache in one call (SimWorker.true_overlap is the
+   reference: `h in held` per key, up to the first miss).
+
+   Workers' caches are sets of a hundred thousand ints and more: each lookup misses the CPU
+   caches twice (the table slot, then the key object it points to), one after the other, and a
+   request asks up to workers x blocks of them. So the keys are taken depth by depth over the
+   sets still holding every key so far, and the lookups of the next depths are announced ahead:
+   the slot of key d + 4 is fetched, and the key object in the slot of key d + 2, while key d is
+   looked up, so the misses of all the sets overlap. Prefetching only reads ahead: every answer
+   is PySet_Contains's. The table and mask are read again for each announcement (a key's
+   __eq__ may run Python code that resizes a set), and sizes are read again after each lookup
+   (such code may change the lists too); each item is held while it is looked up. */
+#define HP_STACK 64
+#define HP_SLOT_AHEAD 4 /* keys ahead whose slots are fetched */
+#define HP_KEY_AHEAD 2  /* keys ahead whose key objects are fetched */
+static inline void announce_slot(PyObject *held, Py_hash_t h) {
+    PySetObject *so = (PySetObject *)held;
+    __builtin_prefetch(&so->table[(size_t)h & (size_t)so->mask]);
+}
+static inline void announce_key(PyObject *held, Py_hash_t h) {
+    PySetObject *so = (PySetObject *)held;
+    PyObject *k = so->table[(size_t)h & (size_t)so->mask].key;
+    if (k != NULL)
+        __builtin_prefetch(k);
+}
+
+/* The hash of keys[i] when it is an int (no Python code runs, it cannot fail), else -1. */
+static inline Py_hash_t int_hash(PyObject *keys, Py_ssize_t i) {
+    if (i >= PySequence_Fast_GET_SIZE(keys))
+        return -1;
+    PyObject *key = PySequence_Fast_GET_ITEM(keys, i);
+    return PyLong_CheckExact(key) ? PyObject_Hash(key) : -1;
+}
+
+static PyObject *held_prefixes(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "held_prefixes(sets, keys) -> list[int]");
+        return NULL;
+    }
+    PyObject *sets = PySequence_Tuple(args[0]);
+    if (sets == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_SetString(PyExc_TypeError, "held_prefixes: sets must be a sequence of sets");
+        }
+        return NULL;
+    }
+    PyObject *keys = PySequence_Fast(args[1], "held_prefixes: keys must be a sequence");
+    PyObject *out = NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(sets);
+    Py_ssize_t stack_run[HP_STACK], stack_alive[HP_STACK];
+    Py_ssize_t *run = stack_run, *alive = stack_alive;
+    if (keys == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *held = PyTuple_GET_ITEM(sets, i);
+        if (!PyAnySet_CheckExact(held)) { /* a subclass's `in` may be its own */
+            PyErr_Format(PyExc_TypeError, "held_prefixes: sets[%zd] is %.100s, not a set", i,
+                         Py_TYPE(held)->tp_name);
+            goto done;
+        }
+    }
+    if (n > HP_STACK) {
+        run = PyMem_New(Py_ssize_t, (size_t)n);
+        alive = PyMem_New(Py_ssize_t, (size_t)n);
+        if (run == NULL || alive == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    Py_ssize_t live = n; /* alive[0..live): the sets holding keys[0..d) */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        run[i] = 0;
+        alive[i] = i;
+    }
+    /* the first keys' slots, then the very first keys' key objects, in every set */
+    for (Py_ssize_t a = 0; a < HP_SLOT_AHEAD; a++) {
+        Py_hash_t h = int_hash(keys, a);
+        for (Py_ssize_t i = 0; h != -1 && i < n; i++)
+            announce_slot(PyTuple_GET_ITEM(sets, i), h);
+    }
+    for (Py_ssize_t a = 0; a < HP_KEY_AHEAD; a++) {
+        Py_hash_t h = int_hash(keys, a);
+        for (Py_ssize_t i = 0; h != -1 && i < n; i++)
+            announce_key(PyTuple_GET_ITEM(sets, i), h);
+    }
+    for (Py_ssize_t d = 0; live > 0 && d < PySequence_Fast_GET_SIZE(keys); d++) {
+        PyObject *key = PySequence_Fast_GET_ITEM(keys, d);
+        Py_INCREF(key);
+        Py_hash_t hs = int_hash(keys, d + HP_SLOT_AHEAD), hk = int_hash(keys, d + HP_KEY_AHEAD);
+        Py_ssize_t kept = 0;
+        for (Py_ssize_t j = 0; j < live; j++) {
+            PyObject *held = PyTuple_GET_ITEM(sets, alive[j]);
+            if (hs != -1)
+                announce_slot(held, hs);
+            if (hk != -1)
+                announce_key(held, hk);
+        }
+        for (Py_ssize_t j = 0; j < live; j++) {
+            Py_ssize_t i = alive[j];
+            int has = PySet_Contains(PyTuple_GET_ITEM(sets, i), key);
+            if (has < 0) {
+                Py_DECREF(key);
+                goto done;
+            }
+            if (has) {
+                run[i]++;
+                alive[kept++] = i;
+            }
+        }
+        live = kept;
+        Py_DECREF(key);
+    }
+    out = PyList_New(n);
+    if (out == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *count = PyLong_FromSsize_t(run[i]);
+        if (count == NULL) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyList_SET_ITEM(out, i, count);
+    }
+done:
+    if (run != stack_run)
+        PyMem_Free(run);
+    if (alive != stack_alive)
+        PyMem_Free(alive);
+    Py_DECREF(sets);
+    Py_XDECREF(keys);
+    return out;
+}
+
+static PyMethodDef module_methods[] = {
+    {"expand_ids", (PyCFunction)(void (*)(void))expand_ids, METH_FASTCALL,
+     "The int32 bytes of a prompt given by hash ids (see router_sim.sim.workloads)."},
+    {"expand_array", (PyCFunction)(void (*)(void))expand_array, METH_FASTCALL,
+     "expand_ids' prompt as an array('i')."},
+    {"id_run", (PyCFunction)(void (*)(void))id_run, METH_FASTCALL,
+     "array('i') of count consecutive ids from base (see router_sim.sim.workloads)."},
+    {"held_prefixes", (PyCFunction)(void (*)(void))held_prefixes, METH_FASTCALL,
+     "Per set, how many leading keys it holds (the simulator's true overlaps)."},
+    {"int32_array_raw", (PyCFunction)(void (*)(void))int32_array_raw, METH_FASTCALL,
+     "int32_array_raw(on=None) -> bool: whether arrays are made without filling them first."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_match", "Native loops of router_sim (the index's, the prompts').",
+    -1, module_methods,
+};
+
+PyMODINIT_FUNC PyInit__match(void) {
+    if (PyType_Ready(&MaskTableType) < 0)
+        return NULL;
+    str_cache_level = PyUnicode_InternFromString("cache_level");
+    str_block_hash = PyUnicode_InternFromString("block_hash");
+    one = PyLong_FromLong(1);
+    empty_tuple = PyTuple_New(0);
+    if (empty_tuple == NULL)
+        return NULL;
+    if (str_cache_level == NULL || str_block_hash == NULL || one == NULL)
+        return NULL;
+    if (int32_array_init() < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&MaskTableType);
+    if (PyModule_AddObject(m, "MaskTable", (PyObject *)&MaskTableType) < 0) {
+        Py_DECREF(&MaskTableType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,105 @@
+"""Type stub of the native match loop of router_sim.router.indexer (built from _match.c)."""
+
+from array import array
+from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+class MaskTable:
+    """Key -> masks of the workers holding the block on any tier and on the device tier (as
+    many 64-bit words each as the highest bit in use needs)."""
+
+    def __init__(self, other: dict[Any, int] = ..., /) -> None:
+        """``other``: where device masks of keys that are not ints in [0, 2**64) live."""
+
+    def device_get(self, key: object, /) -> int:
+        """The mask of the workers holding ``key`` on the device tier (0: none)."""
+
+    def device_bit(self, keys: Sequence[object], bit: int, on: bool) -> None:
+        """Set (``on``) or clear bit ``bit`` of each key's device mask."""
+
+    @property
+    def words(self) -> int:
+        """64-bit words per worker mask (the table widens as bits past it are set)."""
+
+    def sync(self, keys: Sequence[object], bit: int, held: dict[Any, int]) -> None:
+        """For each int key in [0, 2**64): set bit ``bit`` if the key is in ``held``, else
+        clear it; keys of other types are ignored."""
+
+    def set_bit(self, keys: Sequence[object], bit: int) -> None:
+        """``sync`` where every key is held."""
+
+    def clear_bit(self, keys: Sequence[object], bit: int) -> None:
+        """``sync`` where no key is held."""
+
+    def runs(self, keys: Sequence[object], worker_of_bit: dict[int, int]) -> dict[int, int] | None:
+        """{worker: run length} as ``KvIndexer.find_matches``, or None when a key is not an
+        int in [0, 2**64) (the caller takes the reference path)."""
+
+    def detailed(
+        self,
+        keys: Sequence[object],
+        worker_of_bit: dict[int, int],
+        make: Callable[[int, int, int, int], T],
+        fields: tuple[Any, Any, Any, Any] | None = None,
+        /,
+    ) -> dict[int, T] | None:
+        """{worker: make(run, device run, device copies, slower copies)} as
+        ``KvIndexer.find_matches_detailed``, or None when a key is not an int in [0, 2**64).
+        ``fields``: ``make``'s four data descriptors (``make`` a class whose ``__init__`` only
+        sets them, in this order): each value is set through them, without calling ``make``."""
+
+    def remember(self, blocks: list[Any], keys: list[Any], keys_map: dict[Any, int]) -> bool:
+        """True when each block's ``block_hash`` equals its key; else maps every block's hash
+        to its key in ``keys_map`` and returns False."""
+
+    def store(
+        self,
+        blocks: list[Any],
+        keys: list[Any] | None,
+        start: int,
+        bit: int,
+        bitobj: int,
+        held: dict[Any, int],
+        device: dict[Any, int],
+    ) -> int:
+        """KvIndexer's device-tier store loop from ``blocks[start]`` (keys: each block's key,
+        None: its ``block_hash``); returns the index of the first block whose ``cache_level``
+        is not 0, else ``len(blocks)``."""
+
+    def evict(
+        self,
+        hashes: list[Any],
+        start: int,
+        bit: int,
+        bitobj: int,
+        held: dict[Any, int],
+        device: dict[Any, int],
+        keys: dict[Any, int] | None,
+        recent: dict[Any, int] | None,
+        recent_max: int,
+    ) -> int:
+        """KvIndexer's eviction of blocks held on the device tier only, from
+        ``hashes[start]``; returns the index of the first hash needing the general path, or
+        the one after the mapping that took ``recent`` past ``recent_max``, else
+        ``len(hashes)``."""
+
+    def __len__(self) -> int: ...
+
+def expand_ids(ids: tuple[int, ...], count: int, per_id: int, shift: int, mask: int, /) -> bytes:
+    """Native-order int32 bytes of ``count`` tokens: token ``j`` of the block of id ``h`` is
+    ``(j << shift) | (h & mask)``, blocks in id order (the last one cut short)."""
+
+def expand_array(
+    ids: tuple[int, ...], count: int, per_id: int, shift: int, mask: int, /
+) -> array[int]:
+    """:func:`expand_ids`' tokens as an ``array('i')`` (written in place, not copied)."""
+
+def id_run(base: int, count: int, /) -> array[int]:
+    """``array('i')`` of ``base, base + 1, ..., base + count - 1`` (ids in [0, 2**31))."""
+
+def held_prefixes(sets: Iterable[AbstractSet[Any]], keys: Iterable[Any], /) -> list[int]:
+    """Per set, how many of ``keys`` (first key first) it holds before the first it does not
+    (``TypeError`` for an item of ``sets`` that is not a set or frozenset)."""

@@ -1,0 +1,360 @@
+"""Engine dialects: a simulated worker publishes its KV events as vLLM, SGLang or TensorRT-LLM do.
+
+A simulated worker's event manager announces this project's events: V1 block hashes, the LoRA
+id and cache salt id of each block, tier moves as a removal plus a store. A real fleet runs
+engines that announce their own hashes, which no router can recompute, and put the scope
+where each engine puts it. A :class:`Dialect` turns one native batch into the payload that
+engine would publish, so ``router-sim run --engine vllm`` measures the router against what
+vLLM workers send, not against a router-friendly stream:
+
+- ``native``: this project's encoder as it is (``events.wire.codec.encode_batch``).
+- ``trtllm``: TensorRT-LLM's hashes are the V1 hashes (WIRE.md 3) and its LLM-API events carry
+  ``lora_id`` and ``cache_salt_id`` as ours do; TensorRT-LLM ships no ZeroMQ publisher, so its
+  events travel as a framework relays them, in the map form of ``encode_batch``, with its
+  attention data-parallel rank (0) in the envelope.
+- ``vllm`` (0.26-0.33 map events, tests/data/engines/vllm-*): 64-bit block hashes of its own
+  (stand-in: the last 8 bytes, big-endian, of a sha256 over a per-process seed and the block's
+  content key, which already chains the parent, the token ids and the scope; vLLM's own are a
+  sha256 of the parent hash, token ids and extra keys under a per-process seed, converted to
+  an int from the digest's last 8 bytes), ``lora_id`` plus ``lora_name``, the adapter's name
+  in every block's ``extra_keys`` and the cache salt in the first block's, ``group_idx`` 0,
+  a trailing partial block as its own store, and host-tier copies announced as CPU-offload
+  placeholders (no token ids, ``block_size`` 0) on medium ``CPU``.
+- ``sglang`` (0.5.23, tests/data/engines/sglang-0.5.23): signed int64 hashes (stand-in: the
+  first 8 bytes of a sha256 of the content key, as SGLang's recorder folds its sha256 page
+  hashes to int64, with no per-process seed), ``lora_name`` with ``lora_id`` nil,
+  ``cache_salt`` on each store, a partial page as its own store, medium ``CPU_PINNED`` for its
+  host tier (with token ids).
+
+The engine hash is a pure function of the native hash (per worker), so removals and parents
+are renamed without any state. vLLM and SGLang name adapters: a router keys their blocks by
+the name (``router_sim.router.indexer.lora_name_id``), so under those dialects a request's scope
+uses
+the name's id (:func:`request_scope`), in the worker's cache and in the router's route alike,
+and the engine's own LoRA int id still travels in ``lora_id`` (vLLM).
+
+Snapshots (this project's extension, which engines lack) are sent in the dialect too, with every
+block's token ids (vLLM's host copies included), so a router that resyncs keys each block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any, Final
+
+import msgspec
+
+from events.wire.codec import encode_batch, wire_tokens
+from events.wire.model import (
+    AllBlocksCleared,
+    BlockHash,
+    KVCacheEvent,
+    Removed,
+    Stored,
+    StoredBlock,
+    cache_level_of,
+    medium_of,
+)
+from kvcache.scope import ReuseScope, cache_salt_id
+from router_sim.sim.workloads import Request
+
+ENGINES: Final[tuple[str, ...]] = ("native", "vllm", "sglang", "trtllm")
+"""Values of ``router-sim run --engine``."""
+
+_NAMING: Final = frozenset({"vllm", "sglang"})  # engines that announce adapters by name
+_ENCODER: Final = msgspec.msgpack.Encoder()
+_DP_RANK: Final = 0  # engines put their data-parallel rank in the envelope
+
+
+def check_engine(engine: str) -> None:
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}; got {engine!r}")
+
+
+def adapter_name(lora_id: int) -> str:
+    """The name a simulated engine gives LoRA adapter ``lora_id`` (vLLM's ``lora_name``)."""
+    return f"adapter-{lora_id}"
+
+
+def request_scope(engine: str, req: Request) -> ReuseScope:
+    """The scope ``req`` is cached and routed under when workers speak ``engine``: its own,
+    except that engines which announce adapters by name are routed by that name."""
+    if req.lora_id is None or engine not in _NAMING:
+        return req.scope
+    return ReuseScope(lora_id=cache_salt_id(adapter_name(req.lora_id)), salt=req.scope.salt)
+
+
+def _hash_bytes(h: BlockHash) -> bytes:
+    return h.to_bytes(8, "big") if type(h) is int else bytes.fromhex(str(h))
+
+
+class Dialect:
+    """``native``: the payload of ``events.wire.codec.encode_batch``; subclasses speak an
+    engine's."""
+
+    engine = "native"
+
+    def __init__(self, worker_id: int, tokens_per_block: int) -> None:
+        self.worker_id = worker_id
+        self.tokens_per_block = tokens_per_block
+        # native LoRA id -> (the engine's LoRA int id, its name); salt id -> the salt string
+        self._adapters: dict[int, tuple[int, str]] = {}
+        self._salts: dict[int, str] = {}
+
+    def learn(self, req: Request) -> None:
+        """Remember ``req``'s adapter name and salt string (an engine knows its requests')."""
+        if req.cache_salt is not None and req.scope.salt is not None:
+            self._salts[req.scope.salt] = req.cache_salt
+        if req.lora_id is not None:
+            native = request_scope(self.engine, req).lora_id
+            assert native is not None
+            self._adapters[native] = (req.lora_id, adapter_name(req.lora_id))
+
+    def scope(self, req: Request) -> ReuseScope:
+        return request_scope(self.engine, req)
+
+    def engine_hash(self, h: BlockHash) -> BlockHash:
+        """The hash the engine announces for the block this project hashes to ``h``."""
+        return h
+
+    def _medium(self, level: int | None) -> str:
+        return medium_of(level or 0)
+
+    def renamed(self, events: Sequence[KVCacheEvent]) -> list[KVCacheEvent]:
+        """``events`` with the engine's hashes (as uint64) in place of this project's, for
+        a publisher that encodes them itself (its snapshot replies): the blocks keep their
+        token ids and the scope as ids, from which a router derives the same keys as from
+        the engine's own fields."""
+        if type(self).engine_hash is Dialect.engine_hash:
+            return list(events)
+
+        def name(h: BlockHash) -> BlockHash:
+            e = self.engine_hash(h)
+            return e % 2**64 if type(e) is int else e
+
+        def level(cache_level: int | None) -> int | None:
+            return None if cache_level is None else cache_level_of(self._medium(cache_level))
+
+        out: list[KVCacheEvent] = []
+        for ev in events:
+            data = ev.data
+            if isinstance(data, Stored):
+                blocks = [
+                    replace(b, block_hash=name(b.block_hash), cache_level=level(b.cache_level) or 0)
+                    for b in data.blocks
+                ]
+                parent = None if data.parent_hash is None else name(data.parent_hash)
+                data = replace(data, parent_hash=parent, blocks=blocks)
+            elif isinstance(data, Removed):
+                hashes = [name(h) for h in data.block_hashes]
+                data = replace(data, block_hashes=hashes, cache_level=level(data.cache_level))
+            out.append(replace(ev, data=data))
+        return out
+
+    def encode(self, batch: Sequence[KVCacheEvent], ts: float, snapshot: bool = False) -> bytes:
+        """The payload the engine publishes for ``batch``. ``snapshot``: the batch is a part of
+        this project's snapshot (an extension engines lack): every block travels with its
+        token ids, so a router rebuilding the worker's view can key each one."""
+        return encode_batch(batch, ts)
+
+
+class TrtllmDialect(Dialect):
+    """V1 hashes and this project's fields (they are TensorRT-LLM's), dp rank 0."""
+
+    engine = "trtllm"
+
+    def encode(self, batch: Sequence[KVCacheEvent], ts: float, snapshot: bool = False) -> bytes:
+        return encode_batch(batch, ts, _DP_RANK)
+
+
+class _EngineDialect(Dialect):
+    """vLLM and SGLang: their own hashes, their scope fields and media, map events."""
+
+    host_medium = "CPU"
+
+    def _lora(self, lora_id: int | None) -> tuple[int | None, str | None]:
+        if lora_id is None:
+            return None, None
+        found = self._adapters.get(lora_id)
+        if found is None:
+            raise ValueError(f"worker {self.worker_id}: LoRA id {lora_id} of no known request")
+        return found
+
+    def _salt(self, salt_id: int | None) -> str | None:
+        if salt_id is None:
+            return None
+        found = self._salts.get(salt_id)
+        if found is None:
+            raise ValueError(f"worker {self.worker_id}: cache salt {salt_id} of no known request")
+        return found
+
+    def _medium(self, level: int | None) -> str:
+        return "GPU" if not level else self.host_medium
+
+    def encode(self, batch: Sequence[KVCacheEvent], ts: float, snapshot: bool = False) -> bytes:
+        out: list[dict[str, Any]] = []
+        for event in batch:
+            data = event.data
+            if isinstance(data, Stored):
+                self._stored(data, out, snapshot)
+            elif isinstance(data, Removed):
+                if data.block_hashes:
+                    out.append(self._removed(data))
+            elif isinstance(data, AllBlocksCleared):
+                out.append({"type": "AllBlocksCleared"})
+            # Created and Updated: engines announce neither (moves come as Removed + Stored)
+        return _ENCODER.encode([float(ts), out, _DP_RANK])
+
+    def _removed(self, data: Removed) -> dict[str, Any]:
+        return {
+            "type": "BlockRemoved",
+            "block_hashes": [self.engine_hash(h) for h in data.block_hashes],
+            "medium": self._medium(data.cache_level),
+        }
+
+    def _runs(self, blocks: list[StoredBlock]) -> list[list[StoredBlock]]:
+        """Blocks as the engine's stores: one scope and tier each, a partial block alone."""
+        tpb = self.tokens_per_block
+        runs: list[list[StoredBlock]] = []
+        run: list[StoredBlock] = []
+        for b in blocks:
+            if run and (
+                len(b.tokens) < tpb
+                or len(run[-1].tokens) < tpb
+                or (b.lora_id, b.cache_level, b.cache_salt_id)
+                != (run[-1].lora_id, run[-1].cache_level, run[-1].cache_salt_id)
+            ):
+                runs.append(run)
+                run = []
+            run.append(b)
+        if run:
+            runs.append(run)
+        return runs
+
+    def _stored(self, data: Stored, out: list[dict[str, Any]], snapshot: bool) -> None:
+        parent = data.parent_hash
+        for run in self._runs(data.blocks):
+            out.append(self._store(run, parent, snapshot))
+            parent = run[-1].block_hash
+
+    def _store(
+        self, run: list[StoredBlock], parent: BlockHash | None, snapshot: bool
+    ) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _tokens(self, run: list[StoredBlock]) -> Any:
+        """The run's token ids as msgspec writes them: blocks holding packed ids (the event
+        manager's ``array('i')``) are joined and written as one msgpack array at once
+        (``events.wire.codec.wire_tokens``), the same bytes as the ints as a list."""
+        if all(type(b.tokens) is array and b.tokens.typecode == "i" for b in run):
+            joined = array("i")
+            for b in run:
+                joined += b.tokens  # type: ignore[arg-type]
+            return wire_tokens(joined)
+        return [t for b in run for t in b.tokens]
+
+
+class VllmDialect(_EngineDialect):
+    engine = "vllm"
+
+    def __init__(self, worker_id: int, tokens_per_block: int) -> None:
+        super().__init__(worker_id, tokens_per_block)
+        # vLLM seeds its hash chain per process (NONE_HASH); a worker is a process
+        self._seed = hashlib.sha256(b"vllm-none-hash:%d" % worker_id).digest()
+
+    def engine_hash(self, h: BlockHash) -> int:
+        return int.from_bytes(hashlib.sha256(self._seed + _hash_bytes(h)).digest()[-8:], "big")
+
+    def _removed(self, data: Removed) -> dict[str, Any]:
+        wire = super()._removed(data)
+        if not data.cache_level:
+            wire["group_idx"] = 0  # the GPU KV-cache group; offload tiers send none
+        return wire
+
+    def _store(
+        self, run: list[StoredBlock], parent: BlockHash | None, snapshot: bool
+    ) -> dict[str, Any]:
+        first = run[0]
+        hashes = [self.engine_hash(b.block_hash) for b in run]
+        if first.cache_level and not snapshot:
+            # what vLLM's CPU offload announces: hashes only
+            return {
+                "type": "BlockStored",
+                "block_hashes": hashes,
+                "parent_block_hash": None,
+                "token_ids": [],
+                "block_size": 0,
+                "lora_id": None,
+                "medium": self.host_medium,
+                "lora_name": None,
+            }
+        lora_id, name = self._lora(first.lora_id)
+        salt = self._salt(first.cache_salt_id) if parent is None else None
+        wire: dict[str, Any] = {
+            "type": "BlockStored",
+            "block_hashes": hashes,
+            "parent_block_hash": None if parent is None else self.engine_hash(parent),
+            "token_ids": self._tokens(run),
+            "block_size": len(first.tokens),
+            "lora_id": lora_id,
+            "medium": self._medium(first.cache_level),
+            "lora_name": name,
+        }
+        if name is not None or salt is not None:
+            # per block: the adapter's name, then (first block of a sequence) the salt
+            keys: list[list[str] | None] = []
+            for i in range(len(run)):
+                entry = ([name] if name is not None else []) + (
+                    [salt] if salt is not None and i == 0 else []
+                )
+                keys.append(entry or None)
+            wire["extra_keys"] = keys
+        wire["group_idx"] = 0
+        return wire
+
+
+class SglangDialect(_EngineDialect):
+    engine = "sglang"
+    host_medium = "CPU_PINNED"
+
+    def engine_hash(self, h: BlockHash) -> int:
+        digest = hashlib.sha256(b"sglang-page:" + _hash_bytes(h)).digest()
+        return int.from_bytes(digest[:8], "big", signed=True)
+
+    def _store(
+        self, run: list[StoredBlock], parent: BlockHash | None, snapshot: bool
+    ) -> dict[str, Any]:
+        first = run[0]
+        _, name = self._lora(first.lora_id)
+        salt = self._salt(first.cache_salt_id)
+        wire: dict[str, Any] = {
+            "type": "BlockStored",
+            "block_hashes": [self.engine_hash(b.block_hash) for b in run],
+            "parent_block_hash": None if parent is None else self.engine_hash(parent),
+            "token_ids": self._tokens(run),
+            "block_size": len(first.tokens),
+            "lora_id": None,
+            "medium": self._medium(first.cache_level),
+        }
+        if name is not None:
+            wire["lora_name"] = name
+        if salt is not None:
+            wire["cache_salt"] = salt
+        return wire
+
+
+_DIALECTS: Final[dict[str, type[Dialect]]] = {
+    "native": Dialect,
+    "trtllm": TrtllmDialect,
+    "vllm": VllmDialect,
+    "sglang": SglangDialect,
+}
+
+
+def make_dialect(engine: str, worker_id: int, tokens_per_block: int) -> Dialect:
+    """The dialect of ``engine`` (one of :data:`ENGINES`) for one worker."""
+    check_engine(engine)
+    return _DIALECTS[engine](worker_id, tokens_per_block)
