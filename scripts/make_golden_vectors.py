@@ -1,4 +1,4 @@
-"""Write the golden hash vectors shipped in events/golden/ (one file per algorithm).
+"""Write the golden hash vectors shipped in events/tools/golden/ (one file per algorithm).
 
 The values do not come from the code they guard: this script re-implements WIRE.md sections
 1-3 on its own (the V1 BlockKeyHasher from the pseudocode, block keys with hashlib, the salt id,
@@ -296,7 +296,7 @@ def write(out_dir: Path) -> None:
 
 if __name__ == "__main__":
     check_against_wire()
-    target = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("events/golden")
+    target = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("events/tools/golden")
     target.mkdir(parents=True, exist_ok=True)
     write(target)
     print(f"checked against every WIRE.md vector; wrote {target}/*.json")

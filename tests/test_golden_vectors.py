@@ -1,4 +1,4 @@
-"""The golden vectors shipped in events/golden/: they hold WIRE.md's published values, the
+"""The golden vectors shipped in events/tools/golden/: they hold WIRE.md's published values, the
 independent generator reproduces them, this library and this project's worker pass them, and
 they never change (their digests are pinned)."""
 

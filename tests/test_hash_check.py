@@ -444,3 +444,70 @@ def test_cli_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[s
         assert run(*argv)[0] == 2, argv
         assert message in capsys.readouterr().err, argv
     assert run("--check", str(golden), "--tokens", "1")[0] == 2  # argparse: not both
+
+
+# ------------------------------------------------------------------- guarded recording
+
+
+def test_record_refuses_drifted_hashes_under_a_known_name_unless_forced(tmp_path: Path) -> None:
+    """`kv-events hash --record --algo v1_block_key` from an engine whose salt is not mixed in:
+    refused with the diff (exit 1, nothing written); recorded under the engine's own name, or
+    forced, with the provenance saying so."""
+    salted = Case("tenant-a", TOKENS, 16, SALTED, "tenant-a")
+    drifted = chain_hashes(TOKENS, 16, ReuseScope(3, None))  # the salt not mixed in
+    _publish(tmp_path / "run.jsonl", [(TOKENS, SALTED, drifted, 16)])
+    corpus = tmp_path / "corpus.json"
+    write_golden(corpus, Golden(16, ["v1_block_key"], [salted]))
+    out = tmp_path / "golden.json"
+    argv = ["--record", str(out), "--corpus", str(corpus), "--capture", str(tmp_path / "run.jsonl")]
+    code, text = run(*argv, "--algo", "v1_block_key")
+    assert code == 1 and not out.exists(), text
+    assert "refusing to record 1 case(s) under v1_block_key" in text
+    want = independent(TOKENS, 16, SALTED, "v1_block_key")  # WIRE.md's value: the library side
+    assert f"library: {want[0]}\n    actual: {drifted[0]}" in text
+    assert "likely cause: the salt is not mixed in" in text
+    # the engine's own name: its hashes are what that name means
+    assert run(*argv, "--algo", "my-engine-v1")[0] == 0
+    provenance = json.loads(out.read_text(encoding="utf-8"))["provenance"]
+    assert provenance["algorithms"] == ["my-engine-v1"] and "forced" not in provenance
+    assert provenance["command"].startswith("kv-events hash --record ")
+    assert "--algo my-engine-v1" in provenance["command"]
+    # forced: written, and the file says it was
+    code, text = run(*argv, "--algo", "v1_block_key", "--force")
+    assert code == 0, text
+    raw = json.loads(out.read_text(encoding="utf-8"))
+    assert raw["cases"][0]["hashes"]["v1_block_key"] == drifted
+    assert raw["provenance"]["forced"] == ["v1_block_key"]
+    assert raw["provenance"]["command"].endswith("--force")
+
+
+def test_a_request_hasher_gets_the_raw_cache_salt(tmp_path: Path) -> None:
+    """The engine's own salt derivation is exercised: one deriving by blake3 is named."""
+    import blake3
+
+    from events.tools.hashcheck import Request
+
+    seen: list[Request] = []
+
+    def engine(tokens: list[int], tpb: int, request: Request, algo: str) -> list[BlockHash]:
+        seen.append(request)
+        salt = request.cache_salt
+        salt_id = (
+            None
+            if salt is None
+            else int.from_bytes(blake3.blake3(salt.encode()).digest(8), "little")
+        )
+        return chain_hashes(tokens, tpb, ReuseScope(request.lora_id, salt_id), algo)
+
+    golden = record(
+        Golden(16, ["v1_block_key"], [Case("t", TOKENS, 16, SALTED, "tenant-a")]), independent
+    )
+    (drift,) = compare(golden, request_hasher=engine)
+    assert seen == [Request(3, "tenant-a", 16248643848220682112)]
+    assert (
+        "derives the salt id of cache_salt 'tenant-a' from the first 8 bytes of blake3"
+        in drift.cause
+    )
+    assert "(15947361407820284973)" in drift.cause  # WIRE.md 1's blake3 value
+    with pytest.raises(GoldenError, match="refusing to record 1 case"):
+        record(golden, request_hasher=engine)

@@ -225,7 +225,7 @@ def test_doctor_gap_costs_constant_memory() -> None:
     finally:
         tracemalloc.stop()
     assert peak < 1 << 20
-    gaps = [f.message for f in findings if f.severity == "problem"]
+    gaps = [f.message for f in findings if f.kind == "gap"]
     assert len(gaps) == 2 and "1099511627775 batch(es) lost" in gaps[0]
 
 

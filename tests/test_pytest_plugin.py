@@ -62,8 +62,9 @@ def test_the_plugin_is_declared_as_a_pytest11_entry_point() -> None:
     section = re.search(r"^\[project\.entry-points\.pytest11\]\n((?:[^\[\n].*\n)*)", text, re.M)
     assert section is not None
     assert section.group(1).split() == ["kv_golden", "=", '"events.tools.pytest_plugin"']
-    data = re.search(r"^events = \[(.*)\]$", text, re.M)
+    data = re.search(r'^"events.tools" = \[(.*)\]$', text, re.M)
     assert data is not None and '"golden/*.json"' in data.group(1)
+    assert '"golden/README.md"' in data.group(1)
 
 
 def test_without_the_fixture_the_plugin_does_nothing(pytester: pytest.Pytester) -> None:
@@ -192,12 +193,35 @@ def test_update_mode_rewrites_the_golden_file(pytester: pytest.Pytester) -> None
     assert recorded == {c["name"]: c["hashes"] for c in shipped["cases"]}  # the WIRE values
     failed, passed = _failures(pytester)
     assert passed == 1 and "another block size" in failed["test_drifted"]
-    # a deliberate change: the drifting hasher's hashes replace the old ones
+    provenance = json.loads(golden.read_text(encoding="utf-8"))["provenance"]
+    assert provenance["command"].endswith(
+        "--kv-golden-update test_update_mode_rewrites_the_golden_file.py::test_worker"
+    )
+    assert provenance["recorded"] == ["v2_sha256_64"] and "forced" not in provenance
+    assert provenance["library"].startswith("scoped-kv-router ")
+    # drifted hashes under this project's algorithm name: refused with the diff, file kept
+    before = golden.read_bytes()
     result = pytester.runpytest_inprocess(*_args(), "-k", "test_drifted", "--kv-golden-update")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*refusing to record 10 case(s) under v2_sha256_64*",
+            "*library: *",
+            "*actual: *",
+            "*likely cause: another block size: the hashes are of 8-token blocks, not 4*",
+        ]
+    )
+    assert golden.read_bytes() == before
+    # a deliberate change, forced: the drifting hasher's hashes replace the old ones
+    result = pytester.runpytest_inprocess(
+        *_args(), "-k", "test_drifted", "--kv-golden-update", "--kv-golden-force"
+    )
     result.assert_outcomes(passed=1)
     failed, passed = _failures(pytester)
     assert passed == 1 and "another block size" in failed["test_worker"]
     assert {c.name: c.hashes for c in load_golden(golden).cases} != recorded
+    provenance = json.loads(golden.read_text(encoding="utf-8"))["provenance"]
+    assert provenance["forced"] == ["v2_sha256_64"] and "--kv-golden-force" in provenance["command"]
 
 
 def test_update_mode_never_rewrites_the_shipped_vectors(pytester: pytest.Pytester) -> None:

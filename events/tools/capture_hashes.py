@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from events.tools.capture import CaptureError, read_capture
-from events.tools.diagnosis import explain_chain
+from events.tools.diagnosis import explain_chain, salt_cause, salt_variants
 from events.tools.hashcheck import Case, Drift, Golden, GoldenError
 from events.wire.codec import DecodeError, decode_batch
 from events.wire.model import BlockHash, Stored
@@ -164,6 +164,13 @@ class CaptureHashes:
         sized = all(size == tpb for size in walk.sizes[:full])
         # a trailing partial block some engines announce is not part of the golden chain
         actual = walk.hashes[:full] if sized else walk.hashes
+        if not walk.hashes and case.cache_salt is not None:
+            # announced under the salt id another derivation of the case's cache_salt gives
+            for name, what, value in salt_variants(case.cache_salt):
+                other = self.walk(case.tokens, ReuseScope(case.scope.lora_id, value))
+                if other.hashes:
+                    cause = str(salt_cause(case.cache_salt, name, what, value))
+                    return Drift(case, algo, expected, other.hashes[:full], cause)
         if not walk.hashes:
             cause = (
                 "the prompt is not in the capture: no block announced without a parent holds "
@@ -189,7 +196,9 @@ class CaptureHashes:
         elif actual == expected:
             return None
         else:
-            cause = explain_chain(algo, case.tokens, tpb, case.scope, expected, actual)
+            cause = explain_chain(
+                algo, case.tokens, tpb, case.scope, expected, actual, case.cache_salt
+            )
         return Drift(case, algo, expected, actual, cause)
 
 

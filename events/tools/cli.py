@@ -39,6 +39,7 @@ from events.tools.capture import CaptureError, CaptureWriter, read_capture
 from events.tools.cli_args import (
     EXIT_OK,
     EXIT_PROBLEMS,
+    EXIT_UNVERIFIED,
     EXIT_USAGE,
     ArgError,
     OneLineParser,
@@ -64,7 +65,7 @@ from events.wire.model import (
     medium_of,
 )
 from kvcache.keys import blockchain_keys, root_key, token_array
-from kvcache.scope import ReuseScope
+from kvcache.scope import ReuseScope, cache_salt_id
 
 _ENDPOINT_SCHEMES: Final = ("tcp://", "ipc://", "inproc://")
 
@@ -276,9 +277,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--hash-algo",
         choices=[a.value for a in HashAlgo],
-        help="the router's hash algorithm (default: what the events say)",
+        help="the router's hash algorithm: every block is checked against it (default: what "
+        "the events declare)",
     )
-    _add_scope_args(p)
+    p.add_argument("--lora-id", type=int, help="impose this LoRA id on every block")
+    p.add_argument("--salt-id", type=int, help="impose this 64-bit salt id on every block")
+    p.add_argument(
+        "--cache-salt",
+        action="append",
+        default=[],
+        metavar="S",
+        help="a cache_salt string the requests used (repeat for several): makes a stream "
+        "without salt ids checkable, and checks announced salt ids' derivation",
+    )
+    p.add_argument(
+        "--require-verified",
+        action="store_true",
+        help=f"exit {EXIT_UNVERIFIED} unless every block hash verified (no engine-native, "
+        "unverifiable or unrecomputable blocks, at least one verified)",
+    )
     _add_stream_args(p)
 
     p = sub.add_parser("keygen", help="write a CURVE key pair (NAME.key, NAME.key_secret)")
@@ -293,6 +310,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--check", metavar="GOLDEN", help="compare hashes with a golden file (shipped:ALGO too)"
     )
     src.add_argument("--record", metavar="GOLDEN", help="write a golden file from --corpus")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="--record hashes under this project's algorithm names even where they differ "
+        "from the library's own computation",
+    )
     p.add_argument("--tokens-per-block", type=int)
     _add_scope_args(p)
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -378,7 +401,8 @@ def _cmd_doctor(args: argparse.Namespace, out: IO[str]) -> int:
     options = DoctorOptions(
         block_size=args.block_size,
         hash_algo=None if args.hash_algo is None else HashAlgo(args.hash_algo),
-        scope=scope_from(args),
+        scope=_doctor_scope(args),
+        salts=tuple(args.cache_salt),
     )
     if args.target.startswith(_ENDPOINT_SCHEMES):
         doctor = Doctor(options, [args.target])
@@ -400,7 +424,33 @@ def _cmd_doctor(args: argparse.Namespace, out: IO[str]) -> int:
             doctor.feed(message.worker, message.frames, message.replay)
     problems = [f for f in doctor.finish() if f.severity == "problem"]
     out.write(doctor.render() + "\n")
-    return EXIT_PROBLEMS if problems else EXIT_OK
+    if problems:
+        return EXIT_PROBLEMS
+    if args.require_verified and not doctor.fully_verified():
+        out.write(
+            f"--require-verified: not every block hash was verified ({doctor.verdict()}): "
+            f"exit {EXIT_UNVERIFIED}\n"
+        )
+        return EXIT_UNVERIFIED
+    return EXIT_OK
+
+
+def _doctor_scope(args: argparse.Namespace) -> ReuseScope | None:
+    """The scope ``--lora-id`` / ``--salt-id`` impose (with at most one ``--cache-salt``)."""
+    if args.lora_id is None and args.salt_id is None:
+        return None
+    salt = args.salt_id
+    if args.cache_salt:
+        if salt is not None or len(args.cache_salt) > 1:
+            raise UsageError(
+                "an imposed scope (--lora-id / --salt-id) takes one salt: --salt-id or a "
+                "single --cache-salt"
+            )
+        salt = cache_salt_id(args.cache_salt[0])
+    try:
+        return ReuseScope(args.lora_id, salt)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _cmd_hash(args: argparse.Namespace, out: IO[str]) -> int:
@@ -433,7 +483,8 @@ _COMMANDS: Final = {
 
 
 def main(argv: Sequence[str] | None = None, out: IO[str] | None = None) -> int:
-    """Run ``kv-events``; returns the exit status (0 ok, 1 problems found, 2 usage error)."""
+    """Run ``kv-events``; returns the exit status (0 ok, 1 problems found, 2 usage error, 3
+    ``doctor --require-verified`` with block hashes left unverified)."""
     stream = sys.stdout if out is None else out
     try:
         args = build_parser().parse_args(argv)

@@ -21,6 +21,8 @@ from kvcache.scope import ReuseScope, cache_salt_id
 
 EXIT_OK: Final = 0
 EXIT_PROBLEMS: Final = 1
+EXIT_UNVERIFIED: Final = 3
+"""``kv-events doctor --require-verified``: no problem found, but not every block hash verified."""
 EXIT_USAGE: Final = 2
 TCP_PORT_MAX: Final = 65535
 MAX_TIMEOUT_S: Final = 10_000_000.0
@@ -154,7 +156,9 @@ def check_kv_events_args(args: argparse.Namespace) -> None:
             "one per endpoint, in the same order"
         )
     check_utf8("--topic", getattr(args, "topic", None))
-    check_utf8("--cache-salt", getattr(args, "cache_salt", None))
+    salts = getattr(args, "cache_salt", None)
+    for salt in salts if isinstance(salts, list) else [salts]:
+        check_utf8("--cache-salt", salt)
     check_utf8("--name", getattr(args, "name", None))
     check_int("--count", getattr(args, "count", None), 1, MAX_COUNT)
     check_float("--timeout", getattr(args, "timeout", None), 0.0, MAX_TIMEOUT_S, low_open=True)

@@ -2,7 +2,10 @@
 
 The CI side of :mod:`events.tools.hashcheck` for pipelines without pytest: ``--check`` exits 0 when
 every case's hashes match the golden file, 1 on a drift (with each drift's first diverging
-block and likely cause), 2 on a usage error; ``--record`` writes a golden file from a corpus.
+block and likely cause), 2 on a usage error; ``--record`` writes a golden file from a corpus,
+with its provenance, and exits 1 without writing when hashes filed under one of this project's
+algorithm names differ from this library's own computation (the diff is printed) unless
+``--force``.
 Hashes come from this library (``--hasher library``), this project's worker (``--hasher
 worker``) or a capture an engine published (``--capture FILE``).
 """
@@ -10,6 +13,7 @@ worker``) or a capture an engine published (``--capture FILE``).
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 from typing import IO
 
@@ -19,6 +23,7 @@ from events.tools.cli_args import EXIT_OK, EXIT_PROBLEMS, UsageError, parse_toke
 from events.tools.hashcheck import (
     Case,
     Golden,
+    GoldenRefused,
     Hasher,
     compare,
     library_hasher,
@@ -63,6 +68,25 @@ def _read_corpus(args: argparse.Namespace) -> Golden:
     return Golden(tpb, args.algo or [HashAlgo.V1_BLOCK_KEY.value], cases)
 
 
+def _command(args: argparse.Namespace) -> str:
+    """The ``kv-events hash --record`` command line, for the file's provenance."""
+    parts = ["kv-events", "hash", "--record", str(args.record)]
+    for flag, value in (
+        ("--corpus", args.corpus),
+        ("--tokens-per-block", args.tokens_per_block),
+        ("--lora-id", args.lora_id),
+        ("--cache-salt", args.cache_salt),
+        ("--salt-id", args.salt_id),
+        ("--capture", args.capture),
+        ("--hasher", args.hasher if args.capture is None else None),
+    ):
+        if value is not None:
+            parts += [flag, str(value)]
+    for algo in args.algo:
+        parts += ["--algo", algo]
+    return shlex.join(parts + (["--force"] if args.force else []))
+
+
 def golden_command(args: argparse.Namespace, out: IO[str]) -> int:
     """``hash --check GOLDEN`` (0 stable, 1 drift) and ``hash --record GOLDEN --corpus C``."""
     hasher: Hasher = worker_hasher if args.hasher == "worker" else library_hasher
@@ -74,9 +98,13 @@ def golden_command(args: argparse.Namespace, out: IO[str]) -> int:
             if len(algos) != 1:
                 raise UsageError("name the engine's one algorithm with --algo to record a capture")
             hasher = capture.hasher
-        golden = record(corpus, hasher, algos)
         try:
-            write_golden(args.record, golden)
+            golden = record(corpus, hasher, algos, force=args.force)
+        except GoldenRefused as exc:
+            out.write(f"{exc}\nnothing written to {args.record}\n")
+            return EXIT_PROBLEMS
+        try:
+            write_golden(args.record, golden, _command(args))
         except OSError as exc:
             raise UsageError(f"cannot write --record {args.record}: {exc.strerror}") from None
         out.write(f"recorded {len(golden.cases)} case(s) x {algos} to {args.record}\n")

@@ -17,10 +17,15 @@ or hex strings for ``v2_sha256``. Algorithm names are those of :data:`KNOWN_ALGO
 recomputes them) or any other name for an engine's own hashing, checked from captures only.
 
 Hashes come from a *hasher* (:data:`Hasher`: this library by default, :func:`worker_hasher` for
-this project's worker, or an engine's own function) or from a capture an engine published
+this project's worker, or an engine's own function), from a *request hasher*
+(:data:`RequestHasher`: the engine's function handed the request's raw ``cache_salt`` string, so
+its own salt derivation is tested too) or from a capture an engine published
 (:class:`events.tools.capture_hashes.CaptureHashes`). :func:`compare` sets them against the
 golden values and diagnoses each drift (:func:`events.tools.diagnosis.explain_chain`);
-:func:`record` computes a golden file.
+:func:`record` computes a golden file, and refuses (:class:`GoldenRefused`, with the diff) to
+file hashes under one of this project's algorithm names that differ from this library's own
+computation unless forced. :func:`write_golden` records each file's provenance (library
+version, algorithms, date, command).
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from importlib import resources
+from datetime import datetime, timezone
+from importlib import metadata, resources
 from pathlib import Path
 from typing import Any, Final
 
@@ -49,8 +55,45 @@ Hasher = Callable[[list[int], int, ReuseScope, str], Sequence[BlockHash]]
 """``hasher(tokens, tokens_per_block, scope, algo)`` -> the full blocks' hashes, in order."""
 
 
+@dataclass(frozen=True, slots=True)
+class Request:
+    """What selects a request's cache scope, as an engine's API receives it."""
+
+    lora_id: int | None
+    #: the request's raw ``cache_salt`` string, when the case has one
+    cache_salt: str | None
+    #: the salt id WIRE.md 1 derives from ``cache_salt`` (or the case's own ``salt_id``)
+    salt_id: int | None
+
+
+RequestHasher = Callable[[list[int], int, Request, str], Sequence[BlockHash]]
+"""``hasher(tokens, tokens_per_block, request, algo)`` -> the full blocks' hashes: an engine's
+own function, deriving the salt from ``request.cache_salt`` itself."""
+
+
 class GoldenError(ValueError):
     """A golden or corpus file that cannot be read or is not in the golden format."""
+
+
+class GoldenRefused(GoldenError):
+    """Hashes to be filed under one of this project's algorithm names differ from this
+    library's own computation: recording them would change what that name means."""
+
+    def __init__(self, drifts: Sequence[Drift]) -> None:
+        self.drifts = list(drifts)
+        algos = sorted({d.algo for d in drifts})
+        lines = [
+            f"refusing to record {len(drifts)} case(s) under {', '.join(algos)}: the hashes "
+            "differ from this library's own computation of that algorithm, whose values never "
+            "change (library = what the name means, actual = the hashes to record)"
+        ]
+        lines += [d.render(("library", "actual")) for d in drifts]
+        lines.append(
+            "Fix the hasher, record the engine's hashes under a name of its own (one this "
+            "project does not define), or force it (pytest --kv-golden-update "
+            "--kv-golden-force; kv-events hash --record ... --force)."
+        )
+        super().__init__("\n".join(lines))
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,10 +199,10 @@ def parse_golden(obj: object) -> Golden:
 
 
 def shipped_path(name: str) -> Path:
-    """The golden vectors shipped for algorithm ``name`` (``events/golden/NAME.json``)."""
+    """The golden vectors shipped for algorithm ``name`` (``events/tools/golden/NAME.json``)."""
     if name not in KNOWN_ALGOS:
         raise GoldenError(f"no shipped vectors for {name!r}; expected one of {KNOWN_ALGOS}")
-    return Path(str(resources.files("events") / "golden" / f"{name}.json"))
+    return Path(str(resources.files("events.tools") / "golden" / f"{name}.json"))
 
 
 def resolve(spec: str | Path) -> Path:
@@ -221,11 +264,37 @@ def dump_golden(golden: Golden) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_golden(path: str | Path, golden: Golden) -> None:
-    """Write ``golden`` to ``path`` (through a temporary file, so a failure keeps the old one)."""
+def library_version() -> str:
+    """This library's installed version ("unknown" when it runs uninstalled)."""
+    try:
+        return metadata.version("scoped-kv-router")
+    except metadata.PackageNotFoundError:  # pragma: no cover - depends on the install
+        return "unknown"
+
+
+def with_provenance(golden: Golden, command: str) -> Golden:
+    """``golden`` with its ``provenance``: the library version, the algorithms, the date
+    (UTC), the command that wrote it, and what :func:`record` recorded (and forced) in it."""
+    before = golden.extra.get("provenance")
+    recorded = before if isinstance(before, dict) and "date" not in before else {}
+    provenance = {
+        "library": f"scoped-kv-router {library_version()}",
+        "algorithms": list(golden.algorithms),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+        **recorded,
+    }
+    return replace(golden, extra={**golden.extra, "provenance": provenance})
+
+
+def write_golden(
+    path: str | Path, golden: Golden, command: str = "events.tools.hashcheck.write_golden"
+) -> None:
+    """Write ``golden`` to ``path`` with its provenance (:func:`with_provenance`), through a
+    temporary file so a failure keeps the old one."""
     target = Path(path)
     tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(dump_golden(golden), encoding="utf-8")
+    tmp.write_text(dump_golden(with_provenance(golden, command)), encoding="utf-8")
     tmp.replace(target)
 
 
@@ -293,7 +362,7 @@ class Drift:
             min(len(self.expected), len(self.actual)),
         )
 
-    def render(self) -> str:
+    def render(self, labels: tuple[str, str] = ("golden", "actual")) -> str:
         """A few lines: the case, the first diverging block with both hashes, the cause."""
         c, i = self.case, self.first_block
         tpb = c.tokens_per_block
@@ -312,15 +381,34 @@ class Drift:
                 f"lora_id={c.scope.lora_id}, {salt}]: {differ} of {len(self.expected)} "
                 "block hashes differ",
                 f"  first diverging block: {i} (tokens [{i * tpb}:{(i + 1) * tpb}])",
-                f"    golden: {exp}",
-                f"    actual: {act}",
+                f"    {labels[0]}: {exp}",
+                f"    {labels[1]}: {act}",
                 f"  likely cause: {self.cause}",
             ]
         )
 
 
-def compare(golden: Golden, hasher: Hasher, algorithms: Sequence[str] | None = None) -> list[Drift]:
-    """Every (case, algorithm) whose hashes from ``hasher`` differ from the golden ones.
+def _hashes_of(
+    case: Case, algo: str, hasher: Hasher | None, request_hasher: RequestHasher | None
+) -> list[BlockHash]:
+    """``case``'s hashes under ``algo`` from the request hasher (handed the raw salt string)
+    or the hasher (handed the derived scope; this library's by default)."""
+    tokens, tpb = list(case.tokens), case.tokens_per_block
+    if request_hasher is not None:
+        request = Request(case.scope.lora_id, case.cache_salt, case.scope.salt)
+        return list(request_hasher(tokens, tpb, request, algo))
+    return list((hasher or library_hasher)(tokens, tpb, case.scope, algo))
+
+
+def compare(
+    golden: Golden,
+    hasher: Hasher | None = None,
+    algorithms: Sequence[str] | None = None,
+    *,
+    request_hasher: RequestHasher | None = None,
+) -> list[Drift]:
+    """Every (case, algorithm) whose hashes from ``hasher`` (or ``request_hasher``) differ
+    from the golden ones, each with its diagnosis.
 
     Raises :class:`GoldenError` when a case has no golden hashes for an algorithm (record them
     first) or the hasher fails.
@@ -331,30 +419,77 @@ def compare(golden: Golden, hasher: Hasher, algorithms: Sequence[str] | None = N
             expected = case.hashes.get(algo)
             if expected is None:
                 raise GoldenError(f"case {case.name!r} has no {algo} hashes: record them first")
-            actual = list(hasher(list(case.tokens), case.tokens_per_block, case.scope, algo))
+            actual = _hashes_of(case, algo, hasher, request_hasher)
             if actual != expected:
                 cause = explain_chain(
-                    algo, case.tokens, case.tokens_per_block, case.scope, expected, actual
+                    algo,
+                    case.tokens,
+                    case.tokens_per_block,
+                    case.scope,
+                    expected,
+                    actual,
+                    case.cache_salt,
                 )
                 drifts.append(Drift(case, algo, expected, actual, cause))
     return drifts
 
 
-def record(golden: Golden, hasher: Hasher, algorithms: Sequence[str] | None = None) -> Golden:
+def library_drifts(golden: Golden, algorithms: Sequence[str] | None = None) -> list[Drift]:
+    """The cases whose filed hashes under one of this project's algorithm names differ from
+    this library's computation (library = expected, filed = actual)."""
+    drifts = []
+    for case in golden.cases:
+        for algo in algorithms or golden.algorithms:
+            filed = case.hashes.get(algo)
+            if algo not in KNOWN_ALGOS or filed is None:
+                continue
+            library = reference_chain(algo, case.tokens, case.tokens_per_block, case.scope)
+            if filed != library:
+                cause = explain_chain(
+                    algo,
+                    case.tokens,
+                    case.tokens_per_block,
+                    case.scope,
+                    library,
+                    filed,
+                    case.cache_salt,
+                )
+                drifts.append(Drift(case, algo, library, filed, cause))
+    return drifts
+
+
+def record(
+    golden: Golden,
+    hasher: Hasher | None = None,
+    algorithms: Sequence[str] | None = None,
+    *,
+    request_hasher: RequestHasher | None = None,
+    force: bool = False,
+) -> Golden:
     """``golden`` with every case's ``algorithms`` hashes (default: all of the file's)
-    recomputed by ``hasher``; the corpus is kept, and so are other algorithms' hashes where
-    every case has them."""
+    recomputed by ``hasher`` (or ``request_hasher``); the corpus is kept, and so are other
+    algorithms' hashes where every case has them.
+
+    Hashes for one of this project's algorithm names (:data:`KNOWN_ALGOS`) that differ from
+    this library's own computation raise :class:`GoldenRefused` with the diff, unless
+    ``force``; the result's ``provenance`` says which algorithms were recorded (and forced).
+    """
     fresh = list(dict.fromkeys(algorithms or golden.algorithms))
     kept = [a for a in golden.algorithms if a in fresh or all(a in c.hashes for c in golden.cases)]
     algos = kept + [a for a in fresh if a not in kept]
     cases = []
     for c in golden.cases:
         hashes = {a: c.hashes[a] for a in kept if a not in fresh}
-        hashes.update(
-            {a: list(hasher(list(c.tokens), c.tokens_per_block, c.scope, a)) for a in fresh}
-        )
+        hashes.update({a: _hashes_of(c, a, hasher, request_hasher) for a in fresh})
         cases.append(replace(c, hashes={a: hashes[a] for a in algos}))
-    return replace(golden, algorithms=algos, cases=cases)
+    recorded = replace(golden, algorithms=algos, cases=cases)
+    differ = library_drifts(recorded, fresh)
+    if differ and not force:
+        raise GoldenRefused(differ)
+    provenance: dict[str, Any] = {"recorded": fresh}
+    if differ:
+        provenance["forced"] = sorted({d.algo for d in differ})
+    return replace(recorded, extra={**golden.extra, "provenance": provenance})
 
 
 def render_report(

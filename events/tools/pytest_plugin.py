@@ -10,9 +10,16 @@ nothing until a test asks for its fixture: it adds the ``--kv-golden-update`` op
 
 ``check`` hashes the golden file's corpus with ``hasher(tokens, tokens_per_block, scope,
 algo)`` (default: this library; :func:`events.tools.hashcheck.worker_hasher` runs this project's
-worker), ``check_capture`` takes the hashes an engine published in a capture. A drift fails
-the test with the first diverging block and its likely cause; ``pytest --kv-golden-update``
-rewrites the golden file instead (the corpus is kept, the hashes are replaced).
+worker) or with ``request_hasher(tokens, tokens_per_block, request, algo)``, which gets the
+request's raw ``cache_salt`` string (:class:`events.tools.hashcheck.Request`) so the engine's own
+salt derivation is tested too; ``check_capture`` takes the hashes an engine published in a
+capture. A drift fails the test with the first diverging block and its likely cause.
+
+``pytest --kv-golden-update`` records the hashes into the golden file instead (the corpus is
+kept, the hashes are replaced, the file's ``provenance`` says by which command and library
+version). Hashes filed under one of this project's algorithm names that differ from this
+library's own computation are refused with the diff (the test fails, the file is untouched)
+unless ``--kv-golden-force`` is given too; the shipped vectors are never rewritten.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from events.tools.hashcheck import (
     Golden,
     GoldenError,
     Hasher,
+    RequestHasher,
     compare,
     library_hasher,
     load_golden,
@@ -47,6 +55,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="rewrite the golden files the kv_golden fixture checks, instead of comparing",
     )
+    group.addoption(
+        "--kv-golden-force",
+        action="store_true",
+        default=False,
+        help="with --kv-golden-update: record hashes under this project's algorithm names even "
+        "where they differ from the library's own computation",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -67,8 +82,12 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 class KVGolden:
     """What the ``kv_golden`` fixture gives a test: checks against golden hash files."""
 
-    def __init__(self, config: pytest.Config, base: Path, default: str | None) -> None:
+    def __init__(
+        self, config: pytest.Config, base: Path, default: str | None, nodeid: str = ""
+    ) -> None:
         self.update: bool = bool(config.getoption("kv_golden_update"))
+        self.force: bool = bool(config.getoption("kv_golden_force"))
+        self._nodeid = nodeid
         self._config = config
         self._base = base
         self._default = default
@@ -94,7 +113,8 @@ class KVGolden:
     def _rewrite(self, path: Path, golden: Golden) -> None:
         if path.resolve().is_relative_to(shipped_path("v1_block_key").parent.resolve()):
             pytest.fail("kv_golden: the shipped vectors are never rewritten", pytrace=False)
-        write_golden(path, golden)
+        command = "pytest --kv-golden-update" + (" --kv-golden-force" if self.force else "")
+        write_golden(path, golden, f"{command} {self._nodeid}".rstrip())
         self._config.stash[_UPDATED].append(str(path))
 
     def check(
@@ -102,16 +122,21 @@ class KVGolden:
         golden: str | Path | None = None,
         hasher: Hasher = library_hasher,
         algorithms: list[str] | None = None,
+        request_hasher: RequestHasher | None = None,
     ) -> None:
-        """Hash the golden file's corpus with ``hasher`` and fail on any difference (or, with
+        """Hash the golden file's corpus with ``hasher`` (or ``request_hasher``, handed each
+        case's raw ``cache_salt``) and fail on any difference (or, with
         ``--kv-golden-update``, write the new hashes into the file)."""
         path = self.path(golden)
         corpus = self._load(path)
         try:
             if self.update:
-                self._rewrite(path, record(corpus, hasher, algorithms))
+                recorded = record(
+                    corpus, hasher, algorithms, request_hasher=request_hasher, force=self.force
+                )
+                self._rewrite(path, recorded)
                 return
-            drifts = compare(corpus, hasher, algorithms)
+            drifts = compare(corpus, hasher, algorithms, request_hasher=request_hasher)
         except GoldenError as exc:
             pytest.fail(f"kv_golden: {path}: {exc}", pytrace=False)
         if drifts:
@@ -134,7 +159,7 @@ class KVGolden:
         try:
             published = CaptureHashes(capture_path)
             if self.update:
-                self._rewrite(path, record(corpus, published.hasher, algos))
+                self._rewrite(path, record(corpus, published.hasher, algos, force=self.force))
                 return
             drifts = compare_capture(corpus, published, algos[0])
         except GoldenError as exc:
@@ -151,4 +176,4 @@ def kv_golden(request: pytest.FixtureRequest) -> KVGolden:
     """Checks a worker's or an engine's block hashes against golden files (see the module)."""
     marker = request.node.get_closest_marker("kv_golden")
     default = str(marker.args[0]) if marker is not None and marker.args else None
-    return KVGolden(request.config, request.path.parent, default)
+    return KVGolden(request.config, request.path.parent, default, request.node.nodeid)
