@@ -166,8 +166,6 @@ setup(
         # events.wire.codec / events.wire.fast's msgpack codec of the event path (pure-Python
         # fallback)
         native("events.wire._wire", shared=True),
-        # router_sim.service.protocol's JSON prompt readers (msgspec fallback)
-        native("events.wire._json_prompt", shared=True),
         # router_sim.router.indexer's match loop over a mirror of its masks, and the simulator's
         # trace
         # prompts and answers (pure-Python fallback)
@@ -178,9 +176,6 @@ setup(
         # kvcache.keys' pack-and-check of token arrays and SHA-256 chain keys where the CPU has
         # SHA-NI (pure-Python / hashlib fallback)
         native("kvcache._tokens"),
-        # kvcache.tree's making of a run of blocks and linking of a committed chain
-        # (pure-Python fallback)
-        native("kvcache._tree"),
     ],
     cmdclass={"build_ext": OptionalBuildExt},
 )

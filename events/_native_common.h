@@ -1,7 +1,6 @@
 /*
  * Helpers shared by the events package's native extensions: _v1hash.c (V1 hashes and the
- * StoredBlock records), _wire.c (the msgpack wire codec) and _json_prompt.c (the router
- * service's JSON prompts). Each of them includes this header, so the token-array builders, the
+ * StoredBlock records) and _wire.c (the msgpack wire codec). Each of them includes this header, so the token-array builders, the
  * limit-argument check, the record builder and the interned field names live here once rather
  * than in a copy per file. Every function is static inline; the module-level objects below are
  * per extension (each has its own copy), set by native_common_init() from its PyInit.

@@ -13,9 +13,8 @@
  * It also holds the native steps of the event path that hash or build records (each with its
  * pure-Python reference beside its caller): the StoredBlock record builders (events/_records.py)
  * and the wire encoder's runs of a Stored event's blocks (stored_runs, events/codec.py). The
- * msgpack codec itself is in _wire.c and the router service's JSON prompt readers in
- * _json_prompt.c, each its own extension so that one failing to build leaves the others; what
- * they share is in _native_common.h.
+ * msgpack codec itself is in _wire.c, its own extension so that one failing to build leaves
+ * the other; what they share is in _native_common.h.
  */
 #include "_native_common.h"
 

@@ -38,11 +38,6 @@ from typing import Final
 from kvcache.keys import BlockKey, chain_keys, pack_range, root_key, tokens_to_bytes
 from kvcache.scope import DEFAULT_SCOPE, ReuseScope
 
-try:  # native block making and chain linking (kvcache/_tree.c), when the extension is built
-    from kvcache._tree import Layout
-except ImportError:  # pragma: no cover - depends on the install
-    Layout = None  # type: ignore[assignment,misc]
-
 _LITTLE: Final = sys.byteorder == "little"
 # Up to this many full children are compared one by one rather than looked up by the query
 # block's key: a compare is ~0.1 us, hashing a 512-token block ~1.5 us.
@@ -137,54 +132,12 @@ class Block:
 
 Node = Block | ScopeRoot
 
-# Every slot of a Block, as new_blocks' native path sets them: the uid and the page (per
-# block), the scope, tier and priority (per call), then the rest, to the values
-# Block.__init__ gives them (read from a block it made, below; a test compares the two).
-_MAKE_NAMES: Final = (
-    "uid",
-    "page",
-    "scope",
-    "tier",
-    "priority",
-    "key",
-    "tokens",
-    "parent",
-    "child",
-    "children",
-    "firsts",
-    "partials",
-    "partial_firsts",
-    "is_full",
-    "in_tree",
-    "refs",
-    "susp",
-    "tick",
-    "here",
-    "gen",
-)
-# The slots attach_chain's native path writes, in the order kvcache/_tree.c's link takes them.
-_LINK_NAMES: Final = ("key", "tokens", "is_full", "parent", "in_tree", "child", "children")
-# Compiled by mypyc (setup.py), Block is a native class: no slot descriptors for the Layout
-# to write through, and none needed (the compiled loops set its fields directly).
-COMPILED: Final = getattr(Block, "__slots__", None) is None
-if not COMPILED:
-    assert sorted(_MAKE_NAMES) == sorted(getattr(Block, "__slots__", ()))
-_maker = None if Layout is None or COMPILED else Layout(Block, _MAKE_NAMES)
-_linker = None if Layout is None or COMPILED else Layout(Block, _LINK_NAMES)
-_template = Block(0, DEFAULT_SCOPE, 0, -1, 0)
-_MADE: Final = tuple(getattr(_template, name) for name in _MAKE_NAMES[5:])
-del _template
-
-
 def new_blocks(
     first_uid: int, scope: ReuseScope, tier: int, pages: list[int], priority: int
 ) -> list[Block]:
-    """One new private block per page of ``pages``, with uids from ``first_uid`` on: what
-    ``Block(first_uid + i, scope, tier, page, priority)`` makes for each, made in one native
-    call where the extension is built (a sequence grows by runs of pages)."""
-    if _maker is None:
-        return [Block(first_uid + i, scope, tier, page, priority) for i, page in enumerate(pages)]
-    return _maker.new(first_uid, pages, (scope, tier, priority, *_MADE))
+    """One new private block per page of ``pages``, with uids from ``first_uid`` on (a sequence
+    grows by runs of pages)."""
+    return [Block(first_uid + i, scope, tier, page, priority) for i, page in enumerate(pages)]
 
 
 def full_children(node: Node) -> Collection[Block]:
@@ -574,27 +527,18 @@ class RadixTree:
                 chain = chain_keys(first_key, data, step, step, count - 1)
                 chain.insert(0, first_key)  # type: ignore[arg-type]  # a BlockKey
         parent = node if isinstance(node, Block) else None
-        done = 0
-        if _linker is not None and type(blocks) is list and type(tokens) is array:
-            # blocks 1..done-1 linked, each as its predecessor's only child (and block 0's
-            # fields set): what the loop below does for them, in one native call
-            done = _linker.link(blocks, chain, tokens, start, tpb, parent)
-            _adopt(node, blocks[0])
-        if done < count:
-            prev: Node = blocks[done - 1] if done else node
-            if done:
-                parent = blocks[done - 1]
-            pos = start + done * tpb
-            for j in range(done, count):
-                b = blocks[j]
-                b.key = chain[j]
-                b.tokens = tokens[pos : pos + tpb]
-                b.is_full = True
-                b.parent = parent
-                b.in_tree = True
-                _adopt(prev, b)
-                prev = parent = b
-                pos += tpb
+        prev: Node = node
+        pos = start
+        for j in range(count):
+            b = blocks[j]
+            b.key = chain[j]
+            b.tokens = tokens[pos : pos + tpb]
+            b.is_full = True
+            b.parent = parent
+            b.in_tree = True
+            _adopt(prev, b)
+            prev = parent = b
+            pos += tpb
         self.num_blocks += len(blocks)
 
     def attach_partial(self, block: Block, node: Node, tokens: array[int]) -> None:

@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import threading
 import time
-from array import array
 from pathlib import Path
 
-import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -164,18 +161,6 @@ def test_route_json_bodies_are_read_like_the_pydantic_model(raw: bytes) -> None:
     _read_like_the_pydantic_model(raw)
 
 
-native_json = pytest.importorskip("events.wire._json_prompt")
-_PROMPT = msgspec.json.Decoder(list[int])
-
-
-def _msgspec_prompt(data: bytes) -> list[int] | None:
-    try:
-        got = _PROMPT.decode(data)
-    except (msgspec.ValidationError, msgspec.DecodeError):
-        return None
-    return got if got and all(0 <= t < 2**31 for t in got) else None
-
-
 @st.composite
 def _json_prompts(draw: st.DrawFn) -> bytes:
     """A JSON array of ids (some out of range) with random whitespace, often damaged."""
@@ -189,30 +174,6 @@ def _json_prompts(draw: st.DrawFn) -> bytes:
         cut = draw(st.integers(0, 1))
         data = data[:at] + junk + data[at + cut :]
     return data
-
-
-@settings(max_examples=600, deadline=None)
-@given(_json_prompts())
-def test_the_native_json_prompt_reader_accepts_only_what_msgspec_does(data: bytes) -> None:
-    """Whatever the native reader accepts, msgspec reads as the same ids within the bounds;
-    what it refuses goes to msgspec (``parse_route_body``), so it only has to be right when it
-    answers. A plain array within the bounds is always answered natively (the fast path)."""
-    want = _msgspec_prompt(data)
-    got = native_json.tokens_from_json(data, 1 << 20)
-    if got is not None:
-        assert list(got) == want
-    elif want is not None and re.fullmatch(rb"\s*\[[\s\d,]*\]\s*", data):
-        items = data.strip()[1:-1].split(b",")
-        assert not all(re.fullmatch(rb"0|[1-9]\d*", t.strip()) for t in items)
-
-
-def test_the_native_json_prompt_reader_keeps_to_its_limit() -> None:
-    assert native_json.tokens_from_json(b"[1,2,3]", 3) == array("i", [1, 2, 3])
-    assert native_json.tokens_from_json(b"[1,2,3]", 2) is None
-    assert native_json.tokens_from_json(b"[1,2,3]", 0) is None
-    assert native_json.tokens_from_json(memoryview(b" [7] "), 1) == array("i", [7])
-    ids = list(range(0, 2**31, 2**31 // 8192))[:8192]
-    assert list(native_json.tokens_from_json(json.dumps(ids).encode(), 8192)) == ids
 
 
 @st.composite

@@ -60,37 +60,29 @@ class RouteBody(_Body):
     cache_salt: Annotated[str, Field(max_length=4096)] | None = None
 
 
-class _RouteRest(msgspec.Struct, frozen=True):
-    """The members after a leading ``prompt`` (see :func:`parse_route_body`); with the prompt
-    required, the whole body (:class:`RouteJson`)."""
+class RouteJson(msgspec.Struct, frozen=True):
+    """:class:`RouteBody` as msgspec reads it: the same fields and bounds (msgspec's ints are
+    strict too: no bools, no floats), parsed in half pydantic's time for 8,192 ids, since
+    ``POST /route`` is the path that runs at high rates. msgspec sets no upper bound on these
+    ints, so ``lora_id < 2**64`` is checked after. The prompt is read on its own (``_PROMPT``),
+    as pydantic does, from the last ``prompt`` member when a body repeats it."""
 
-    prompt: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET  # a second one: the full path
+    prompt: msgspec.Raw
     lora_id: Annotated[int, msgspec.Meta(ge=0)] | None = None
     lora_name: str | None = None
     cache_salt: Annotated[str, msgspec.Meta(max_length=4096)] | None = None
 
 
-class RouteJson(_RouteRest, frozen=True):
-    """:class:`RouteBody` as msgspec reads it: the same fields and bounds (msgspec's ints are
-    strict too: no bools, no floats), parsed in half pydantic's time for 8,192 ids, since
-    ``POST /route`` is the path that runs at high rates. msgspec sets no upper bound on these
-    ints, so ``lora_id < 2**64`` is checked after."""
-
-    prompt: msgspec.Raw  # read by parse_route_body (see _PROMPT)
-
-
 class RouteRequest(NamedTuple):
     """A parsed JSON ``POST /route`` body."""
 
-    prompt: Sequence[int]  # array('i') when read natively, else a list
+    prompt: Sequence[int]
     lora_id: int | None
     lora_name: str | None
     cache_salt: str | None
 
 
 _ROUTE_DECODER: Final = msgspec.json.Decoder(RouteJson)
-_REST_DECODER: Final = msgspec.json.Decoder(_RouteRest)
-_JSON_SPACE: Final = b" \t\n\r"
 _PROMPT: Final = msgspec.json.Decoder(
     Annotated[
         list[Annotated[int, msgspec.Meta(ge=0, lt=2**31)]],
@@ -98,60 +90,22 @@ _PROMPT: Final = msgspec.json.Decoder(
     ]
 )
 
-try:
-    from events.wire._json_prompt import json_prompt_first as _native_first
-    from events.wire._json_prompt import tokens_from_json as _native_prompt
-except ImportError:  # pragma: no cover - depends on the install
-    _native_prompt = _native_first = None  # type: ignore[assignment]
-
-
-def _prompt_first(body: bytes) -> RouteRequest | None:
-    """The body read without msgspec walking the prompt: when it is an object whose first
-    member is ``prompt``, written plainly, the native reader takes the prompt and msgspec
-    reads the members after it (re-opened as an object of their own). None whenever that is
-    not exactly what the body says (no such prompt, a second ``prompt``, anything malformed
-    or refused after it): the full path then reads the body and names what is wrong."""
-    got = _native_first(body, MAX_PROMPT_TOKENS)
-    if got is None:
-        return None
-    prompt, end = got
-    rest = body[end:].lstrip(_JSON_SPACE)
-    if rest[:1] == b"}":
-        return None if rest[1:].strip(_JSON_SPACE) else RouteRequest(prompt, None, None, None)
-    if rest[:1] != b"," or rest[1:].lstrip(_JSON_SPACE)[:1] != b'"':
-        return None  # not a member after the comma (a trailing comma is not JSON)
-    try:
-        more = _REST_DECODER.decode(b"{" + rest[1:])
-    except (msgspec.ValidationError, msgspec.DecodeError):
-        return None
-    if more.prompt is not msgspec.UNSET or (more.lora_id is not None and more.lora_id >= 2**64):
-        return None
-    return RouteRequest(prompt, more.lora_id, more.lora_name, more.cache_salt)
-
 
 def parse_route_body(body: bytes) -> RouteRequest:
     """A JSON ``POST /route`` body (what :class:`RouteBody` accepts; :class:`BadRequest`
     with a short message otherwise)."""
-    if _native_first is not None and type(body) is bytes:
-        fast = _prompt_first(body)
-        if fast is not None:
-            return fast
     try:
         got = _ROUTE_DECODER.decode(body)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise BadRequest(str(exc)) from None
     if got.lora_id is not None and got.lora_id >= 2**64:
         raise BadRequest("lora_id: must be < 2**64")
-    prompt: Sequence[int] | None = None
-    if _native_prompt is not None:
-        prompt = _native_prompt(got.prompt, MAX_PROMPT_TOKENS)
-    if prompt is None:  # no native reader, or a spelling it leaves to msgspec
-        try:
-            prompt = _PROMPT.decode(got.prompt)
-        except msgspec.ValidationError as exc:  # its path is within the prompt: say so
-            message = str(exc)
-            where = message.replace("- at `$", "- at `$.prompt", 1)
-            raise BadRequest(where if where != message else f"{message} - at `$.prompt`") from None
+    try:
+        prompt = _PROMPT.decode(got.prompt)
+    except msgspec.ValidationError as exc:  # its path is within the prompt: say so
+        message = str(exc)
+        where = message.replace("- at `$", "- at `$.prompt", 1)
+        raise BadRequest(where if where != message else f"{message} - at `$.prompt`") from None
     return RouteRequest(prompt, got.lora_id, got.lora_name, got.cache_salt)
 
 
@@ -181,12 +135,9 @@ def packed_tokens(body: bytes) -> array[int]:
     return tokens
 
 
-class CompletionBody(RouteBody):
-    """``POST /v1/completions`` with a token-id prompt (the subset of OpenAI's fields used).
-
-    ``model`` may name a LoRA adapter of the fleet file (the router resolves it to
-    ``lora_id``). One prompt per request: OpenAI's batch form (a list of prompts) is refused.
-    """
+class TokenCompletionBody(RouteBody):
+    """``POST /v1/completions`` as ``router-sim worker`` reads it: a token-id prompt (the
+    subset of OpenAI's fields used; the router reads more forms, :class:`CompletionBody`)."""
 
     model: str | None = None
     max_tokens: Annotated[int, Field(strict=True, ge=1, le=MAX_OUTPUT_TOKENS)] = 16
@@ -195,6 +146,11 @@ class CompletionBody(RouteBody):
 
 class BadRequest(ValueError):
     """A request body that does not validate; the message says what was wrong."""
+
+
+class NotFound(ValueError):
+    """A request for something the service does not serve (a 404); the message says what
+    it does serve."""
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -254,6 +210,8 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
         return await handler(request)
     except BadRequest as exc:
         return error_response(400, str(exc))
+    except NotFound as exc:
+        return error_response(404, str(exc), "not_found_error")
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -277,3 +235,179 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+# ---------------------------------------------------------------- text and chat prompts
+
+MAX_PROMPT_CHARS: Final = 8 << 20
+MAX_BATCH_PROMPTS: Final = 1024
+MAX_MESSAGES: Final = 4096
+ROLES: Final = ("system", "user", "assistant", "tool", "developer")
+
+Prompt = str | Sequence[int]
+"""One prompt: text, or token ids."""
+
+
+def read_prompts(value: Any, where: str = "prompt") -> list[Prompt]:
+    """OpenAI's ``prompt``: a string, a list of token ids, a list of strings or a list of
+    token-id lists; as a list of prompts. :class:`BadRequest` saying what is wrong otherwise
+    (strings where ids are expected and the reverse included)."""
+    if isinstance(value, str):
+        return [_text(value, where)]
+    if not isinstance(value, list) or not value:
+        raise BadRequest(
+            f"{where}: want a string, a list of token ids, a list of strings or a list of "
+            f"lists of token ids; got {_kind(value)}"
+        )
+    first = value[0]
+    if isinstance(first, int) and not isinstance(first, bool):
+        return [_ids(value, where)]
+    if len(value) > MAX_BATCH_PROMPTS:
+        raise BadRequest(f"{where}: at most {MAX_BATCH_PROMPTS} prompts in a batch")
+    if isinstance(first, str):
+        for i, v in enumerate(value):
+            if not isinstance(v, str):
+                raise BadRequest(f"{where}[{i}]: a batch of strings holds {_kind(v)}")
+        return [_text(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(first, list):
+        out: list[Prompt] = []
+        for i, v in enumerate(value):
+            if not isinstance(v, list):
+                raise BadRequest(f"{where}[{i}]: a batch of token-id lists holds {_kind(v)}")
+            out.append(_ids(v, f"{where}[{i}]"))
+        return out
+    raise BadRequest(f"{where}[0]: want a token id or a string, got {_kind(first)}")
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, list):
+        return "an empty list" if not value else "a list"
+    return {str: "a string", int: "an integer", float: "a number", dict: "an object"}.get(
+        type(value), "null" if value is None else type(value).__name__
+    )
+
+
+def _text(value: str, where: str) -> str:
+    if not value:
+        raise BadRequest(f"{where}: the prompt is empty")
+    if len(value) > MAX_PROMPT_CHARS:
+        raise BadRequest(f"{where}: a text prompt has at most {MAX_PROMPT_CHARS} characters")
+    return value
+
+
+_IDS: Final = list[Annotated[int, msgspec.Meta(ge=0, lt=2**31)]]
+
+
+def _ids(value: list[Any], where: str) -> list[int]:
+    if not value:
+        raise BadRequest(f"{where}: the prompt is empty")
+    if len(value) > MAX_PROMPT_TOKENS:
+        raise BadRequest(f"{where}: a prompt has at most {MAX_PROMPT_TOKENS} tokens")
+    try:
+        return msgspec.convert(value, _IDS, strict=True)  # one pass in C, bools refused
+    except msgspec.ValidationError:
+        pass
+    for i, t in enumerate(value):  # say which id, and what it is
+        if type(t) is not int or not 0 <= t < 2**31:
+            got = f"{t!r}" if type(t) in (int, float) else _kind(t)
+            raise BadRequest(
+                f"{where}[{i}]: token ids are integers in [0, 2**31), got {got}"
+                + (" (a list of token ids holds no strings)" if isinstance(t, str) else "")
+            )
+    raise BadRequest(f"{where}: not a list of token ids")  # pragma: no cover - unreachable
+
+
+class _OpenAIBody(_Body):
+    model: str | None = None
+    lora_id: U64 | None = None
+    lora_name: str | None = None
+    cache_salt: Annotated[str, Field(max_length=4096)] | None = None
+    max_tokens: Annotated[int, Field(strict=True, ge=1, le=MAX_OUTPUT_TOKENS)] | None = None
+    stream: Annotated[bool, Field(strict=True)] = False
+    add_special_tokens: Annotated[bool, Field(strict=True)] | None = None
+
+
+class CompletionBody(_OpenAIBody):
+    """``POST /v1/completions`` as the router reads it: ``prompt`` is any of OpenAI's forms
+    (see :func:`read_prompts`); ``model`` may name a LoRA adapter of the fleet file."""
+
+    prompt: Any = None
+
+
+class ChatMessage(_Body):
+    """One chat message; ``content`` a string or a list of text parts. Other members
+    (``name``, ``tool_calls``, ...) are handed to the chat template as sent."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatBody(_OpenAIBody):
+    """``POST /v1/chat/completions``: ``messages`` rendered by the model's chat template."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    max_completion_tokens: Annotated[int, Field(strict=True, ge=1, le=MAX_OUTPUT_TOKENS)] | None = (
+        None
+    )
+    add_generation_prompt: Annotated[bool, Field(strict=True)] = True
+    continue_final_message: Annotated[bool, Field(strict=True)] = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as the template reads them (text parts joined by newlines, as vLLM
+        does for templates that take string content); :class:`BadRequest` for unknown
+        roles, missing content and parts that are not text."""
+        out: list[dict[str, Any]] = []
+        for i, m in enumerate(self.messages):
+            where = f"messages[{i}]"
+            if m.role not in ROLES:
+                raise BadRequest(f"{where}.role: want one of {', '.join(ROLES)}; got {m.role!r}")
+            content = m.content
+            if isinstance(content, list):
+                texts = []
+                for j, part in enumerate(content):
+                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise BadRequest(
+                            f"{where}.content[{j}]: only text parts can be routed "
+                            f"(type {part.get('type')!r})"
+                        )
+                    texts.append(part["text"])
+                content = "\n".join(texts)
+            extra = dict(m.model_extra or {})
+            if content is None and not (m.role == "assistant" and extra.get("tool_calls")):
+                raise BadRequest(f"{where}: a {m.role} message needs content")
+            out.append({**extra, "role": m.role, "content": content})
+        return out
+
+
+class TextRouteBody(_Body):
+    """``POST /route`` with a text prompt, a batch, or chat ``messages`` (exactly one)."""
+
+    prompt: Any = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = (
+        None
+    )
+    model: str | None = None
+    lora_id: U64 | None = None
+    lora_name: str | None = None
+    cache_salt: Annotated[str, Field(max_length=4096)] | None = None
+    add_special_tokens: Annotated[bool, Field(strict=True)] | None = None
+    add_generation_prompt: Annotated[bool, Field(strict=True)] = True
+    continue_final_message: Annotated[bool, Field(strict=True)] = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def as_chat(self) -> ChatBody:
+        assert self.messages is not None
+        return ChatBody.model_validate(
+            {
+                "messages": self.messages,
+                "add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message,
+                "chat_template_kwargs": self.chat_template_kwargs,
+                "add_special_tokens": self.add_special_tokens,
+            }
+        )
