@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -26,6 +27,7 @@ from events.tools.hashcheck import (
     GoldenError,
     compare,
     load_golden,
+    parse_golden,
     record,
     shipped_path,
     write_golden,
@@ -511,3 +513,31 @@ def test_a_request_hasher_gets_the_raw_cache_salt(tmp_path: Path) -> None:
     assert "(15947361407820284973)" in drift.cause  # WIRE.md 1's blake3 value
     with pytest.raises(GoldenError, match="refusing to record 1 case"):
         record(golden, request_hasher=engine)
+
+
+# ------------------------------------------------------------------------- the docs
+
+
+def test_the_docs_paths_are_in_the_installed_package() -> None:
+    """Every package path docs/HASH_STABILITY.md names exists where the installed package
+    has it (package data, not the source tree's tests/), and its golden example is WIRE.md's."""
+    from importlib import resources
+
+    text = (ROOT / "docs" / "HASH_STABILITY.md").read_text(encoding="utf-8")
+    paths = set(re.findall(r"`(events/[\w/.]+)`", text))
+    assert {"events/tools/golden/", "events/tools/golden/README.md"} <= paths
+    assert "tests/data" not in text
+    for path in paths:
+        parts = path.rstrip("/").split("/")
+        node = resources.files(parts[0]).joinpath(*parts[1:])
+        assert node.is_dir() if path.endswith("/") else node.is_file(), path
+    for name in re.findall(r"`(\w+\.json)`", text):
+        assert (resources.files("events.tools") / "golden" / name).is_file(), name
+    assert shipped_path("v1_block_key").parent == Path(
+        str(resources.files("events.tools") / "golden")
+    )
+    example = json.loads(re.search(r"```json\n(.*?)```", text, re.S).group(1))  # type: ignore[union-attr]
+    (case,) = parse_golden(example).cases
+    assert case.hashes["v1_block_key"] == independent(
+        case.tokens, case.tokens_per_block, case.scope, "v1_block_key"
+    )
