@@ -9,7 +9,9 @@
 - events accumulate per iteration; :meth:`KVCacheEventManager.flush` ends the iteration,
   coalesces the pending events and moves them into a bounded buffer (oldest dropped first, every
   drop counted) with monotonically increasing event ids;
-- :meth:`KVCacheEventManager.get_latest_events` drains that buffer, optionally waiting for events.
+- :meth:`KVCacheEventManager.get_latest_events` drains that buffer, optionally waiting for events;
+  after an overflow its first item is a loss marker (:mod:`events.loss`), so the loss shows on
+  every path the drained events take.
 
 The manager does no I/O and reads no clock; it is safe to call from several threads.
 
@@ -31,6 +33,7 @@ from functools import partial
 from typing import Final, Literal
 
 from events.hashing import KEY_HASHES, HashAlgo, v1_block_hash
+from events.loss import loss_marker
 from events.wire._records import record_setters, v1_stored_block, v1_stored_chain
 from events.wire._records import stored_block as _stored_block
 from events.wire.model import (
@@ -583,6 +586,11 @@ class KVCacheEventManager:
 
         With ``timeout_ms > 0`` and an empty buffer, wait until :meth:`flush` produces events or
         the timeout passes (then return an empty list).
+
+        When the full buffer dropped events since the last drain (and :meth:`take_dropped` did
+        not take the count), the first item is a loss marker standing for them
+        (:mod:`events.loss`), not an event: ``ZmqEventPublisher.publish`` turns it into a gap
+        and the codec refuses it, so what follows never passes for a complete history.
         """
         with self._lock:  # the condition's own lock (its __enter__ is a Python-level call)
             if not self._buffer and timeout_ms > 0:
@@ -593,14 +601,23 @@ class KVCacheEventManager:
                     self._waiters -= 1
             events = list(self._buffer)
             self._buffer.clear()
+            lost = self._dropped_untaken
+            if lost:
+                self._dropped_untaken = 0
+                # the dropped events are the ones just before the oldest kept (drops take the
+                # oldest, and a drain takes everything): their ids are contiguous
+                first = (events[0].event_id if events else self._next_id) - lost
+                marker = loss_marker(first, lost, self.window_size, self._algo_name, self.dp_rank)
+                events.insert(0, marker)
             return events
 
     def take_dropped(self) -> int:
-        """Events dropped by the full buffer since the last call (0: the drained history is
-        whole). A publisher must make such a loss visible before it publishes what is drained
-        next (``ZmqEventPublisher.publish_drained`` does: ``if mgr.take_dropped():
+        """Events dropped by the full buffer since the last call or drain (0: the drained
+        history is whole). A publisher must make such a loss visible before it publishes what
+        is drained next (``ZmqEventPublisher.publish_drained`` does: ``if mgr.take_dropped():
         publisher.skip()``): subscribers then see a gap that no replay fills, and recover by
-        snapshot instead of keeping a silently wrong view."""
+        snapshot instead of keeping a silently wrong view. The count taken here is no longer
+        marked in what :meth:`get_latest_events` drains next."""
         with self._lock:
             dropped, self._dropped_untaken = self._dropped_untaken, 0
             return dropped

@@ -401,11 +401,13 @@ def test_full_buffer_drops_the_oldest_and_counts_each_drop() -> None:
         mgr.on_cleared()
     assert mgr.flush() == 3
     assert mgr.dropped_events == 2
+    assert mgr.take_dropped() == 2  # taken here, so no loss marker leads the drain
     assert [e.event_id for e in mgr.get_latest_events()] == [2, 3, 4]
     for _ in range(5):
         mgr.on_cleared()
     mgr.flush()
     assert mgr.dropped_events == 4
+    assert mgr.take_dropped() == 2
     assert [e.event_id for e in mgr.get_latest_events()] == [7, 8, 9]
     assert mgr.get_latest_events() == []
 

@@ -51,6 +51,7 @@ import zmq
 from events.stream.endpoints import offset_for_rank, should_bind
 from events.stream.security import (
     DEFAULT_MAX_MESSAGE_BYTES,
+from events.loss import leading_loss
     CurveServer,
     limit_inbound,
     secure_server,
@@ -387,7 +388,15 @@ class ZmqEventPublisher:
         return seq
 
     def publish_drained(
+
+        A loss marker at the head of ``events`` (what the event manager's
+        ``get_latest_events`` hands out first after its buffer overflowed, see
+        :mod:`events.loss`) becomes a burned seq (:meth:`skip`) before the batch, which carries
+        the rest: the loss is a gap every subscriber sees, whichever way the events were drained.
         self, source: DrainedEvents, ts: float | None = None, *, empty: bool = False
+        if leading_loss(events):
+            self.skip()
+            events = events[1:]
     ) -> list[KVCacheEvent] | None:
         """End an engine iteration: flush ``source``, turn what its full buffer dropped into a
         gap (:meth:`skip`) and publish what it drained, in that order, so no loss is silent.
