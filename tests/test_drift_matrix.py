@@ -501,3 +501,80 @@ def test_every_block_lands_in_exactly_one_count(
         assert doctor.verdict() != "OK", doctor.render()
     if doctor.verdict() == "OK":
         assert s.hashes_ok == blocks
+
+
+# ------------------------------------------------------------------ a v2 engine's drifts
+
+
+def v2_hashes(
+    tokens: Sequence[int], lora: int | None, salt: int | None, drift: str | None = None
+) -> list[int]:
+    """WIRE.md 1-3 transcribed: the scope's root key, chained sha256 block keys, the first 8
+    bytes big-endian (v2_sha256_64), with ``drift`` injected."""
+    if drift == "lora-none-as-0" and lora is None:
+        lora = 0
+    mask = (lora is not None) | (salt is not None) << 1
+    scope = bytes([mask]) + b"".join(v.to_bytes(8, "little") for v in (lora, salt) if v is not None)
+    root = key = hashlib.sha256(scope).digest()
+    out = []
+    for start in range(0, len(tokens) - len(tokens) % TPB, TPB):
+        body = b"".join(t.to_bytes(4, "little") for t in tokens[start : start + TPB])
+        if drift == "count-in-key":
+            body = TPB.to_bytes(4, "little") + body
+        key = hashlib.sha256((root if drift == "parent" else key) + body).digest()
+        out.append(int.from_bytes(key[:8], "little" if drift == "byte-order" else "big"))
+    return out
+
+
+def test_the_v2_transcription_holds_wire_md() -> None:
+    root = hashlib.sha256(b"\x00").hexdigest()
+    assert root == "6e340b9cffb37a989ca544e6bb780a2c78901d3fb33738768511a30617afa01d"
+    key = hashlib.sha256(bytes.fromhex(root) + b"".join(t.to_bytes(4, "little") for t in range(4)))
+    assert key.hexdigest().startswith("7b894451a88bc030")  # WIRE.md 2, block [0,1,2,3]
+
+
+V2_DRIFTS = {
+    "byte-order": "first 8 bytes little-endian",
+    "parent": "parent hash is not chained",
+    "lora-none-as-0": "absent LoRA id (None) as LoRA 0",
+    "count-in-key": "4-byte token count before the tokens",
+}
+
+
+@pytest.mark.parametrize("drift", [None, *V2_DRIFTS])
+def test_a_v2_streams_drifts_are_named_by_the_doctor(tmp_path: Path, drift: str | None) -> None:
+    events = []
+    for _name, tokens, lora, salt in PROMPTS:
+        salt_id = TinyEngine().salt_id(salt)
+        n = len(tokens) // TPB
+        event = _stored(TinyEngine(), tokens[: n * TPB], lora, salt, [], None, True)
+        event["block_hashes"] = v2_hashes(tokens, lora, salt_id, drift)
+        event["hash_algo"] = "v2_sha256_64"
+        events.append(event)
+    frames = [
+        (0, [b"kv", seq.to_bytes(8, "big"), msgpack.packb([0.0, [e], None])])
+        for seq, e in enumerate(events)
+    ]
+    write_capture(tmp_path / "cap.jsonl", frames)
+    code, text = run("doctor", str(tmp_path / "cap.jsonl"), "--block-size", "32")
+    if drift is None:
+        assert code == 0 and "result: OK" in text and _counts(text) == (14, 14), text
+        return
+    assert code == 1, text
+    assert any(V2_DRIFTS[drift] in line for line in _doctor_lines(text, "PROBLEM")), text
+
+
+@pytest.mark.parametrize("drift", list(V2_DRIFTS))
+def test_a_v2_hashers_drifts_are_named_against_a_golden_file(drift: str) -> None:
+    from events.tools.hashcheck import compare
+
+    cases = []
+    for name, tokens, lora, salt in PROMPTS:
+        scope = ReuseScope.for_request(lora_id=lora, cache_salt=salt)
+        want = list[BlockHash](v2_hashes(tokens, lora, scope.salt))
+        cases.append(Case(name, tokens, TPB, scope, salt, {"v2_sha256_64": want}))
+    golden = Golden(TPB, ["v2_sha256_64"], cases)
+    drifts = compare(golden, lambda t, n, s, a: v2_hashes(t, s.lora_id, s.salt, drift))
+    assert drifts
+    want = V2_DRIFTS[drift].replace("parent hash is not chained", "parent chain is broken")
+    assert all(want in d.cause for d in drifts), [d.cause for d in drifts]
