@@ -5,19 +5,21 @@ Endpoints:
 - ``POST /route`` ``{"prompt": [ids], "lora_id"?, "lora_name"?, "cache_salt"?}``: the chosen
   worker and the decision's explanation (overlap per candidate, costs, reason, decision time);
   or the prompt packed (``application/octet-stream``, little-endian int32 ids) with the other
-  fields as query parameters, for clients that route at high rates;
-- ``POST /v1/completions``: OpenAI-style completions for token-id prompts, routed and forwarded
-  to the chosen worker's ``/v1/completions``; streamed answers are relayed as they come. The
-  answer carries ``X-Router-Worker``. The load view counts what was forwarded (see
-  :mod:`router_sim.service.inflight`);
+  fields as query parameters, for clients that route at high rates; or a text prompt, a batch
+  of prompts (one decision each) or chat ``messages`` (:mod:`router_sim.service.proxy`);
+- ``POST /v1/completions`` and ``POST /v1/chat/completions``: OpenAI-style, routed by the
+  prompt's tokens (text and chat through the model's tokenizer) and forwarded as sent to the
+  chosen worker; streamed answers are relayed as they come (:mod:`router_sim.service.proxy`).
+  The answer carries ``X-Router-Worker``. The load view counts what was forwarded (see
+  :mod:`router_sim.service.inflight`); ``GET /v1/models``: what the fleet serves;
 - ``GET /workers`` (per-worker stream and health), ``POST /workers`` (add one: a fleet-file
   entry as JSON), ``DELETE /workers/{id}``;
 - ``GET /healthz``, ``GET /metrics`` (Prometheus text format).
 
 Bad requests get a 4xx with a JSON error (:mod:`router_sim.service.protocol`); a worker
 that refuses the connection is skipped until its health probe answers again and the request
-goes to the next choice (up to :data:`MAX_ATTEMPTS` workers); a worker that fails after that
-is a 502; no eligible worker is 503.
+goes to the next choice; a worker that fails after that is a 502, or an error event at the end
+of a stream already started; no eligible worker is 503.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-import aiohttp
 import prometheus_client
 from aiohttp import web
 
@@ -40,30 +41,31 @@ from events.stream.endpoints import EndpointError
 from events.stream.security import curve_client_from
 from events.tools.cli_args import TCP_PORT_MAX, check_float, check_int, check_utf8
 from router_sim.router.policies import POLICIES, NoWorkersError
-from router_sim.router.routing import RoutingDecision
-from router_sim.service.core import FleetConflict, RouterService
+from router_sim.service import proxy, settings
+from router_sim.service.core import SERVICE, FleetConflict, RouterService
 from router_sim.service.fleet import FleetError, FleetFile, load_fleet, parse_worker
 from router_sim.service.protocol import (
     MAX_BODY_BYTES,
     PACKED_TOKENS,
-    CompletionBody,
+    BadRequest,
     Handler,
     RouteQuery,
     error_response,
     json_answer,
     json_errors,
     packed_tokens,
-    parse_body,
     parse_query,
     parse_route_body,
     read_body,
 )
-
-SERVICE: web.AppKey[RouterService] = web.AppKey("service", RouterService)
-
-
-def _no_workers(exc: NoWorkersError) -> web.Response:
-    return error_response(503, f"no worker is available: {exc}", "service_unavailable")
+from router_sim.service.http_limits import (
+    GUARD,
+    ConnectionGuard,
+    GuardedSite,
+    add_arguments,
+    limits_from,
+)
+from router_sim.service.tokenizer import PromptTokenizer
 
 
 async def route(request: web.Request) -> web.Response:
@@ -82,97 +84,21 @@ async def route(request: web.Request) -> web.Response:
             query = parse_query(RouteQuery, request.query)
             lora_id, lora_name, salt = query.lora_id, query.lora_name, query.cache_salt
     else:
-        body = parse_route_body(raw)
+        try:
+            body = parse_route_body(raw)
+        except BadRequest:
+            text = await proxy.route_text(svc, raw)  # text, a batch or chat messages
+            if text is None:
+                raise
+            return text
         prompt = body.prompt
         lora_id, lora_name, salt = body.lora_id, body.lora_name, body.cache_salt
     lora = lora_id if lora_name is None else svc.resolve_lora(lora_id, lora_name)
     try:
         decision = svc.decide(prompt, lora, salt)
     except NoWorkersError as exc:
-        return _no_workers(exc)
+        return proxy.no_workers(exc)
     return json_answer(svc.explain(decision))
-
-
-MAX_ATTEMPTS = 3
-"""Workers tried per completion when the chosen one refuses the connection (it died since its
-last health probe); each refusal takes that worker out of routing until it answers again."""
-
-
-async def completions(request: web.Request) -> web.StreamResponse:
-    svc = request.app[SERVICE]
-    raw = await read_body(request)
-    body = parse_body(CompletionBody, raw)
-    lora = svc.resolve_lora(body.lora_id, body.lora_name, body.model)
-    if lora != body.lora_id:  # resolved from a name: the worker keys its cache by the id
-        raw = json.dumps({**json.loads(raw), "lora_id": lora}).encode()
-    refused: list[str] = []
-    for _ in range(MAX_ATTEMPTS):
-        try:
-            decision = svc.decide(body.prompt, lora, body.cache_salt)
-        except NoWorkersError as exc:
-            return _no_workers(exc)
-        resp = await _forward(request, svc, body, raw, decision)
-        if resp is not None:
-            return resp
-        refused.append(str(decision.worker))
-    return error_response(
-        502, f"workers {', '.join(refused)} refused the connection", "bad_gateway"
-    )
-
-
-async def _forward(
-    request: web.Request,
-    svc: RouterService,
-    body: CompletionBody,
-    raw: bytes,
-    decision: RoutingDecision,
-) -> web.StreamResponse | None:
-    """Forward to the decided worker and relay its answer; None when it refused the
-    connection (nothing was sent: another worker may take the request)."""
-    worker = decision.worker
-    url = svc.workers[worker].entry.http + "/v1/completions"
-    cached = decision.chosen_overlap * svc.fleet.tokens_per_block
-    ticket = svc.load.begin(worker, len(body.prompt), cached)
-    svc.metrics.inflight.labels(str(worker)).inc()
-    headers = {"X-Router-Worker": str(worker)}
-    resp: web.StreamResponse | None = None
-    outcome = "error"
-    assert svc.session is not None
-    try:
-        async with svc.session.post(
-            url, data=raw, headers={"Content-Type": "application/json"}
-        ) as upstream:
-            if not body.stream or upstream.status != 200:
-                data = await upstream.read()
-                outcome = str(upstream.status)
-                return web.Response(
-                    body=data,
-                    status=upstream.status,
-                    content_type=upstream.content_type,
-                    headers=headers,
-                )
-            resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream"})
-            await resp.prepare(request)
-            async for chunk in upstream.content.iter_any():
-                svc.load.first_token(ticket)
-                await resp.write(chunk)
-            await resp.write_eof()
-            outcome = "200"
-            return resp
-    except aiohttp.ClientConnectorError as exc:
-        svc.mark_down(worker, f"{type(exc).__name__}: {exc}")
-        outcome = "refused"
-        return None
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        if resp is not None:
-            return resp  # the stream had started: it ends short, as the worker's did
-        return error_response(
-            502, f"worker {worker} failed: {type(exc).__name__}: {exc}", "bad_gateway"
-        )
-    finally:
-        svc.load.end(ticket)
-        svc.metrics.inflight.labels(str(worker)).dec()
-        svc.metrics.proxied.labels(str(worker), outcome).inc()
 
 
 async def list_workers(request: web.Request) -> web.Response:
@@ -229,10 +155,16 @@ async def count_refusals(request: web.Request, handler: Handler) -> web.StreamRe
     return resp
 
 
-def build_app(service: RouterService) -> web.Application:
-    """The aiohttp application; ``service`` is started on startup and closed on cleanup."""
-    app = web.Application(middlewares=[count_refusals], client_max_size=MAX_BODY_BYTES)
+def build_app(service: RouterService, guard: ConnectionGuard | None = None) -> web.Application:
+    """The aiohttp application; ``service`` is started on startup and closed on cleanup.
+    ``guard``: its time bounds and JSON errors (:mod:`router_sim.service.http_limits`; default
+    limits when None), kept as ``app[GUARD]`` for the site that serves it."""
+    guard = ConnectionGuard() if guard is None else guard
+    app = web.Application(
+        middlewares=[count_refusals, guard.middleware], client_max_size=MAX_BODY_BYTES
+    )
     app[SERVICE] = service
+    app[GUARD] = guard
 
     async def lifecycle(app: web.Application) -> Any:
         await service.start()
@@ -241,7 +173,9 @@ def build_app(service: RouterService) -> web.Application:
 
     app.cleanup_ctx.append(lifecycle)
     app.router.add_post("/route", route)
-    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/completions", proxy.completions)
+    app.router.add_post("/v1/chat/completions", proxy.chat_completions)
+    app.router.add_get("/v1/models", proxy.models)
     app.router.add_get("/workers", list_workers)
     app.router.add_post("/workers", add_worker)
     app.router.add_delete("/workers/{worker}", remove_worker)
@@ -255,20 +189,49 @@ def build_app(service: RouterService) -> web.Application:
 
 def add_parser(sub: Any) -> None:
     """The ``serve`` subcommand's arguments (``sub``: argparse's subparsers)."""
-    p = sub.add_parser("serve", help="run the router as an HTTP service in front of a fleet")
+    p = sub.add_parser(
+        "serve",
+        help="run the router as an HTTP service in front of a fleet",
+        description="The KV-aware router as an OpenAI-compatible HTTP service in front of "
+        "router-sim workers or vLLM, SGLang and TensorRT-LLM engines (see docs/SERVE.md).",
+    )
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="TOML file of these options (e.g. port = 9000, health-interval = 0.2); options "
+        "given here override it",
+    )
     p.add_argument("--fleet", help="fleet file (JSON); without it the fleet starts empty")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="the model's tokenizer on local disk (a tokenizer.json or its directory, with its "
+        "tokenizer_config.json and chat template): text and chat prompts are tokenized with it "
+        "(the fleet file's models.NAME.tokenizer overrides it for that model)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
     p.add_argument(
         "--policy",
         default="kv_overlap",
         choices=sorted(set(POLICIES) - {"oracle"}),
-        help="routing policy (default kv_overlap)",
+        help="routing policy",
     )
     p.add_argument("--policy-options", default="{}", help="JSON, e.g. '{\"overlap_weight\": 2}'")
-    p.add_argument("--tokens-per-block", type=int, help="without --fleet (default 16)")
-    p.add_argument("--health-interval", type=float, default=0.5, help="seconds between probes")
-    p.add_argument("--replay-timeout-ms", type=int, default=1000)
+    p.add_argument("--tokens-per-block", type=int, help="block size without --fleet (none: 16)")
+    p.add_argument(
+        "--health-interval",
+        type=float,
+        default=0.5,
+        help="seconds between two health and load probes of a worker",
+    )
+    p.add_argument(
+        "--replay-timeout-ms",
+        type=int,
+        default=1000,
+        help="how long a worker's replay socket may take to answer before the events it "
+        "should replay count as lost (the worker's view is then rebuilt)",
+    )
     p.add_argument(
         "--curve-key",
         help="this router's CURVE key pair (.key_secret, from kv-events keygen); with "
@@ -288,6 +251,10 @@ def add_parser(sub: Any) -> None:
         help="uvloop needs the uvloop package; measured with scripts/bench_serve.py it was "
         "no cheaper per decision than asyncio's own loop here",
     )
+    p.add_argument(
+        "--log-level", choices=settings.LOG_LEVELS, default="info", help="least level logged"
+    )
+    settings.defer_defaults(p)  # every help shows its default; --config fills what is not given
 
 
 def _config(args: argparse.Namespace) -> tuple[FleetFile, dict[str, Any]]:
@@ -320,12 +287,14 @@ async def serve(args: argparse.Namespace) -> None:
         health_interval_s=args.health_interval,
         replay_timeout_ms=args.replay_timeout_ms,
         curve=curve_client_from(args.curve_key, args.curve_server_key),
+        tokenizer=PromptTokenizer.load(args.tokenizer) if args.tokenizer else None,
     )
-    runner = web.AppRunner(build_app(service), access_log=None)
+    guard = ConnectionGuard(limits)
+    runner = web.AppRunner(build_app(service, guard), access_log=None, **guard.runner_kwargs())
     await runner.setup()
     freeze_heap()
     try:
-        site = web.TCPSite(runner, args.host, args.port, reuse_port=args.reuse_port or None)
+        site = GuardedSite(runner, guard, args.host, args.port, reuse_port=args.reuse_port or None)
         await site.start()
         host, port = runner.addresses[0][:2]
         print(
@@ -370,6 +339,8 @@ def main(args: argparse.Namespace) -> int:
     """Entry point of ``router-sim serve``."""
     prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
     try:
+        settings.resolve(args, args.config)
+        settings.setup_logging(args.log_level)
         _runner(args.event_loop)(serve(args))
     except (FleetError, EndpointError, TypeError, ValueError, OSError) as exc:
         sys.stderr.write(f"router-sim serve: {exc}\n")

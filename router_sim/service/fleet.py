@@ -3,8 +3,15 @@
 A JSON file (the shape ``router-sim worker --count N --fleet-out FILE`` writes)::
 
     {"tokens_per_block": 16, "hash_algo": "v1_block_key", "loras": {"support-bot": 7},
-     "workers": [{"id": 0, "http": "http://127.0.0.1:8100",
+     "models": {"Qwen/Qwen3-0.6B": {"tokenizer": "/models/qwen3", "max_model_len": 32768}},
+     "workers": [{"id": 0, "engine": "vllm", "http": "http://127.0.0.1:8100",
                   "events": "tcp://127.0.0.1:5557", "replay": "tcp://127.0.0.1:5558"}]}
+
+``engine`` says what the worker runs, and so which endpoints tell its health and load
+(:mod:`router_sim.service.probes`): ``native`` (this project's worker, the default), ``vllm``,
+``sglang`` or ``trtllm``. ``model`` (optional) is the model a worker serves; the router also
+asks each worker's ``GET /v1/models``. ``models`` (optional) gives per model a local tokenizer
+(a ``tokenizer.json`` or its directory), for text and chat prompts, and its context length.
 
 ``tokens_per_block`` and ``hash_algo`` must be those of the workers (the router hashes prompts
 the way they announce blocks). ``loras`` maps adapter names a client may send (``model`` or
@@ -31,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from events.hashing import HashAlgo
 from events.stream.endpoints import EndpointError, should_bind
+from router_sim.service.probes import Engine
 
 
 class FleetError(ValueError):
@@ -38,7 +46,7 @@ class FleetError(ValueError):
 
 
 class WorkerEntry(BaseModel):
-    """One worker: its id, its HTTP base address, its event and replay endpoints."""
+    """One worker: its id, engine, HTTP base address, event and replay endpoints."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -46,6 +54,8 @@ class WorkerEntry(BaseModel):
     http: str
     events: str
     replay: str | None = None
+    engine: Engine = "native"
+    model: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
 
     @field_validator("http")
     @classmethod
@@ -70,6 +80,15 @@ class WorkerEntry(BaseModel):
         return value
 
 
+class ModelEntry(BaseModel):
+    """One model of the fleet file: its local tokenizer and context length (both optional)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tokenizer: Annotated[str, Field(min_length=1)] | None = None
+    max_model_len: Annotated[int, Field(strict=True, ge=1)] | None = None
+
+
 class FleetFile(BaseModel):
     """The whole fleet file; see the module docstring."""
 
@@ -80,6 +99,7 @@ class FleetFile(BaseModel):
     loras: dict[str, Annotated[int, Field(strict=True, ge=0, lt=2**64)]] = Field(
         default_factory=dict
     )
+    models: dict[str, ModelEntry] = Field(default_factory=dict)
     workers: list[WorkerEntry] = Field(default_factory=list)
 
     @field_validator("hash_algo")

@@ -3,7 +3,10 @@
 A :class:`~router_sim.router.load.LoadSource` fed by the proxy, not by the workers: each request the
 router forwards counts as active on its worker, its uncached prompt tokens as pending prefill
 until the first token comes back, then its blocks as decode blocks until the answer ends.
-``kv_usage`` is the one figure that comes from the worker itself (its ``/healthz``).
+``kv_usage`` comes from the worker itself (its health or metrics endpoint), and so may the
+number of requests it holds (:meth:`InFlightLoad.set_reported`: an engine's own count of its
+running and waiting requests, which includes what other routers sent it): a worker's
+``active_requests`` is the larger of the two counts.
 
 This is why replicas of the router differ: each knows only the requests it forwarded itself.
 Two replicas with the same index and no requests in flight see the same load, and so decide
@@ -27,6 +30,7 @@ class _Book:
     decode_blocks: int = 0
     kv_usage: float = 0.0
     eligible: bool = True
+    reported: int | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -46,17 +50,25 @@ class InFlightLoad:
     def __init__(self, tokens_per_block: int) -> None:
         self.tokens_per_block = tokens_per_block
         self._books: dict[int, _Book] = {}
+        self._only: frozenset[int] | None = None
 
     # ------------------------------------------------------------ LoadSource
 
     def workers(self) -> list[int]:
-        return [w for w, b in self._books.items() if b.eligible]
+        only = self._only
+        return [w for w, b in self._books.items() if b.eligible and (only is None or w in only)]
 
     def load(self, worker: int) -> WorkerLoad:
         b = self._books.get(worker)
         if b is None:
             return WorkerLoad()
-        return WorkerLoad(b.active, b.pending_prefill, b.kv_usage, b.decode_blocks)
+        active = b.active if b.reported is None else max(b.active, b.reported)
+        return WorkerLoad(active, b.pending_prefill, b.kv_usage, b.decode_blocks)
+
+    def only(self, workers: frozenset[int] | None) -> None:
+        """Offer only ``workers`` (the ones serving a request's model) until called with
+        None: set around one routing decision, on the loop, so no other request sees it."""
+        self._only = workers
 
     # ------------------------------------------------------------ fleet
 
@@ -75,6 +87,16 @@ class InFlightLoad:
         b = self._books.get(worker)
         if b is not None:
             b.kv_usage = min(1.0, max(0.0, kv_usage))
+
+    def set_reported(self, worker: int, requests: int | None) -> None:
+        """The worker's own count of the requests it holds (None: not known)."""
+        b = self._books.get(worker)
+        if b is not None:
+            b.reported = None if requests is None else max(0, requests)
+
+    def reported(self, worker: int) -> int | None:
+        b = self._books.get(worker)
+        return None if b is None else b.reported
 
     def active(self, worker: int) -> int:
         b = self._books.get(worker)

@@ -5,6 +5,8 @@ proxied requests) are client-library counters and histograms updated on the spot
 objects already count (events applied by the index, gaps and resyncs seen by the subscriber,
 index size) is read from them at scrape time by a custom collector, so no number is kept twice.
 Each service owns its registry: two services in one process (tests) never share counters.
+Per-worker counters never decrease: the event pump carries a worker's stream counters over
+its restarts and over its removal and re-adding (see :mod:`router_sim.service.pump`).
 
 The collector's pauses are measured too (``router_gc_pause_seconds``): a collection holds
 every thread of the process, so a request that arrives meanwhile waits for it whole.
@@ -30,6 +32,19 @@ _FRACTION_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 
 
 @dataclass(frozen=True, slots=True)
+class WorkerGauges:
+    """One worker's lag and KV usage at scrape time (None: not known)."""
+
+    lag_s: float | None
+    lag_seqs: int | None
+    kv_usage: float
+
+
+def _no_gauges() -> dict[int, WorkerGauges]:
+    return {}
+
+
+@dataclass(frozen=True, slots=True)
 class IndexView:
     """What the collector reads at scrape time (callables, so it always sees the present)."""
 
@@ -40,6 +55,7 @@ class IndexView:
     blocks: Callable[[], dict[int, int]]
     streams: Callable[[], dict[int, WorkerStatus]]
     eligible: Callable[[], dict[int, bool]]
+    gauges: Callable[[], dict[int, WorkerGauges]] = _no_gauges
 
 
 class _IndexCollector(Collector):
@@ -111,6 +127,29 @@ class _IndexCollector(Collector):
         for w, flag in sorted(v.eligible().items()):
             up.add_metric([str(w)], 1.0 if flag else 0.0)
         yield up
+        lag_s = GaugeMetricFamily(
+            "router_event_lag_seconds",
+            "seconds from the publishing of a worker's last applied batch to its application",
+            labels=["worker"],
+        )
+        lag_seqs = GaugeMetricFamily(
+            "router_event_lag_seqs",
+            "batches a worker published that are not applied yet (workers that tell their "
+            "last seq: native)",
+            labels=["worker"],
+        )
+        kv = GaugeMetricFamily(
+            "router_worker_kv_usage", "the KV usage a worker reports, in [0, 1]", labels=["worker"]
+        )
+        for w, g in sorted(v.gauges().items()):
+            if g.lag_s is not None:
+                lag_s.add_metric([str(w)], g.lag_s)
+            if g.lag_seqs is not None:
+                lag_seqs.add_metric([str(w)], float(g.lag_seqs))
+            kv.add_metric([str(w)], g.kv_usage)
+        yield lag_s
+        yield lag_seqs
+        yield kv
 
 
 class ServiceMetrics:

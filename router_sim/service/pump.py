@@ -19,19 +19,25 @@ Messages stay in order; the next round is polled once the whole round is applied
 Fleet changes (add, remove, resubscribe after a worker restart) are commands run on the pump's
 thread, in order with the messages: a removal or a restart reaches the loop as a message placed
 after every batch of the old subscription.
+
+The statuses it hands out count over a worker's whole life in the fleet: when a subscription
+ends (the worker restarted, or was removed), its counters are kept and added to those of the
+next subscription of the same worker id, so a counter never goes back (Prometheus' ``rate()``
+would read a decrease as a reset); a resubscription after a restart counts as one restart.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import Final, TypeAlias
 
 from events.stream.security import CurveClient
 from events.stream.subscriber import (
@@ -52,6 +58,20 @@ class WorkerRemoved:
 
 
 PumpItem: TypeAlias = SubscriberMessage | WorkerRemoved
+
+_COUNTERS: Final = (
+    "received",
+    "gaps",
+    "replayed",
+    "duplicates",
+    "restarts",
+    "resyncs",
+    "decode_errors",
+    "snapshots",
+    "recovered",
+)
+MAX_RETIRED: Final = 65_536
+"""Worker ids whose past counters are kept after they left (the oldest are forgotten)."""
 _Command: TypeAlias = tuple[str, int, str | None, str | None, "concurrent.futures.Future[None]"]
 
 
@@ -78,6 +98,7 @@ class EventPump:
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._statuses: dict[int, WorkerStatus] = {}
+        self._retired: dict[int, dict[str, int]] = {}  # counters of ended subscriptions
         self._thread = threading.Thread(target=self._run, name="router-event-pump", daemon=True)
 
     def start(self) -> None:
@@ -120,6 +141,7 @@ class EventPump:
         op, worker, events, replay, fut = cmd
         try:
             if op in ("remove", "resubscribe") and worker in self._sub.workers:
+                self._retire(self._sub.status(worker), restart=op == "resubscribe")
                 self._sub.remove_worker(worker)
             if op in ("add", "resubscribe"):
                 assert events is not None
@@ -130,6 +152,26 @@ class EventPump:
                 out.append(ResyncRequired(worker, "the worker restarted (new incarnation)"))
         except Exception as exc:
             fut.set_exception(exc)
+
+    def _retire(self, status: WorkerStatus, *, restart: bool) -> None:
+        past = self._retired.pop(status.worker, None) or dict.fromkeys(_COUNTERS, 0)
+        for name in _COUNTERS:
+            past[name] += getattr(status, name)
+        past["restarts"] += restart
+        self._retired[status.worker] = past  # re-inserted: the newest last
+        if len(self._retired) > MAX_RETIRED:
+            del self._retired[next(iter(self._retired))]
+
+    def _snapshot(self) -> dict[int, WorkerStatus]:
+        """Every subscribed worker's status, its ended subscriptions' counters added."""
+        out: dict[int, WorkerStatus] = {}
+        for w in self._sub.workers:
+            st = self._sub.status(w)
+            past = self._retired.get(w)
+            if past is not None:
+                st = dataclasses.replace(st, **{k: getattr(st, k) + past[k] for k in _COUNTERS})
+            out[w] = st
+        return out
 
     # ------------------------------------------------------------- thread
 
@@ -148,7 +190,7 @@ class EventPump:
                 if done:
                     # a command is complete once its effect is applied and visible in the
                     # statuses: whoever awaited it then sees the fleet as it asked
-                    self._statuses = {w: self._sub.status(w) for w in self._sub.workers}
+                    self._statuses = self._snapshot()
                     if items:
                         self._hand_over(items)
                         items = []
@@ -159,7 +201,7 @@ class EventPump:
                     items.extend(self._sub.poll(self._poll_ms))
                 else:
                     self._stop.wait(self._poll_ms / 1000.0)  # idle: nothing to poll yet
-                self._statuses = {w: self._sub.status(w) for w in self._sub.workers}
+                self._statuses = self._snapshot()
                 if items:
                     self._hand_over(items)
         except Exception:

@@ -50,7 +50,7 @@ from kvcache.scope import ReuseScope
 from router_sim.service.engine import LiveEngine, LiveRequest, RequestTooLarge
 from router_sim.service.protocol import (
     MAX_BODY_BYTES,
-    CompletionBody,
+    TokenCompletionBody,
     error_response,
     json_errors,
     parse_body,
@@ -83,7 +83,7 @@ def _chunk(rid: str, created: int, model: str, token: int | None, **extra: Any) 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
-    body = parse_body(CompletionBody, await read_body(request))
+    body = parse_body(TokenCompletionBody, await read_body(request))
     scope = ReuseScope.for_request(lora_id=body.lora_id, cache_salt=body.cache_salt)
     live = LiveRequest(list(body.prompt), body.max_tokens, scope)
     try:
