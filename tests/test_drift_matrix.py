@@ -220,9 +220,10 @@ def _stored(
     return event
 
 
-def engine_capture(path: Path, engine: TinyEngine, extensions: bool) -> Path:
+def engine_capture(path: Path, engine: TinyEngine, extensions: bool, restarts: int = 0) -> Path:
     """The engine serving every prompt, then "plain-more" (a prefix hit: only its new blocks,
-    chained to "plain"'s last one), recorded as ``kv-events listen --record`` writes it."""
+    chained to "plain"'s last one), recorded as ``kv-events listen --record`` writes it;
+    ``restarts`` times more, each from seq 0 again (a restarted publisher)."""
     events, announced = [], []
     for _name, tokens, lora, salt in PROMPTS:
         hashes = engine.hashes(tokens, lora, salt)
@@ -238,7 +239,8 @@ def engine_capture(path: Path, engine: TinyEngine, extensions: bool) -> Path:
         parent = chain[plain - 1]
         events.append(_stored(engine, tokens, None, None, chain[plain:full], parent, extensions))
     frames = [
-        (0, [b"kv", seq.to_bytes(8, "big"), msgpack.packb([float(seq), [e], None])])
+        (0, [b"kv", seq.to_bytes(8, "big"), msgpack.packb([float(attempt + seq), [e], None])])
+        for attempt in range(restarts + 1)
         for seq, e in enumerate(events)
     ]
     write_capture(path, frames, ["tcp://127.0.0.1:5557"])
@@ -364,6 +366,35 @@ def test_engine_native_hashes_are_their_own_verdict(tmp_path: Path) -> None:
     assert run("doctor", str(cap), "--block-size", "32", "--require-verified")[0] == 3
     code, text = run("doctor", str(cap), "--block-size", "32", "--hash-algo", "v1_block_key")
     assert code == 1 and "engine-native" not in text, text
+    # the stream itself declaring v1_block_key: the same
+    cap = engine_capture(tmp_path / "declared.jsonl", Native(), extensions=True)
+    code, text = run("doctor", str(cap), "--block-size", "32")
+    assert code == 1 and "engine-native" not in text, text
+    assert "block hashes do not match v1_block_key" in text
+
+
+def test_a_publisher_restart_does_not_forget_what_was_found(tmp_path: Path) -> None:
+    """A restart (seq back to 0) resets the worker's blocks, not what was found: mismatches
+    no drift explains before it, then a stream that verifies after it, is still a problem."""
+
+    class Garbled(TinyEngine):
+        def publish(self, h: int) -> int:
+            return h ^ 0x5A5A_5A5A  # nothing in the catalog
+
+    salts = ["--cache-salt", "tenant-a", "--cache-salt", "tenant-b"]
+    cap = engine_capture(tmp_path / "ok.jsonl", TinyEngine(), False, restarts=1)
+    code, text = run("doctor", str(cap), "--block-size", "32", *salts)
+    assert code == 0 and "publisher restarted" in text, text
+    assert _counts(text) == (2 * BLOCKS, 2 * BLOCKS) and "result: OK" in text
+    garbled = engine_capture(tmp_path / "garbled.jsonl", Garbled(), False).read_text()
+    good = engine_capture(tmp_path / "good.jsonl", TinyEngine(), False).read_text()
+    header, *first = garbled.splitlines()
+    body = first + good.splitlines()[1:]
+    (tmp_path / "both.jsonl").write_text("\n".join([header, *body]) + "\n", encoding="utf-8")
+    code, text = run("doctor", str(tmp_path / "both.jsonl"), "--block-size", "32", *salts)
+    assert code == 1 and "publisher restarted" in text, text
+    assert _counts(text) == (BLOCKS, 2 * BLOCKS)
+    assert "block hashes do not match v1_block_key" in text and "engine-native" not in text
 
 
 # ------------------------------------------------------------------ kv-events hash --check
