@@ -44,6 +44,15 @@ from router_sim.router.policies import POLICIES, NoWorkersError
 from router_sim.service import proxy, settings
 from router_sim.service.core import SERVICE, FleetConflict, RouterService
 from router_sim.service.fleet import FleetError, FleetFile, load_fleet, parse_worker
+from router_sim.service.http_limits import (
+    GUARD,
+    ConnectionGuard,
+    GuardedSite,
+    add_arguments,
+    body_form,
+    limits_from,
+    unsupported,
+)
 from router_sim.service.protocol import (
     MAX_BODY_BYTES,
     PACKED_TOKENS,
@@ -58,13 +67,6 @@ from router_sim.service.protocol import (
     parse_route_body,
     read_body,
 )
-from router_sim.service.http_limits import (
-    GUARD,
-    ConnectionGuard,
-    GuardedSite,
-    add_arguments,
-    limits_from,
-)
 from router_sim.service.tokenizer import PromptTokenizer
 
 
@@ -78,7 +80,10 @@ async def route(request: web.Request) -> web.Response:
     lora_id: int | None = None
     lora_name: str | None = None
     salt: str | None = None
-    if request.content_type == PACKED_TOKENS:
+    form = body_form(request, PACKED_TOKENS)
+    if form is None:
+        return unsupported(request, PACKED_TOKENS)
+    if form == "packed":
         prompt = packed_tokens(raw)
         if request.query_string:
             query = parse_query(RouteQuery, request.query)
@@ -254,6 +259,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--log-level", choices=settings.LOG_LEVELS, default="info", help="least level logged"
     )
+    add_arguments(p)  # the HTTP server's timeouts and connection cap
     settings.defer_defaults(p)  # every help shows its default; --config fills what is not given
 
 
@@ -280,6 +286,7 @@ def _config(args: argparse.Namespace) -> tuple[FleetFile, dict[str, Any]]:
 
 async def serve(args: argparse.Namespace) -> None:
     fleet, options = _config(args)
+    limits = limits_from(args)
     service = RouterService(
         fleet,
         args.policy,
