@@ -609,3 +609,21 @@ def test_a_v2_hashers_drifts_are_named_against_a_golden_file(drift: str) -> None
     assert drifts
     want = V2_DRIFTS[drift].replace("parent hash is not chained", "parent chain is broken")
     assert all(want in d.cause for d in drifts), [d.cause for d in drifts]
+
+
+def test_the_salts_a_doctor_tries_are_bounded(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cap = engine_capture(tmp_path / "cap.jsonl", TinyEngine(), extensions=False)
+    salts = [f"--cache-salt=tenant-{i}" for i in range(257)]
+    assert run("doctor", str(cap), *salts)[0] == 2
+    assert "--cache-salt is given 257 times; at most 256" in capsys.readouterr().err
+    code, text = run(
+        "doctor",
+        str(cap),
+        "--block-size",
+        "32",
+        *salts[:254],
+        *[f"--cache-salt={s}" for s in SALTS],
+    )
+    assert code == 0 and _counts(text) == (BLOCKS, BLOCKS), text

@@ -30,6 +30,8 @@ MAX_TIMEOUT_S: Final = 10_000_000.0
 MAX_COUNT: Final = 10**12
 """Most messages a ``--count`` may ask for (more than a stream sends in years)."""
 MAX_BLOCK_TOKENS: Final = 2**20
+MAX_CACHE_SALTS: Final = 256
+"""Most ``doctor --cache-salt`` values (each first block is recomputed under every one)."""
 """Largest tokens-per-block any command accepts (engines use 1 to a few thousand)."""
 _SCHEMES: Final = ("tcp://", "ipc://", "inproc://")
 
@@ -157,6 +159,8 @@ def check_kv_events_args(args: argparse.Namespace) -> None:
         )
     check_utf8("--topic", getattr(args, "topic", None))
     salts = getattr(args, "cache_salt", None)
+    if isinstance(salts, list) and len(salts) > MAX_CACHE_SALTS:
+        raise ArgError(f"--cache-salt is given {len(salts)} times; at most {MAX_CACHE_SALTS}")
     for salt in salts if isinstance(salts, list) else [salts]:
         check_utf8("--cache-salt", salt)
     check_utf8("--name", getattr(args, "name", None))
