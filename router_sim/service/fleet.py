@@ -188,6 +188,8 @@ def _child_argv(args: argparse.Namespace, i: int) -> list[str]:
         args.model,
         "--heartbeat",
         str(args.heartbeat),
+        "--log-level",
+        getattr(args, "log_level", "warning"),
         *(["--curve-key", args.curve_key] if args.curve_key else []),
         *(arg for key in args.curve_allow for arg in ("--curve-allow", key)),
     ]

@@ -40,19 +40,30 @@ class ConfigError(ValueError):
     """A config file that cannot be used; the message names the file and the key."""
 
 
-def defer_defaults(parser: argparse.ArgumentParser) -> None:
-    """Write each option's default at the end of its help, then replace the defaults by
-    :data:`UNSET` (kept aside for :func:`resolve`)."""
-    defaults: dict[str, Any] = {}
-    actions: dict[str, argparse.Action] = {}
-    for action in parser._actions:  # argparse offers no public list of a parser's actions
-        if action.dest in _NOT_IN_FILE or not action.option_strings:
-            continue
+def _options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    # argparse offers no public list of a parser's actions
+    return [a for a in parser._actions if a.option_strings and a.dest not in _NOT_IN_FILE]
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """End each option's help with its default."""
+    for action in _options(parser):
         default = action.default
         if action.help is not None and action.help is not argparse.SUPPRESS:
             shown = "none" if default is None else ("off" if default is False else default)
+            if isinstance(default, list):
+                shown = ", ".join(map(str, default)) or "none"
             action.help = f"{action.help} (default: {shown})".replace("%", "%%")
-        defaults[action.dest] = default
+
+
+def defer_defaults(parser: argparse.ArgumentParser) -> None:
+    """:func:`show_defaults`, then replace the defaults by :data:`UNSET` (kept aside for
+    :func:`resolve`)."""
+    show_defaults(parser)
+    defaults: dict[str, Any] = {}
+    actions: dict[str, argparse.Action] = {}
+    for action in _options(parser):
+        defaults[action.dest] = action.default
         actions[action.dest] = action
         action.default = UNSET
     parser.set_defaults(**{_DEFAULTS_KEY: (defaults, actions)})
@@ -88,9 +99,11 @@ def _typed(path: str, key: str, value: Any, action: argparse.Action, default: An
     return value
 
 
-def resolve(args: argparse.Namespace, config: str | None = None) -> argparse.Namespace:
-    """Fill every option left :data:`UNSET`: from the config file when it sets it, else the
-    built-in default (:class:`ConfigError` for a key that is not an option or a bad value)."""
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill every option left :data:`UNSET`: from the config file (``args.config``) when it
+    sets it, else the built-in default (:class:`ConfigError` for a key that is not an option
+    or a bad value)."""
+    config: str | None = getattr(args, "config", None)
     deferred = getattr(args, _DEFAULTS_KEY, None)
     if deferred is None:
         return args

@@ -8,7 +8,8 @@ manager and ZeroMQ publisher; step times from the simulator's timing model) and 
   the prompt the cache served;
 - ``GET /healthz``: liveness, the engine's incarnation (new at every start, so a router can tell
   a restart from a pause), the last published seq, the block size and hash algorithm, the load;
-- ``GET /stats``: the engine's counters and its cache's.
+- ``GET /stats``: the engine's counters and its cache's;
+- ``GET /v1/models``: the model it serves (``--model``), in OpenAI's shape.
 
 When a subscriber joins, and after ``--heartbeat`` seconds without a batch, the worker
 publishes an empty batch: a router that subscribes to an idle worker learns its current seq
@@ -57,6 +58,7 @@ from router_sim.service.protocol import (
     read_body,
     usage,
 )
+from router_sim.service.settings import LOG_LEVELS, setup_logging, show_defaults
 from router_sim.sim.timing import default_step_timing
 
 ENGINE: web.AppKey[LiveEngine] = web.AppKey("engine", LiveEngine)
@@ -178,6 +180,16 @@ async def stats(request: web.Request) -> web.Response:
     )
 
 
+async def models(request: web.Request) -> web.Response:
+    card = {
+        "id": request.app[INFO]["model"],
+        "object": "model",
+        "created": request.app[INFO]["created"],
+        "owned_by": "router-sim",
+    }
+    return web.json_response({"object": "list", "data": [card]})
+
+
 def build_app(engine: LiveEngine, info: dict[str, Any]) -> web.Application:
     app = web.Application(middlewares=[json_errors], client_max_size=MAX_BODY_BYTES)
     app[ENGINE] = engine
@@ -185,6 +197,7 @@ def build_app(engine: LiveEngine, info: dict[str, Any]) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/stats", stats)
+    app.router.add_get("/v1/models", models)
     return app
 
 
@@ -213,10 +226,16 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--port", type=int, default=0, help="HTTP port (0: any free port)")
     p.add_argument("--events-port", type=int, default=0, help="event PUB port (0: any)")
     p.add_argument("--replay-port", type=int, default=0, help="replay ROUTER port (0: any)")
-    p.add_argument("--tokens-per-block", type=int, default=16)
-    p.add_argument("--device-blocks", type=int, default=16384)
-    p.add_argument("--max-batch-tokens", type=int, default=8192)
-    p.add_argument("--hash-algo", default="v1_block_key")
+    p.add_argument("--tokens-per-block", type=int, default=16, help="KV block size in tokens")
+    p.add_argument("--device-blocks", type=int, default=16384, help="KV blocks of the cache")
+    p.add_argument(
+        "--max-batch-tokens", type=int, default=8192, help="prompt tokens computed per step"
+    )
+    p.add_argument(
+        "--hash-algo",
+        default="v1_block_key",
+        help="block hash of its events: v1_block_key, v2_sha256 or v2_sha256_64",
+    )
     p.add_argument("--replay-steps", type=int, default=10000, help="batches kept for replay")
     p.add_argument(
         "--speedup", type=float, default=1.0, help="divide every step time by this (> 0)"
@@ -242,6 +261,8 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--count", type=int, default=1, help="start this many worker processes")
     p.add_argument("--fleet-out", help="with --count: write the fleet file here")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="warning", help="least level logged")
+    show_defaults(p)
 
 
 def _curve_server(key_file: str | None, allowed: list[str]) -> CurveServer | None:
@@ -281,7 +302,12 @@ async def serve_worker(args: argparse.Namespace, ready: asyncio.Event | None = N
             max_batch_tokens=args.max_batch_tokens,
         )
         engine.announce()
-        info = {"id": args.id, "incarnation": uuid.uuid4().hex, "model": args.model}
+        info = {
+            "id": args.id,
+            "incarnation": uuid.uuid4().hex,
+            "model": args.model,
+            "created": int(time.time()),
+        }
         runner = web.AppRunner(build_app(engine, info), access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, args.host, args.port)
@@ -348,6 +374,7 @@ def check_worker_args(args: argparse.Namespace) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Entry point of ``router-sim worker``."""
+    setup_logging(getattr(args, "log_level", "warning"))
     try:
         check_worker_args(args)
     except ValueError as exc:
