@@ -346,7 +346,7 @@ def main(args: argparse.Namespace) -> int:
     """Entry point of ``router-sim serve``."""
     prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
     try:
-        settings.resolve(args, args.config)
+        settings.resolve(args)
         settings.setup_logging(args.log_level)
         _runner(args.event_loop)(serve(args))
     except (FleetError, EndpointError, TypeError, ValueError, OSError) as exc:
