@@ -13,7 +13,7 @@ import zmq
 from zmq_helpers import END, SEQ, removed, stored, tcp_any, wait_until, zmq_context
 
 from events.stream.publisher import PublisherError, ZmqEventPublisher
-from events.stream.snapshot import PublisherInfo, parse_info
+from events.stream.snapshot import PublisherInfo, parse_info, replay_request
 from events.wire.codec import decode_batch, encode_batch
 
 pytestmark = pytest.mark.timeout(60)
@@ -111,10 +111,14 @@ def test_replay_sends_buffered_batches_then_the_end_marker(ctx: Ctx, transport: 
         dealer.send_multipart([b"", SEQ.pack(4)])
         assert _recv(dealer) == [b"", b"t", SEQ.pack(4), b"p4"]
         assert _recv(dealer) == [b"", b"t", SEQ.pack(5), b"p5"]
+        # the end marker is the engines' exactly: its payload empty (WIRE.md 5)
+        assert _recv(dealer) == [b"", b"", END, b""]
+        # asked in this project's extended form, its last frame names this publisher's
+        # incarnation and the seqs it has handled
+        dealer.send_multipart([b"", replay_request(5, extended=True)])
+        assert _recv(dealer) == [b"", b"t", SEQ.pack(5), b"p5"]
         end = _recv(dealer)
         assert end[:3] == [b"", b"", END]
-        # the end marker's last frame (empty from engines) names this publisher's incarnation
-        # and the seqs it has handled
         assert parse_info(end[3]) == PublisherInfo(pub.incarnation, 6, snapshots=False)
         # start 0 is older than the buffer (3 steps): the reply starts at the oldest kept, 3
         dealer.send_multipart([b"", SEQ.pack(0)])
@@ -123,8 +127,8 @@ def test_replay_sends_buffered_batches_then_the_end_marker(ctx: Ctx, transport: 
         dealer.send_multipart([b"", SEQ.pack(99)])
         assert _recv(dealer)[:3] == [b"", b"", END]
         dealer.close()
-        assert pub.stats.replay_requests == 3
-        assert pub.stats.replayed_batches == 5
+        assert pub.stats.replay_requests == 4
+        assert pub.stats.replayed_batches == 6
 
 
 def test_malformed_replay_requests_are_ignored_with_a_warning(

@@ -27,7 +27,7 @@ from events.stream.sequencer import (
     Reset,
     StreamSequencer,
 )
-from events.stream.snapshot import PublisherInfo, Snapshot
+from events.stream.snapshot import HELLO_START, PublisherInfo, Snapshot
 
 Ops = list[list[Any]]
 
@@ -51,6 +51,8 @@ class ModelPublisher:
     incarnation: int
     ring_size: int
     snapshots: bool
+    #: an engine's publisher: never any info, and an extended request is a seq beyond its ring
+    engine: bool = False
     state: set[int] = field(default_factory=set)
     ring: deque[tuple[int, bytes]] = field(default_factory=deque)
     next_seq: int = 0
@@ -88,6 +90,7 @@ class Harness:
         self.now = 0.0
         self.view: set[int] = set()
         self.delivered: list[int] = []
+        self.requests: list[Request] = []
 
     def run(self, outputs: list[Any]) -> None:
         work = deque(outputs)
@@ -107,10 +110,15 @@ class Harness:
                 if self.silent and self.silent.pop(0):
                     continue
                 more: list[Any] = []
+                self.requests.append(o)
+                engine = self.pub.engine
                 for s, p in list(self.pub.ring):
-                    if s >= o.start:
+                    if s >= o.start and not (engine and o.extended):
                         more += self.seq.replayed_frame(s, p, self.now)
-                more += self.seq.replay_end(self.pub.info(), self.now)
+                # the info only in reply to this project's requests, and only from its publishers
+                ours = o.extended or o.start == HELLO_START
+                info = self.pub.info() if ours and not engine else None
+                more += self.seq.replay_end(info, self.now)
                 work.extend(more)
             elif isinstance(o, RequestSnapshot):
                 if self.silent and self.silent.pop(0):
@@ -155,10 +163,17 @@ step_st = st.one_of(
 
 
 def run_schedule(
-    steps: list[Any], ring_size: int, snapshots: bool, silent: list[bool], probe: bool
+    steps: list[Any],
+    ring_size: int,
+    snapshots: bool,
+    silent: list[bool],
+    probe: bool,
+    engine: bool = False,
+    join: bool = False,
 ) -> Harness:
     incarnations = iter(range(1, 1000))
-    pub = ModelPublisher(next(incarnations), ring_size, snapshots)
+    snapshots = snapshots and not engine
+    pub = ModelPublisher(next(incarnations), ring_size, snapshots, engine)
     seq: StreamSequencer[Ops] = StreamSequencer(
         decode,
         is_clear=is_clear,
@@ -167,6 +182,8 @@ def run_schedule(
         probe_interval_s=2.0 if probe else 1e9,  # 1e9: hello and reconnect probes only
     )
     h = Harness(seq, pub, list(silent))
+    if join:
+        h.run(seq.join(h.now))
     late: list[tuple[int, bytes]] = []
     for step in steps:
         if step[0] == "publish":
@@ -192,7 +209,7 @@ def run_schedule(
             late.clear()
             # the new publisher may already have published some batches before the first
             # frame that reaches this consumer (a restart "with a higher seq")
-            pub = ModelPublisher(next(incarnations), ring_size, snapshots)
+            pub = ModelPublisher(next(incarnations), ring_size, snapshots, engine)
             h.pub = pub
             h.run(seq.reconnected(h.now))
     for s, p in late:
@@ -208,11 +225,19 @@ def run_schedule(
     snapshots=st.booleans(),
     silent=st.lists(st.booleans(), max_size=6),
     probe=st.booleans(),
+    engine=st.booleans(),
+    join=st.booleans(),
 )
 def test_never_complete_and_wrong(
-    steps: list[Any], ring_size: int, snapshots: bool, silent: list[bool], probe: bool
+    steps: list[Any],
+    ring_size: int,
+    snapshots: bool,
+    silent: list[bool],
+    probe: bool,
+    engine: bool,
+    join: bool,
 ) -> None:
-    h = run_schedule(steps, ring_size, snapshots, silent, probe)
+    h = run_schedule(steps, ring_size, snapshots, silent, probe, engine, join)
     known = h.seq.next_seq or 0  # a lost tail nobody announced cannot be known
     if h.seq.complete:
         assert h.view == (h.pub.history[known - 1] if known else set())
@@ -221,11 +246,13 @@ def test_never_complete_and_wrong(
 
 
 @settings(max_examples=200, deadline=None)
-@given(steps=st.lists(step_st, max_size=40), ring_size=st.integers(1, 8))
-def test_snapshots_and_probes_make_every_stream_exact(steps: list[Any], ring_size: int) -> None:
+@given(steps=st.lists(step_st, max_size=40), ring_size=st.integers(1, 8), join=st.booleans())
+def test_snapshots_and_probes_make_every_stream_exact(
+    steps: list[Any], ring_size: int, join: bool
+) -> None:
     """With a publisher that answers snapshots and a consumer that probes, quiescence always
     ends exact and complete, whatever was lost, duplicated, reordered or restarted."""
-    h = run_schedule(steps, ring_size, True, [], True)
+    h = run_schedule(steps, ring_size, True, [], True, join=join)
     h.advance(2.5)  # one more probe after the last publish finds a lost tail
     h.quiesce()
     if h.seq.next_seq is not None:

@@ -37,7 +37,6 @@ from zmq_helpers import (
 )
 
 from events.stream.publisher import PublisherError, ZmqEventPublisher
-from events.stream.sequencer import HELLO_START
 from events.stream.snapshot import SNAPSHOT_TAG
 from events.stream.subscriber import ZmqEventSubscriber
 
@@ -207,7 +206,9 @@ def test_a_replay_endpoint_trickling_garbage_cannot_extend_the_replay(ctx: Ctx) 
     stop = threading.Event()
     thread: threading.Thread | None = None
     try:
-        with ZmqEventSubscriber(context=ctx, replay_timeout_ms=300, probe_interval_ms=None) as sub:
+        with ZmqEventSubscriber(
+            context=ctx, replay_timeout_ms=300, probe_interval_ms=None, join=False
+        ) as sub:
             sub.add_worker(0, fake.endpoint, fake.replay_endpoint)
             fake.wait_subscribed()
             fake.send(0, payload([stored(0, 1)]))
@@ -312,16 +313,24 @@ def test_engine_replay_layouts_fill_gaps_and_engines_get_no_snapshot_requests(
                     fake.router.send_multipart([ident, b"", *topic, SEQ.pack(seq), body])
                 fake.router.send_multipart([ident, b"", *topic, END, b""])
 
-            fake.send(0, bodies[0])
-            poll_until(sub, model, lambda: sub.status(0).replaying)
-            ident, start = fake.next_request()  # the hello after seq 0: the end marker alone
-            assert start == HELLO_START
+            # joining: the history from seq 0, asked first in this project's extended form,
+            # which an engine reads as a seq beyond its ring (the end marker alone), then in
+            # the engines' own form; the engine's ring is empty yet
+            ident, start = fake.next_request()
+            assert start == 0 and fake.extended
+            answer(ident, [])
+            poll_until(sub, model, lambda: bool(fake.router.poll(0)))
+            ident, start = fake.next_request()
+            assert start == 0 and not fake.extended
             answer(ident, [])
             poll_until(sub, model, lambda: not sub.status(0).replaying)
+            fake.send(0, bodies[0])
+            poll_until(sub, model, lambda: model.seqs.get(0) == [0])
+            assert not fake.router.poll(0)  # no hello: the engine is known not to answer it
             fake.send(2, bodies[2])
             poll_until(sub, model, lambda: sub.status(0).replaying)
             ident, start = fake.next_request()
-            assert start == 1
+            assert start == 1 and not fake.extended  # engines are asked in their own form
             answer(ident, [(1, bodies[1]), (2, bodies[2])])
             poll_until(sub, model, lambda: model.seqs.get(0) == [0, 1, 2])
             assert sub.status(0).state == "ok"

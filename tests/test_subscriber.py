@@ -48,8 +48,8 @@ def fake(ctx: Ctx) -> Iterator[FakePublisher]:
 
 @pytest.fixture
 def sub(ctx: Ctx) -> Iterator[ZmqEventSubscriber]:
-    # no probes: these scenarios script every replay request and answer themselves
-    s = ZmqEventSubscriber(context=ctx, replay_timeout_ms=2000, probe_interval_ms=None)
+    # no probes and no join: these scenarios script every replay request and answer themselves
+    s = ZmqEventSubscriber(context=ctx, replay_timeout_ms=2000, probe_interval_ms=None, join=False)
     yield s
     s.close()
 
@@ -321,7 +321,9 @@ def test_bind_mode_abandoned_replay_does_not_poison_later_replays(ctx: Ctx) -> N
     router.setsockopt(zmq.LINGER, 0)
     router.bind("tcp://127.0.0.1:*")
     replay = router.getsockopt_string(zmq.LAST_ENDPOINT)
-    with ZmqEventSubscriber(context=ctx, replay_timeout_ms=100, probe_interval_ms=None) as sub:
+    with ZmqEventSubscriber(
+        context=ctx, replay_timeout_ms=100, probe_interval_ms=None, join=False
+    ) as sub:
         try:
             sub.add_worker(0, live, replay, bind=True)
             pub.connect(live)
@@ -365,7 +367,7 @@ def test_wait_connected_is_false_until_a_publisher_listens(ctx: Ctx) -> None:
 
 def test_decode_limits_apply_to_live_and_replayed_batches(ctx: Ctx, fake: FakePublisher) -> None:
     model = StateModel()
-    with ZmqEventSubscriber(context=ctx, limits=DecodeLimits(max_events=1)) as sub:
+    with ZmqEventSubscriber(context=ctx, limits=DecodeLimits(max_events=1), join=False) as sub:
         sub.add_worker(0, fake.endpoint, fake.replay_endpoint)
         fake.wait_subscribed()
         too_big = payload([stored(0, 1), stored(1, 2)])

@@ -135,6 +135,7 @@ class FakePublisher:
                 s.bind(tcp_any())
         self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.extended = False
 
     def wait_subscribed(self) -> None:
         if not self.pub.poll(int(DEADLINE_S * 1000)):
@@ -145,10 +146,14 @@ class FakePublisher:
         self.pub.send_multipart([topic, SEQ.pack(seq), body])
 
     def next_request(self) -> tuple[bytes, int]:
-        """The next replay request: (client identity, start seq)."""
+        """The next replay request: (client identity, start seq); ``extended`` then says
+        whether it came in this project's extended form (``kvx1`` + start)."""
         if not self.router.poll(int(DEADLINE_S * 1000)):
             raise AssertionError("no replay request arrived")
         ident, empty, start = self.router.recv_multipart()
+        self.extended = len(start) == 12 and start[:4] == b"kvx1"
+        if self.extended:
+            start = start[4:]
         assert empty == b"" and len(start) == 8
         return ident, SEQ.unpack(start)[0]
 

@@ -18,8 +18,11 @@ Loss upstream (the event manager's full buffer) is made visible the same way wit
 
 Replays run on their own thread, so they never delay live sends: clients are served in turn,
 a few messages each, with a bounded number of clients, a request rate per client, and a
-deadline for a client that stops reading. The end marker of every replay carries this
-publisher's *incarnation* (a random id drawn at start) and how many seqs it has handled; with a
+deadline for a client that stops reading. A reply to an ordinary replay request is exactly
+vLLM's (WIRE.md 5: the end marker's payload empty, the topic frame as the emulated version
+sends it), so clients written for vLLM read it unchanged. Only requests no engine client sends
+get this project's extensions: the hello and the extended request end with this publisher's
+*incarnation* (a random id drawn at start) and how many seqs it has handled; with a
 ``snapshot_provider`` it also answers snapshot requests with the worker's complete state
 (:mod:`events.stream.snapshot`). A sender thread that dies makes ``publish()`` raise.
 
@@ -48,10 +51,10 @@ from typing import Final, Protocol
 
 import zmq
 
+from events.loss import leading_loss
 from events.stream.endpoints import offset_for_rank, should_bind
 from events.stream.security import (
     DEFAULT_MAX_MESSAGE_BYTES,
-from events.loss import leading_loss
     CurveServer,
     limit_inbound,
     secure_server,
@@ -62,6 +65,7 @@ from events.stream.snapshot import (
     SnapshotHeader,
     pack_header,
     pack_info,
+    parse_replay_request,
     split_parts,
 )
 from events.wire.codec import encode_batch
@@ -199,6 +203,8 @@ class ZmqEventPublisher:
     ``"positional"`` (array events, for consumers built on vLLM 0.11); ``extensions`` sends
     tier moves and creation as this project's ``BlockUpdated`` / ``CacheCreated`` events,
     which engines' decoders reject (see :func:`events.wire.codec.encode_batch`).
+    ``replay_topic_frame``: replay replies carry the topic frame, as vLLM >= 0.26 and SGLang
+    send them (``[b"", topic, seq, payload]``); False: vLLM <= 0.25.1's ``[b"", seq, payload]``.
     """
 
     def __init__(
@@ -223,6 +229,7 @@ class ZmqEventPublisher:
         max_message_bytes: int | None = DEFAULT_MAX_MESSAGE_BYTES,
         wire_form: str = "map",
         extensions: bool = False,
+        replay_topic_frame: bool = True,
     ) -> None:
         if wire_form not in ("map", "positional"):
             raise ValueError(f"wire_form must be 'map' or 'positional', got {wire_form!r}")
@@ -242,6 +249,7 @@ class ZmqEventPublisher:
         self._dp_rank = dp_rank
         self._wire_form = wire_form
         self._extensions = extensions
+        self._replay_topic_frame = replay_topic_frame
         self._max_queue = max_queue
         self._drop_live = drop_live
         self.incarnation: Final[int] = (
@@ -380,7 +388,15 @@ class ZmqEventPublisher:
         consumed, so subscribers see the loss. When a snapshot was requested, the provider is
         called here, right after the batch: its state is then the sum of every batch so far.
         Raises :class:`PublisherError` when closed or when the sender thread died.
+
+        A loss marker at the head of ``events`` (what the event manager's
+        ``get_latest_events`` hands out first after its buffer overflowed, see
+        :mod:`events.loss`) becomes a burned seq (:meth:`skip`) before the batch, which carries
+        the rest: the loss is a gap every subscriber sees, whichever way the events were drained.
         """
+        if leading_loss(events):
+            self.skip()
+            events = events[1:]
         # a copy of the list: the caller may reuse its own while the batch waits in the queue
         seq = self._enqueue(list(events), time.time() if ts is None else ts)
         if self._snapshot_wanted:
@@ -388,15 +404,7 @@ class ZmqEventPublisher:
         return seq
 
     def publish_drained(
-
-        A loss marker at the head of ``events`` (what the event manager's
-        ``get_latest_events`` hands out first after its buffer overflowed, see
-        :mod:`events.loss`) becomes a burned seq (:meth:`skip`) before the batch, which carries
-        the rest: the loss is a gap every subscriber sees, whichever way the events were drained.
         self, source: DrainedEvents, ts: float | None = None, *, empty: bool = False
-        if leading_loss(events):
-            self.skip()
-            events = events[1:]
     ) -> list[KVCacheEvent] | None:
         """End an engine iteration: flush ``source``, turn what its full buffer dropped into a
         gap (:meth:`skip`) and publish what it drained, in that order, so no loss is silent.
@@ -774,9 +782,9 @@ class ZmqEventPublisher:
                     elif ident not in waiters:
                         waiters.append(ident)
                         self._snapshot_wanted = True
-                elif len(body) == 8:
+                elif (request := parse_replay_request(body)) is not None:
                     self._stats.replay_requests += 1
-                    start = SEQ.unpack(body)[0]
+                    start, extended = request
                     # The end marker says how far the publisher had got when these items were
                     # taken (what _info says, read before them): read when it is sent, it
                     # could name seqs ringed since, which this reply does not hold, and the
@@ -785,12 +793,21 @@ class ZmqEventPublisher:
                     with self._ring_lock:
                         i = bisect.bisect_left(self._ring_seqs, start)
                         items = list(itertools.islice(self._ring, i, None))
-                    topic = self._topic
-                    client.queue.extend((b"", topic, SEQ.pack(q), p) for q, p in items)
-                    client.queue.append((b"", b"", END_SEQ, pack_info(info)))
+                    if self._replay_topic_frame:
+                        topic = self._topic
+                        client.queue.extend((b"", topic, SEQ.pack(q), p) for q, p in items)
+                    else:
+                        client.queue.extend((b"", SEQ.pack(q), p) for q, p in items)
+                    client.queue.append(self._end_marker(pack_info(info) if extended else b""))
                     self._stats.replayed_batches += len(items)
                 else:
                     self._malformed(frames)
+
+    def _end_marker(self, body: bytes) -> tuple[bytes, ...]:
+        """The end of a replay: ``body`` is empty (engine-exact) but for the extensions."""
+        if self._replay_topic_frame:
+            return (b"", b"", END_SEQ, body)
+        return (b"", END_SEQ, body)
 
     def _refuse(self, router: zmq.Socket[bytes], ident: bytes, body: bytes) -> None:
         with contextlib.suppress(zmq.ZMQError):
@@ -798,8 +815,9 @@ class ZmqEventPublisher:
                 header = pack_header(SnapshotHeader(self.incarnation, 0, 0, 0))
                 router.send_multipart((ident, b"", SNAPSHOT_TAG, header, b""), zmq.NOBLOCK)
             else:
-                info = pack_info(self._info())
-                router.send_multipart((ident, b"", b"", END_SEQ, info), zmq.NOBLOCK)
+                request = parse_replay_request(body)
+                info = pack_info(self._info()) if request is not None and request[1] else b""
+                router.send_multipart((ident, *self._end_marker(info)), zmq.NOBLOCK)
 
     def _hand_out_snapshot(self, clients: dict[bytes, _Client], waiters: list[bytes]) -> None:
         with self._snap_lock:

@@ -23,10 +23,19 @@ Rules:
 * **snapshot**: while the history is incomplete and the publisher answers snapshot requests,
   one is requested; its :class:`Reset` replaces the consumer's view with the publisher's state
   at a stated seq, and the stream continues after it: the view is exact again in one round trip.
+* **join**: a consumer that joins a worker (:meth:`StreamSequencer.join`) asks its replay for
+  the history from seq 0 at once, so an idle publisher's state is known before its next batch
+  (no blind start); after a reconnect it does the same (an engine's replayed batches are
+  compared with the ones delivered under the same seqs: another batch means a restart).
 * **probe**: after the first frame, after a reconnect and after every ``probe_interval_s`` of
   quiet, a hello (a replay request for the end marker alone) asks the publisher for its info: a
   restart that kept the seqs going and a lost tail (then fetched by a replay) are found that
   way, not only when the next batch arrives.
+* **engine-exact requests**: with probes, the replay requests that fetch batches are *extended*
+  (:func:`events.stream.snapshot.replay_request`): this project's publishers end their reply
+  with their info, engines read the request as a seq beyond their ring and send their end marker
+  alone, after which this stream asks them in the engines' own form. Plain requests get the
+  engines' plain reply from either kind of publisher (WIRE.md 5).
 * **backlog**: a consumer may be behind, its frames still queued on its live socket; a replay
   that finds the ring moved on must not call them lost. A gap's replay takes nothing beyond the
   highest seq received live, and a straggler too old to judge is checked against the
@@ -45,6 +54,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, Generic, Literal, TypeAlias, TypeVar
 
+# HELLO_START is re-exported: it lives with the other extensions in events.stream.snapshot
+from events.stream.snapshot import HELLO_START as HELLO_START
 from events.stream.snapshot import PublisherInfo, Snapshot
 
 T = TypeVar("T")
@@ -82,9 +93,11 @@ class Reset:
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    """Transport: send a replay request from ``start``."""
+    """Transport: send a replay request from ``start``; ``extended``: in this project's form,
+    whose reply ends with the publisher's info (:func:`events.stream.snapshot.replay_request`)."""
 
     start: int
+    extended: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,11 +113,9 @@ class Abandon:
 Output: TypeAlias = "Deliver[T] | Lost | Reset | Request | RequestSnapshot | Abandon"
 Mode = Literal["live", "replay", "snapshot"]
 #: what a replay request is for: fill a known gap, learn the publisher's info (a hello, also
-#: after a reconnect), look for a lost tail after a quiet spell (probe), fetch that tail
-RequestKind = Literal["gap", "hello", "probe", "tail"]
-#: a replay from here gets the end marker alone (with this project's info): engines read any
-#: start beyond their ring the same way
-HELLO_START: Final = 2**64 - 2
+#: after a reconnect), look for a lost tail after a quiet spell (probe), fetch that tail, fetch
+#: the whole history on joining (join) or after a reconnect (rejoin)
+RequestKind = Literal["gap", "hello", "probe", "tail", "join", "rejoin"]
 
 
 def digest(payload: bytes) -> int:
@@ -147,6 +158,13 @@ class StreamSequencer(Generic[T]):
         self.complete = False
         self.incarnation: int | None = None
         self.snapshots = False  # the publisher answers snapshot requests
+        #: whether the publisher answers extended requests (this project's) or not (an
+        #: engine's); None: not known yet
+        self.extended: bool | None = None
+        self._request_extended = False
+        self._request_first = 0
+        self._replay_high = -1  # the highest seq replayed in answer to the request in flight
+        self._rejoin = False  # a restart was found: fetch the new stream's history from 0
         self._pending: dict[int, bytes] = {}
         self._heap: list[int] = []
         self._deadline: float | None = None
@@ -208,7 +226,7 @@ class StreamSequencer(Generic[T]):
         mark = self._mark
         if seq >= mark:
             nxt = self.next_seq
-            if nxt is not None and seq > mark and seq > nxt:
+            if nxt is not None and mark and seq > mark and seq > nxt:
                 self.gaps += 1  # seqs skipped between the highest one seen and this one
             self._mark = seq + 1
         self._on_live(seq, payload, out, now)
@@ -230,9 +248,13 @@ class StreamSequencer(Generic[T]):
             return out
         self.mode = "live"
         self._deadline = None
-        self._reconnect_probe = False
         kind = self._request_kind
         start = self._request_start
+        plain = info is None and (self._request_extended or kind in ("hello", "probe"))
+        if plain and self._plain_answer(kind, out, now):
+            self._after(out, now)
+            return out
+        self._reconnect_probe = False
         # another request is worth it when this one may not have covered the gap: something
         # came back, the stream moved on while it was in flight, a live frame newer than the
         # request arrived, or the publisher had not yet handled the missing seqs when it
@@ -245,6 +267,27 @@ class StreamSequencer(Generic[T]):
         )
         if info is not None:
             self._learn(info, out)
+            if kind == "join" and info.next_seq == 0 and self.next_seq == 0:
+                self.complete = True  # it has published nothing: the empty history is all
+        reached = max(-1 if self.last_seq is None else self.last_seq, self._mark - 1)
+        if self._request_kind == "rejoin" and self._replay_high < reached:
+            # a publisher's ring keeps its newest batch, so the same one would have replayed
+            # at least the newest seq this stream received (engines ring a batch as they
+            # send it, this project's publishers before)
+            self.restarts += 1
+            self._lost(
+                f"publisher restarted: its replay no longer reaches seq {reached}",
+                out,
+                restart=True,
+            )
+            self._forget_stream()
+            self.next_seq = 0
+            self._rejoin = True
+        if self._rejoin and self.mode == "live":
+            self._rejoin = False
+            self._request_replay(out, now, "join")  # the new stream's history, at once
+            self._after(out, now)
+            return out
         self._advance(
             out,
             now,
@@ -252,7 +295,7 @@ class StreamSequencer(Generic[T]):
             why=f"replay from seq {start} ended without covering the gap",
         )
         if (
-            kind in ("probe", "tail")
+            kind in ("probe", "tail", "join", "rejoin")
             and info is not None
             and self.mode == "live"
             and self.next_seq is not None
@@ -324,8 +367,25 @@ class StreamSequencer(Generic[T]):
             out.append(Abandon())
             self.mode = "live"
             self._deadline = None
-        self._request_replay(out, now, "hello")
+        if self.extended and self.probe_interval_s is not None:
+            self._request_replay(out, now, "hello")  # its incarnation says whether it restarted
+        else:
+            # an engine (or a publisher not known yet): its history from seq 0, compared with
+            # what was delivered (another batch under a delivered seq is a restart)
+            self._request_replay(out, now, "rejoin", start=0)
         self._reconnect_probe = True
+        return out
+
+    def join(self, now: float) -> list[Output[T]]:
+        """The consumer joins the worker: ask its replay for the history from seq 0 at once,
+        so that an idle publisher's state is known before its next batch. Nothing to do
+        without a replay endpoint or once the stream has started."""
+        out: list[Output[T]] = []
+        if not self.replay or self.next_seq is not None or self.mode != "live":
+            return out
+        self.next_seq = 0
+        self._request_replay(out, now, "join")
+        self._after(out, now)
         return out
 
     def tick(self, now: float) -> list[Output[T]]:
@@ -383,7 +443,10 @@ class StreamSequencer(Generic[T]):
             out.append(RequestSnapshot())
             self.mode = "snapshot"
             self._deadline = now + self.snapshot_timeout_s
-        if self.mode == "live" and self.replay and self.probe_interval_s is not None:
+        # an engine's replay says nothing a probe could learn: only this project's are probed
+        probes = self.probe_interval_s is not None and self.extended is not False
+        if self.mode == "live" and self.replay and probes:
+            assert self.probe_interval_s is not None
             if self._next_probe is None or out:
                 self._next_probe = now + self.probe_interval_s
         else:
@@ -411,8 +474,35 @@ class StreamSequencer(Generic[T]):
             self._mark = 0
             self.next_seq = 0
             self.last_seq = None
+            self._rejoin = True
         self.incarnation = info.incarnation
         self.snapshots = info.snapshots
+        self.extended = True
+
+    def _plain_answer(self, kind: RequestKind, out: list[Output[T]], now: float) -> bool:
+        """A reply without this project's info to a request that asks for it: the endpoint is
+        an engine's (it read an extended request as a seq beyond its ring). True when the
+        request is asked again, in the engines' form."""
+        was_ours = self.extended
+        self.extended = False
+        if was_ours:
+            # it answered this project's requests before: another publisher now
+            self.restarts += 1
+            self._lost(
+                "publisher restarted: its replay endpoint no longer answers this project's "
+                "requests",
+                out,
+                restart=True,
+            )
+            self._forget_stream()
+            self.next_seq = 0
+            self._reconnect_probe = False
+            self._request_replay(out, now, "join")
+            return True
+        if not self._request_extended:
+            return False  # a hello to an engine: nothing more to learn
+        self._request_replay(out, now, kind, start=self._request_first)  # the same, plain
+        return True
 
     def _on_live(self, seq: int, payload: bytes, out: list[Output[T]], now: float) -> None:
         if self.next_seq is None:
@@ -533,9 +623,17 @@ class StreamSequencer(Generic[T]):
                 self._lost(f"{why}: {lost}", out, (self.next_seq, seq - 1))
                 self.next_seq = seq
 
-    def _request_replay(self, out: list[Output[T]], now: float, kind: RequestKind = "gap") -> None:
+    def _request_replay(
+        self, out: list[Output[T]], now: float, kind: RequestKind = "gap", start: int | None = None
+    ) -> None:
         assert self.next_seq is not None
-        out.append(Request(HELLO_START if kind in ("hello", "probe") else self.next_seq))
+        hello = kind in ("hello", "probe")
+        extended = not hello and self.probe_interval_s is not None and self.extended is not False
+        first = self.next_seq if start is None else start
+        out.append(Request(HELLO_START if hello else first, extended))
+        self._request_extended = extended
+        self._request_first = first
+        self._replay_high = -1
         self._request_kind = kind
         self._request_start = self.next_seq
         self._mark_at_request = self._mark
@@ -547,6 +645,22 @@ class StreamSequencer(Generic[T]):
     def _on_replayed(self, seq: int, payload: bytes, out: list[Output[T]], now: float) -> None:
         assert self.next_seq is not None
         kind = self._request_kind
+        self._replay_high = max(self._replay_high, seq)
+        if kind == "rejoin" and seq < self.next_seq:
+            known = self._digests.get(seq)
+            if known is None or known == digest(payload):
+                self.duplicates += 1  # delivered already (or too old to tell)
+                return
+            # another batch under a seq this stream delivered: the publisher restarted
+            self.restarts += 1
+            self._lost(
+                f"publisher restarted: replayed seq {seq} is not the batch delivered under it",
+                out,
+                restart=True,
+            )
+            self._forget_stream()
+            self.next_seq = 0
+            self._request_kind = "join"  # the rest of this reply is the new stream's history
         if kind in ("hello", "probe") or (kind == "gap" and seq >= self._mark_at_request):
             # beyond every seq received live: this consumer may simply be behind, with the
             # frame still queued on its live socket (a ring that moved on must not make a

@@ -1,14 +1,22 @@
 """This project's extensions on the replay socket: publisher info, incarnations and snapshots.
 
 Engines (vLLM, SGLang) answer a replay request with the buffered batches and an end marker
-whose last frame is empty. This project's publisher puts a small *info* record in that frame
-instead, and answers one more request, the *snapshot request*. Both are invisible to engines'
-own consumers: the live stream (``[topic, seq, payload]``) is unchanged, and an engine asked for
-a snapshot reads the request as a replay from a seq it never reached, so it answers with the
-end marker alone. Layouts (docs/WIRE.md, section 7)::
+whose last frame is empty, and so does this project's publisher for every request an engine
+client sends (WIRE.md 5): clients written for vLLM stop on that empty payload. Its extensions
+answer only requests no engine client sends, and an engine answers each of them with its end
+marker alone (it reads the request frame with ``int.from_bytes``, as a seq beyond its ring):
+
+- the *hello*, a replay from ``HELLO_START`` (2**64 - 2): the end marker alone, whose last
+  frame is this publisher's *info* record;
+- the *extended replay request*, ``b"kvx1" | start_seq u64 BE`` (12 bytes): the ordinary reply,
+  but the end marker carries the info (:func:`replay_request`);
+- the *snapshot request*.
+
+Layouts (docs/WIRE.md, section 7)::
 
     info      = b"kvx1" | incarnation u64 BE | next_seq u64 BE | flags u8    (21 bytes)
                 flags bit 0: the publisher answers snapshot requests
+    extended  = [b"", b"kvx1" | start_seq u64 BE]      (DEALER side)
     request   = [b"", b"kv-snapshot"]                  (DEALER side)
     reply     = [b"", b"kv-snapshot", header, payload]  one message per part
     header    = incarnation u64 BE | next_seq u64 BE | part u32 BE | parts u32 BE  (24 bytes)
@@ -30,6 +38,10 @@ from typing import Final
 from events.wire.model import KVCacheEvent, Stored
 
 INFO_MAGIC: Final = b"kvx1"
+#: a replay from here (the hello) gets the end marker alone, with the info from this project's
+#: publishers; no engine client asks it (no engine reaches that seq)
+HELLO_START: Final = 2**64 - 2
+_SEQ: Final = struct.Struct(">Q")
 _INFO: Final = struct.Struct(">4sQQB")
 _HEADER: Final = struct.Struct(">QQII")
 #: the snapshot request's second frame, and the tag frame of every snapshot reply part
@@ -51,6 +63,23 @@ class PublisherInfo:
     incarnation: int
     next_seq: int
     snapshots: bool
+
+
+def replay_request(start: int, *, extended: bool = False) -> bytes:
+    """The frame of a replay request from ``start``: 8 bytes (what engines' clients send), or
+    ``b"kvx1"`` and those 8 (``extended``: the reply's end marker carries this project's info;
+    an engine reads the 12 bytes as a start beyond its ring and sends its end marker alone)."""
+    return INFO_MAGIC + _SEQ.pack(start) if extended else _SEQ.pack(start)
+
+
+def parse_replay_request(frame: bytes) -> tuple[int, bool] | None:
+    """(start, extended) of a replay request frame; None when it is not one."""
+    if len(frame) == 8:
+        start: int = _SEQ.unpack(frame)[0]
+        return start, start == HELLO_START
+    if len(frame) == 12 and frame.startswith(INFO_MAGIC):
+        return _SEQ.unpack_from(frame, 4)[0], True
+    return None
 
 
 def pack_info(info: PublisherInfo) -> bytes:

@@ -17,7 +17,13 @@ snapshot's deliveries (``BatchDelivery.snapshot`` True), after which the view is
 Replay replies are read in every layout engines use: ``[b"", topic, seq, payload]`` (vLLM >=
 0.26, SGLang, this project) and ``[b"", seq, payload]`` (vLLM <= 0.25.1), each ending with the
 end marker (seq ``ff``*8). This project's publishers add their incarnation and snapshot support
-in the end marker's last frame (:mod:`events.stream.snapshot`).
+in the end marker's last frame, only in reply to this project's own requests (the hello, the
+extended replay request: :mod:`events.stream.snapshot`); engines answer those with their end
+marker alone, and are then asked in their own form.
+
+No blind start: a worker with a replay endpoint is asked for its history from seq 0 as soon as
+it is added, so an idle engine's state is known before its next batch (the worker is
+``replaying`` meanwhile).
 
 Call ``poll()`` regularly: deadlines and probes are checked there, and ZeroMQ completes a SUB's
 resubscription after a reconnect only while the socket is being used. The subscriber is not
@@ -59,7 +65,13 @@ from events.stream.sequencer import (
     Reset,
     StreamSequencer,
 )
-from events.stream.snapshot import SNAPSHOT_TAG, SnapshotAssembler, SnapshotError, parse_info
+from events.stream.snapshot import (
+    SNAPSHOT_TAG,
+    SnapshotAssembler,
+    SnapshotError,
+    parse_info,
+    replay_request,
+)
 from events.wire.codec import DecodeLimits, decode_batch
 from events.wire.model import AllBlocksCleared, DecodedBatch
 
@@ -152,7 +164,8 @@ class ZmqEventSubscriber:
     no probes, no hello and no reconnect check: the behaviour of a plain vLLM consumer).
     ``curve``: CURVE client keys and the publisher's public key (:mod:`events.stream.security`);
     ``max_message_bytes``: ZeroMQ drops a peer that sends a bigger message (None: no cap), so
-    queued memory per worker is at most ``rcvhwm`` times it.
+    queued memory per worker is at most ``rcvhwm`` times it. ``join``: ask each worker's replay
+    for its history from seq 0 as soon as it is added (False: wait for its next batch).
     """
 
     def __init__(
@@ -168,7 +181,9 @@ class ZmqEventSubscriber:
         probe_interval_ms: int | None = 2000,
         curve: CurveClient | None = None,
         max_message_bytes: int | None = DEFAULT_MAX_MESSAGE_BYTES,
+        join: bool = True,
     ) -> None:
+        self._join = join
         self._ctx = context if context is not None else zmq.Context.instance()
         self._curve = curve  # events.stream.security: CURVE client on every SUB and DEALER
         self._max_message_bytes = max_message_bytes
@@ -241,6 +256,12 @@ class ZmqEventSubscriber:
             self._register(w.monitor, w, "monitor")
         if w.dealer is not None:
             self._register(w.dealer, w, "replay")
+        if w.dealer is not None and self._join:
+            # no blind start: the history from seq 0 at once (only transport commands come
+            # out of a join, nothing to deliver)
+            joined: list[SubscriberMessage] = []
+            self._run(w, seq.join(time.monotonic()), joined)
+            assert not joined
 
     def remove_worker(self, worker: int) -> None:
         """Stop listening to ``worker`` and forget its state."""
@@ -452,7 +473,7 @@ class ZmqEventSubscriber:
                     log.warning("worker %d: resync required: %s", w.worker, o.reason)
                 out.append(ResyncRequired(w.worker, o.reason))
             elif isinstance(o, Request):
-                self._send(w, (b"", SEQ.pack(o.start)))
+                self._send(w, (b"", replay_request(o.start, extended=o.extended)))
             elif isinstance(o, RequestSnapshot):
                 w.parts.reset()
                 self._send(w, (b"", SNAPSHOT_TAG))

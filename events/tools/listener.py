@@ -30,7 +30,7 @@ from events.stream.security import (
     secure_client,
 )
 from events.stream.sequencer import Abandon, Deliver, Output, Request, StreamSequencer
-from events.stream.snapshot import parse_info
+from events.stream.snapshot import parse_info, replay_request
 
 OnMessage = Callable[[int, list[bytes], bool], None]
 """Called with (worker index, frames, replayed) for every received message."""
@@ -127,7 +127,8 @@ def listen(
                         socks.append(stream.dealer)
                         poller.register(stream.dealer, zmq.POLLIN)
                         owners[stream.dealer] = (stream, True)
-                    stream.dealer.send_multipart([b"", o.start.to_bytes(8, "big")])
+                    body = replay_request(o.start, extended=o.extended)
+                    stream.dealer.send_multipart([b"", body])
                 elif isinstance(o, Abandon) and stream.dealer is not None:
                     poller.unregister(stream.dealer)
                     owners.pop(stream.dealer)
