@@ -85,6 +85,10 @@ class TinyEngine:
             return int.from_bytes(blake3.blake3(data).digest(8), "little")
         if self.drift == "salt-raw":
             return int.from_bytes(data[:8].ljust(8, b"\0"), "little")
+        if self.drift == "salt-raw-be":
+            return int.from_bytes(data[:8].ljust(8, b"\0"), "big")
+        if self.drift == "salt-sha256-be":
+            return int.from_bytes(hashlib.sha256(data).digest()[:8], "big")
         return int.from_bytes(hashlib.sha256(data).digest()[:8], "little")
 
     def block_hash(
@@ -164,6 +168,8 @@ DRIFTS: dict[str, tuple[str, str]] = {
     "lora-0-as-none": ("LoRA id 0 as no LoRA", "LoRA id 0 as no LoRA"),
     "salt-blake3": ("from the first 8 bytes of blake3", "from the first 8 bytes of blake3"),
     "salt-raw": ("from the raw UTF-8 bytes", "from the raw UTF-8 bytes"),
+    "salt-raw-be": ("zero-padded) read big-endian", "zero-padded) read big-endian"),
+    "salt-sha256-be": ("sha256(cache_salt UTF-8) read big-endian", "read big-endian"),
     "salt-every-block": ("salt is mixed into every block", "salt is mixed into every block"),
     "block-size-1": ("hashes are of 1-token blocks, not 32", "of 1-token blocks, not 32"),
     "block-size-16": ("hashes are of 16-token blocks, not 32", "of 16-token blocks, not 32"),
