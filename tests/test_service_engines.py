@@ -5,6 +5,7 @@ explained, restarts seen on the event stream, per-worker counters that never go 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 from collections.abc import Awaitable, Callable
@@ -21,7 +22,7 @@ from tokenizer_fixture import CHAT_TEMPLATE, make_tokenizer
 
 from router_sim.service.app import build_app
 from router_sim.service.core import RouterService
-from router_sim.service.fleet import FleetFile, WorkerEntry
+from router_sim.service.fleet import FleetError, FleetFile, WorkerEntry, parse_fleet
 from router_sim.service.probes import prometheus_load, read_gauges, trtllm_load
 from router_sim.service.tokenizer import PromptTokenizer
 
@@ -52,6 +53,7 @@ def run(
     *,
     entry_engine: str | None = None,
     router_tokenizer: bool = True,
+    models: list[str] | None = None,
     **standin: Any,
 ) -> None:
     """``scenario`` against a router (in process) in front of one stand-in per engine named,
@@ -61,7 +63,8 @@ def run(
 
     async def main() -> None:
         file = str(tok / "tokenizer.json")
-        ins = [EngineStandIn(e, i, file, **standin) for i, e in enumerate(engines)]
+        names = models or ["test-model"] * len(engines)
+        ins = [EngineStandIn(e, i, file, model=names[i], **standin) for i, e in enumerate(engines)]
         try:
             for s in ins:
                 await s.start()
@@ -398,3 +401,34 @@ def test_per_worker_counters_survive_removal_and_re_adding(tmp_path: Path) -> No
 
 async def _metric_at_least(client: TestClient[Any, Any], name: str, worker: int, n: float) -> bool:
     return (await metric(client, name, worker) or 0.0) >= n
+
+
+def test_a_fleet_entry_names_its_engine_and_a_bad_one_is_refused() -> None:
+    entry = {"id": 0, "http": "http://127.0.0.1:1", "events": "tcp://127.0.0.1:2"}
+    fleet = parse_fleet(json.dumps({"workers": [entry]}))
+    assert fleet.workers[0].engine == "native"  # fleet files without it keep working
+    for engine in ("vllm", "sglang", "trtllm"):
+        got = parse_fleet(json.dumps({"workers": [{**entry, "engine": engine}]}))
+        assert got.workers[0].engine == engine
+    with pytest.raises(FleetError, match=r"workers\.0\.engine: Input should be 'native'"):
+        parse_fleet(json.dumps({"workers": [{**entry, "engine": "vLLM"}]}))
+    with pytest.raises(FleetError, match=r"models\.m\.max_model_len"):
+        parse_fleet(json.dumps({"models": {"m": {"max_model_len": 0}}}))
+
+
+def test_a_request_naming_a_model_goes_only_to_the_workers_serving_it(tmp_path: Path) -> None:
+    async def scenario(
+        client: TestClient[Any, Any], svc: RouterService, ins: list[EngineStandIn]
+    ) -> None:
+        await until("both up", lambda: _all_up(client))
+        listed = await (await client.get("/v1/models")).json()
+        assert [m["id"] for m in listed["data"]] == ["model-a", "model-b"]
+        for k in range(4):  # whatever the load, model-b's requests find only worker 1
+            assert await complete(client, prefix(20 + k), model="model-b") == 1
+            assert await complete(client, prefix(30 + k), model="model-a") == 0
+        resp = await client.post("/v1/completions", json={"prompt": [1, 2], "model": "model-c"})
+        assert resp.status == 404
+        message = (await resp.json())["error"]["message"]
+        assert "model-c" in message and "['model-a', 'model-b']" in message
+
+    run(tmp_path, ["vllm", "vllm"], scenario, models=["model-a", "model-b"])

@@ -107,6 +107,16 @@ def test_shared_prefixes_go_to_the_worker_holding_them(fleet: Fleet) -> None:
     report = workers_by_id(fleet.serve)
     assert all(w["state"] == "ok" and w["lag"] == 0 for w in report.values()), report
     assert sum(w["blocks_indexed"] for w in report.values()) >= 3 * 4
+    # the lag as gauges: native workers tell their last seq, so the seqs behind are known
+    _, _, text = request("GET", fleet.serve.http + "/metrics")
+    lag = {
+        (s.name, s.labels["worker"]): s.value
+        for fam in text_string_to_metric_families(text.decode())
+        for s in fam.samples
+        if s.name in ("router_event_lag_seqs", "router_event_lag_seconds")
+    }
+    assert all(lag[("router_event_lag_seqs", str(w))] == 0 for w in range(4)), lag
+    assert lag[("router_event_lag_seconds", str(first))] >= 0.0
 
 
 def test_lora_names_resolve_to_the_fleet_files_ids(fleet: Fleet) -> None:
