@@ -24,6 +24,12 @@ class MaskTable:
     def words(self) -> int:
         """64-bit words per worker mask (the table widens as bits past it are set)."""
 
+    @property
+    def probes(self) -> int:
+        """Slots examined past keys' home slots over the table's life (finds, inserts, moves):
+        the table's work beyond one slot per key. Placement is keyed by a random value drawn
+        when the module loads, so it stays linear in the keys whatever keys a worker picks."""
+
     def sync(self, keys: Sequence[object], bit: int, held: dict[Any, int]) -> None:
         """For each int key in [0, 2**64): set bit ``bit`` if the key is in ``held``, else
         clear it; keys of other types are ignored."""
