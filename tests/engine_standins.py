@@ -103,6 +103,8 @@ class EngineStandIn:
         self.answer_tokens = answer_tokens
         self.tokenizer = tokenizers.Tokenizer.from_file(tokenizer_file)
         self.chat_template = chat_template
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        self._template = None if chat_template is None else env.from_string(chat_template)
         self.special_tokens = dict(special_tokens or {})
         self.dead = False
         self.metrics_enabled = metrics
@@ -309,9 +311,8 @@ class EngineStandIn:
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         """The chat template over ``messages`` (jinja2, sandboxed, blocks trimmed)."""
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        assert self.chat_template is not None
-        return env.from_string(self.chat_template).render(
+        assert self._template is not None
+        return self._template.render(
             messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
         )
 

@@ -5,6 +5,7 @@ derived by hand from its vocabulary."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from tokenizer_fixture import BOS, ROLE_IDS, make_tokenizer, word, words
 
 from router_sim.service.core import RouterService
 from router_sim.service.protocol import BadRequest, read_prompts
+from router_sim.service.proxy import INLINE_CHARS
 from router_sim.service.tokenizer import PromptTokenizer, TokenizerError
 
 pytestmark = pytest.mark.timeout(60)
@@ -195,3 +197,34 @@ def test_a_router_without_a_tokenizer_says_how_to_give_one(tmp_path: Path) -> No
         assert "--tokenizer" in (await resp.json())["error"]["message"]
 
     run(tmp_path, ["vllm"], scenario, router_tokenizer=False)
+
+
+def test_long_prompts_are_tokenized_off_the_event_loop(tmp_path: Path) -> None:
+    threads: list[str] = []
+
+    async def scenario(
+        client: TestClient[Any, Any], svc: RouterService, ins: list[EngineStandIn]
+    ) -> None:
+        await until("up", lambda: _all_up(client))
+        tok = svc.model_view(None).tokenizer
+        assert tok is not None
+        encode = tok.encode
+
+        def spy(text: str, *, add_special_tokens: bool = True) -> list[int]:
+            threads.append(threading.current_thread().name)
+            return encode(text, add_special_tokens=add_special_tokens)
+
+        tok.encode = spy  # type: ignore[method-assign]
+        short, long = "w1 w2", words(range(word(0), word(600)))
+        assert len(short) <= INLINE_CHARS < len(long)
+        for body in (
+            {"prompt": short},
+            {"prompt": long},
+            {"messages": [{"role": "user", "content": long}]},
+        ):
+            resp = await client.post("/route", json=body)
+            assert resp.status == 200, await resp.text()
+        assert threads[0] == threading.main_thread().name
+        assert all(t.startswith("router-tokenize") for t in threads[1:]), threads
+
+    run(tmp_path, ["vllm"], scenario)

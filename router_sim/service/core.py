@@ -22,13 +22,14 @@ workers serve the model a request names.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import aiohttp
 from aiohttp import web
@@ -47,6 +48,9 @@ from router_sim.service.pump import EventPump, PumpItem, WorkerRemoved
 from router_sim.service.tokenizer import PromptTokenizer
 
 log = logging.getLogger(__name__)
+
+TOKENIZER_THREADS: Final = 2
+"""Threads that tokenize long prompts (see :func:`router_sim.service.proxy.off_loop`)."""
 
 
 class FleetConflict(ValueError):
@@ -127,6 +131,9 @@ class RouterService:
         self._probe_task: asyncio.Task[None] | None = None
         self.session: aiohttp.ClientSession | None = None
         self._models = _Models(default=tokenizer)
+        self.tokenizer_threads = concurrent.futures.ThreadPoolExecutor(
+            max_workers=TOKENIZER_THREADS, thread_name_prefix="router-tokenize"
+        )
         for name, model in fleet.models.items():
             if model.tokenizer is not None:
                 self._models.tokenizers[name] = PromptTokenizer.load(model.tokenizer)
@@ -184,6 +191,7 @@ class RouterService:
             await asyncio.get_running_loop().run_in_executor(None, self._pump.stop)
         if self.session is not None:
             await self.session.close()
+        self.tokenizer_threads.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------- fleet
 

@@ -23,8 +23,8 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Sequence
-from typing import Any, Final
+from collections.abc import Callable, Sequence
+from typing import Any, Final, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -47,6 +47,7 @@ from router_sim.service.protocol import (
 from router_sim.service.tokenizer import PromptTokenizer
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAX_ATTEMPTS: Final = 3
 """Workers tried per request when the chosen one refuses the connection (it died since its
@@ -70,6 +71,23 @@ def _tokenizer(view: ModelView) -> PromptTokenizer:
             "--tokenizer PATH (or the fleet file's models.NAME.tokenizer)"
         )
     return view.tokenizer
+
+
+INLINE_CHARS: Final = 2048
+"""Text up to this long is tokenized on the event loop; longer text on the service's
+tokenizer threads (the ``tokenizers`` library releases the GIL while it encodes, and an
+8,192-token prompt takes ~10 ms of CPU here, which no other request should wait for)."""
+
+
+async def off_loop(svc: RouterService, chars: int, fn: Callable[[], T]) -> T:
+    """``fn()`` on the loop when its text is short, else on the tokenizer threads."""
+    if chars <= INLINE_CHARS:
+        return fn()
+    return await asyncio.get_running_loop().run_in_executor(svc.tokenizer_threads, fn)
+
+
+def _chars(messages: ChatBody) -> int:
+    return sum(len(m.content) if isinstance(m.content, str) else 0 for m in messages.messages)
 
 
 def prompt_ids(view: ModelView, prompt: Prompt, add_special_tokens: bool | None) -> Sequence[int]:
@@ -130,7 +148,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
             "is routed to the worker that holds its prefix), or ask POST /route for all"
         )
     view = svc.model_view(body.model)
-    ids = prompt_ids(view, prompts[0], body.add_special_tokens)
+    prompt = prompts[0]
+    ids = await off_loop(
+        svc,
+        len(prompt) if isinstance(prompt, str) else 0,
+        lambda: prompt_ids(view, prompt, body.add_special_tokens),
+    )
     check_context(view, len(ids), body.max_tokens)
     lora = svc.resolve_lora(body.lora_id, body.lora_name, body.model)
     if lora != body.lora_id:  # resolved from a name: the worker keys its cache by the id
@@ -146,7 +169,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     raw = await read_body(request)
     body = parse_body(ChatBody, raw)
     view = svc.model_view(body.model)
-    ids = chat_ids(view, body)
+    ids = await off_loop(svc, _chars(body) or INLINE_CHARS + 1, lambda: chat_ids(view, body))
     check_context(view, len(ids), body.max_completion_tokens or body.max_tokens)
     lora = svc.resolve_lora(body.lora_id, body.lora_name, body.model)
     return await relay(
@@ -187,12 +210,18 @@ async def route_text(svc: RouterService, raw: bytes) -> web.Response | None:
     view = svc.model_view(body.model)
     lora = svc.resolve_lora(body.lora_id, body.lora_name, body.model)
     if body.messages is not None:
-        prompts: list[Sequence[int]] = [chat_ids(view, body.as_chat())]
+        chat = body.as_chat()
+        prompts: list[Sequence[int]] = [
+            await off_loop(svc, _chars(chat), lambda: chat_ids(view, chat))
+        ]
     else:
         read = read_prompts(body.prompt)
         if len(read) == 1 and not isinstance(read[0], str):
             return None  # token ids: the fast reader's error stands
-        prompts = [prompt_ids(view, p, body.add_special_tokens) for p in read]
+        size = sum(len(p) for p in read if isinstance(p, str))
+        prompts = await off_loop(
+            svc, size, lambda: [prompt_ids(view, p, body.add_special_tokens) for p in read]
+        )
     decisions = []
     for ids in prompts:
         check_context(view, len(ids), None)
