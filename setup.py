@@ -140,19 +140,27 @@ MYPYC: list[Extension] = []
 
 
 # the helpers the events package's three extensions share (a change to it rebuilds them)
-COMMON = ["events/_native_common.h", "events/wire/_int32_array.h"]
+COMMON = ["events/_native_common.h"]
 # the V1 hash's arithmetic, shared by the extensions that hash blocks
 V1CORE = "events/_v1core.h"
 
 
-def native(name: str, *, shared: bool = False, depends: tuple[str, ...] = ()) -> Extension:
+def native(
+    name: str,
+    *,
+    shared: bool = False,
+    depends: tuple[str, ...] = (),
+    libraries: tuple[str, ...] = (),
+) -> Extension:
     """The optional extension ``name`` built from its one C file at -O3; ``shared``: it
-    includes :data:`COMMON`; ``depends``: other headers it includes."""
+    includes :data:`COMMON`; ``depends``: other headers it includes; ``libraries``: what it
+    links."""
     path = name.replace(".", "/") + ".c"
     return Extension(
         name,
         sources=[path],
         depends=[*(COMMON if shared else []), *depends],
+        libraries=list(libraries),
         extra_compile_args=["-O3"],
         optional=True,
     )
@@ -169,13 +177,10 @@ setup(
         # router_sim.router.indexer's match loop over a mirror of its masks, and the simulator's
         # trace
         # prompts and answers (pure-Python fallback)
-        native("router_sim.router._match", depends=("events/wire/_int32_array.h",)),
+        native("router_sim.router._match"),
         # the simulator's prompts and their V1 hashes, made ahead on a native thread
         # (router_sim.sim.prefetch; made inline without it)
-        native("router_sim.sim._prefetch", depends=(V1CORE,)),
-        # kvcache.keys' pack-and-check of token arrays and SHA-256 chain keys where the CPU has
-        # SHA-NI (pure-Python / hashlib fallback)
-        native("kvcache._tokens"),
+        native("router_sim.sim._prefetch", libraries=("crypto",)),
     ],
     cmdclass={"build_ext": OptionalBuildExt},
 )

@@ -15,7 +15,46 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "wire/_int32_array.h"
+/* ---- new int32 arrays ------------------------------------------------------------------
+ *
+ * The array module has no C API: a new array('i') of n items is made by repeating
+ * array('i', [0]) (public sequence protocol), and the caller writes its storage through the
+ * buffer it exports. */
+static PyObject *INT32_ARRAY_TYPE; /* array.array */
+static PyObject *INT32_ARRAY_ZERO; /* array('i', [0]) */
+
+/* An array('i') of n zeros, its storage at *data (valid while nothing resizes it). NULL with
+ * an exception set. */
+static inline PyObject *int32_array_new(Py_ssize_t n, unsigned char **data) {
+    *data = NULL;
+    PyObject *arr = PySequence_Repeat(INT32_ARRAY_ZERO, n);
+    if (arr == NULL) {
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(arr, &view, PyBUF_WRITABLE) < 0) {
+        Py_DECREF(arr);
+        return NULL;
+    }
+    *data = (unsigned char *)view.buf;
+    PyBuffer_Release(&view); /* the array is ours alone: its storage stays where it is */
+    return arr;
+}
+
+/* Loads array.array (0, or -1 with an exception set). */
+static inline int int32_array_init(void) {
+    PyObject *array_module = PyImport_ImportModule("array");
+    if (array_module == NULL) {
+        return -1;
+    }
+    INT32_ARRAY_TYPE = PyObject_GetAttrString(array_module, "array");
+    Py_DECREF(array_module);
+    if (INT32_ARRAY_TYPE == NULL || !PyType_Check(INT32_ARRAY_TYPE)) {
+        return -1;
+    }
+    INT32_ARRAY_ZERO = PyObject_CallFunction(INT32_ARRAY_TYPE, "s(i)", "i", 0);
+    return INT32_ARRAY_ZERO == NULL ? -1 : 0;
+}
 
 /* ---- packed token arrays ---------------------------------------------------------------
  *
@@ -42,16 +81,10 @@ static inline int int32_view(PyObject *obj, Py_buffer *view) {
     return 0;
 }
 
-/* A new array('i') of n items (n >= 0) for the caller to fill, *data its storage (valid while
- * nothing resizes it): see _int32_array.h. */
-static inline PyObject *new_int32_array(Py_ssize_t n, unsigned char **data) {
-    return int32_array_new(n, data);
-}
-
 /* An array('i') copy of packed int32s (bytes, a memoryview: any contiguous buffer). */
 static inline PyObject *int32_array_of(const unsigned char *p, Py_ssize_t n) {
     unsigned char *data;
-    PyObject *arr = new_int32_array(n, &data);
+    PyObject *arr = int32_array_new(n, &data);
     if (arr != NULL && n > 0) {
         memcpy(data, p, 4 * (size_t)n);
     }

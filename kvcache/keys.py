@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from hashlib import sha256
 from typing import Final, NewType
@@ -24,19 +24,6 @@ TOKEN_LIMIT: Final = 1 << 31
 _BIG_ENDIAN: Final = sys.byteorder == "big"
 _HIGH_BYTE: Final = 0 if _BIG_ENDIAN else 3  # offset of the sign-carrying byte of an int32
 _LOW_BYTE: Final = 3 - _HIGH_BYTE
-
-try:  # the native pack-and-check (kvcache/_tokens.c), when the extension is built
-    from kvcache._tokens import pack_nonneg as _pack_nonneg
-except ImportError:  # pragma: no cover - depends on the install
-    _pack_nonneg = None  # type: ignore[assignment]
-try:  # the native check alone (kvcache/_tokens.c)
-    from kvcache._tokens import all_nonneg as _all_nonneg
-except ImportError:  # pragma: no cover - depends on the install
-    _all_nonneg = None  # type: ignore[assignment]
-try:  # native chain keying: only where the CPU has the SHA extensions (see _tokens.c)
-    from kvcache._tokens import chain_keys as _chain_keys
-except ImportError:  # pragma: no cover - depends on the install and the CPU
-    _chain_keys = None  # type: ignore[assignment]
 
 
 def token_array(tokens: Iterable[int]) -> array[int]:
@@ -51,19 +38,11 @@ def token_array(tokens: Iterable[int]) -> array[int]:
 def token_array_bytes(tokens: Iterable[int]) -> tuple[array[int], bytes]:
     """:func:`token_array` and the tokens' 4-byte LE encoding (:func:`tokens_to_bytes`), from
     one packing: the check below reads the same bytes the block keys hash, so a request's
-    tokens are copied out of the array once, not once to check and again to hash.
-
-    With the optional extension (``kvcache/_tokens.c``) one native loop packs and checks;
-    without it the pure-Python path below does (same result, same errors)."""
+    tokens are copied out of the array once, not once to check and again to hash."""
     if isinstance(tokens, array) and tokens.typecode == "i":  # noqa: SIM108 (mypy narrows)
         arr = tokens
     else:
         arr = _from_ints(tokens)
-    if _pack_nonneg is not None:
-        packed = _pack_nonneg(arr)
-        if packed is None:
-            raise ValueError(f"token ids must be in [0, 2**31), got {min(arr)}")
-        return arr, packed
     data = arr.tobytes()
     # Sign check on the raw bytes: a negative int32 is one whose high byte is 0x80 or more,
     # so the high bytes are all below 0x80 (``isascii``, a word-at-a-time C loop) exactly
@@ -76,13 +55,10 @@ def token_array_bytes(tokens: Iterable[int]) -> tuple[array[int], bytes]:
 
 
 def checked_token_array(tokens: Iterable[int]) -> array[int]:
-    """:func:`token_array` without the packed bytes: the same checks and errors, and where
-    the extension is built nothing is copied (a new request's prompt is checked whole, but
-    the manager packs only as much of it as it matches against the tree)."""
+    """:func:`token_array` without the packed bytes: the same checks and errors (the sign
+    check of :func:`token_array_bytes`)."""
     arr = int32_array(tokens)
-    # without the extension: the sign check of token_array_bytes' pure path
-    ok = arr.tobytes()[_HIGH_BYTE::4].isascii() if _all_nonneg is None else _all_nonneg(arr)
-    if not ok:
+    if not arr.tobytes()[_HIGH_BYTE::4].isascii():
         raise ValueError(f"token ids must be in [0, 2**31), got {min(arr)}")
     return arr
 
@@ -156,12 +132,10 @@ def tokens_from_bytes(data: bytes) -> array[int]:
     return arr
 
 
-def chain_keys_py(
-    parent_key: bytes, data: bytes, start: int, step: int, count: int
-) -> list[BlockKey]:
+def chain_keys(parent_key: bytes, data: bytes, start: int, step: int, count: int) -> list[BlockKey]:
     """The keys of ``count`` consecutive blocks of ``step`` bytes of ``data`` (packed tokens,
     :func:`tokens_to_bytes`) from offset ``start``, each chained from the one before and the
-    first from ``parent_key``: the reference form of :func:`chain_keys`."""
+    first from ``parent_key``."""
     if start < 0 or step < 1 or count < 0 or start + count * step > len(data):
         raise ValueError(
             f"chain_keys: {count} blocks of {step} bytes from offset {start} do not fit in "
@@ -173,14 +147,6 @@ def chain_keys_py(
         key = sha256(key + data[off : off + step]).digest()
         keys.append(key)  # type: ignore[arg-type]  # a BlockKey (NewType's call costs per key)
     return keys
-
-
-chain_keys: Final[Callable[[bytes, bytes, int, int, int], list[BlockKey]]] = (
-    chain_keys_py if _chain_keys is None else _chain_keys  # type: ignore[assignment]
-)
-"""Block keys of a run of blocks in one call (:func:`chain_keys_py`): hashlib costs about
-half a microsecond per call beyond the hash itself, a third of a 512-token block's cost, so
-where the CPU has SHA-NI one native loop keys the run (the bytes are read in place)."""
 
 
 def root_key(scope: ReuseScope) -> BlockKey:

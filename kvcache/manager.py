@@ -310,21 +310,7 @@ class KVCacheManager:
         )
 
 
-try:  # one native pass over a list of keys or hashes (kvcache/_tokens.c)
-    from kvcache._tokens import hashes_ok as _hashes_ok
-    from kvcache._tokens import keys_ok as _keys_ok
-except ImportError:  # pragma: no cover - depends on the build
-    _hashes_ok = _keys_ok = None  # type: ignore[assignment]
-
-
 def _check_hashes(hashes: Sequence[int], full_blocks: int) -> None:
-    if (
-        _hashes_ok is not None
-        and isinstance(hashes, (list, tuple))
-        and len(hashes) <= full_blocks
-        and _hashes_ok(hashes)
-    ):
-        return
     if len(hashes) > full_blocks:
         raise ValueError(
             f"sink_hashes: at most one hash per full block of the input ({full_blocks}), "
@@ -340,13 +326,6 @@ _HASH_LIMIT = 1 << 64
 
 
 def _check_keys(keys: Sequence[BlockKey], full_blocks: int) -> None:
-    if (
-        _keys_ok is not None
-        and isinstance(keys, (list, tuple))
-        and len(keys) <= full_blocks
-        and _keys_ok(keys, 32)
-    ):
-        return
     if isinstance(keys, (bytes, str)):
         raise ValueError("block_keys must be a sequence of keys, not one")
     if len(keys) > full_blocks:

@@ -36,7 +36,7 @@ from itertools import islice
 from typing import Final
 
 from kvcache.keys import BlockKey, chain_keys, pack_range, root_key, tokens_to_bytes
-from kvcache.scope import DEFAULT_SCOPE, ReuseScope
+from kvcache.scope import ReuseScope
 
 _LITTLE: Final = sys.byteorder == "little"
 # Up to this many full children are compared one by one rather than looked up by the query
@@ -131,6 +131,7 @@ class Block:
 
 
 Node = Block | ScopeRoot
+
 
 def new_blocks(
     first_uid: int, scope: ReuseScope, tier: int, pages: list[int], priority: int
@@ -517,7 +518,7 @@ class RadixTree:
         else:
             if data is None:
                 data = tokens_to_bytes(tokens[start : start + count * tpb])
-            # every key in one call (a native loop where the CPU has SHA-NI, see chain_keys)
+            # every key of the run in one call
             if keys is not None and known:
                 rest = chain_keys(keys[known - 1], data, known * step, step, count - known)
                 chain = [*keys[:known], *rest]

@@ -95,7 +95,7 @@ def test_each_request_gets_what_the_inline_path_computes() -> None:
 def test_the_cache_keys_chain_sha256_over_little_endian_tokens() -> None:
     # hand-derived: key = sha256(parent || 4-byte LE tokens), from sha256(scope bytes)
     if not prefetch.KEYS:
-        pytest.skip("no SHA-NI on this CPU")
+        pytest.skip("keys are made inline on a big-endian CPU")
     req = Request(request_id=0, arrival_ms=0.0, input_length=TPB, output_length=1, hash_ids=(11,))
     source = prefetch.prompt_source([req], [req.scope], TPB, False)
     assert source is not None
@@ -297,9 +297,6 @@ def test_bad_block_keys_are_refused(keys: Any) -> None:
         m.create_kv_cache(array("i", range(8)), block_keys=keys)
 
 
-_tokens = pytest.importorskip("kvcache._tokens")
-
-
 @given(
     st.lists(
         st.one_of(
@@ -311,10 +308,16 @@ _tokens = pytest.importorskip("kvcache._tokens")
         max_size=6,
     )
 )
-def test_the_native_key_check_agrees_with_its_definition(keys: list[Any]) -> None:
+def test_block_keys_are_taken_exactly_when_each_is_32_bytes(keys: list[Any]) -> None:
+    """Up to one key per full block (6 here): refused unless every key is 32 bytes."""
     expected = all(type(k) is bytes and len(k) == 32 for k in keys)
-    assert _tokens.keys_ok(keys, 32) is expected
-    assert _tokens.keys_ok(tuple(keys), 32) is expected
+    for given_keys in (keys, tuple(keys)):
+        m = _manager()
+        if expected:
+            m.create_kv_cache(array("i", range(25)), block_keys=given_keys).close()
+        else:
+            with pytest.raises(ValueError, match="block_keys"):
+                m.create_kv_cache(array("i", range(25)), block_keys=given_keys)
 
 
 @given(
@@ -323,7 +326,12 @@ def test_the_native_key_check_agrees_with_its_definition(keys: list[Any]) -> Non
         max_size=6,
     )
 )
-def test_the_native_hash_check_agrees_with_its_definition(hashes: list[Any]) -> None:
+def test_sink_hashes_are_taken_exactly_when_each_is_a_64_bit_int(hashes: list[Any]) -> None:
     expected = all(type(h) is int and 0 <= h < 2**64 for h in hashes)
-    assert _tokens.hashes_ok(hashes) is expected
-    assert _tokens.hashes_ok(tuple(hashes)) is expected
+    for given_hashes in (hashes, tuple(hashes)):
+        m = _manager()
+        if expected:
+            m.create_kv_cache(array("i", range(25)), sink_hashes=given_hashes).close()
+        else:
+            with pytest.raises(ValueError, match="sink_hashes"):
+                m.create_kv_cache(array("i", range(25)), sink_hashes=given_hashes)

@@ -1,8 +1,7 @@
 """A new request's prompt is checked whole but packed only as far as the manager matches it
-(``RadixTree.match_prefix``: windows that grow fourfold while every block matches), with the
-native check (``kvcache._tokens.all_nonneg``) or its pure fallback. Whatever the windows, the
-reuse, the sequence's record of its tokens and the refusals must be those of a prompt matched
-in one piece."""
+(``RadixTree.match_prefix``: windows that grow fourfold while every block matches). Whatever
+the windows, the reuse, the sequence's record of its tokens and the refusals must be those of a
+prompt matched in one piece."""
 
 from __future__ import annotations
 
@@ -15,14 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kv_helpers import manager, run
 
-import kvcache.keys as keys
 import kvcache.manager as manager_module
 from kvcache.keys import checked_token_array, token_array_bytes
-
-try:
-    from kvcache._tokens import all_nonneg
-except ImportError:  # pragma: no cover - depends on the install
-    all_nonneg = None  # type: ignore[assignment]
 
 INT32 = st.integers(min_value=-(2**31), max_value=2**31 - 1)
 
@@ -37,29 +30,11 @@ def outcome(tokens: Any, fn: Any) -> Any:
 @settings(max_examples=200, deadline=None)
 @given(tokens=st.lists(INT32, max_size=200), as_array=st.booleans())
 def test_the_check_alone_agrees_with_packing(tokens: list[int], as_array: bool) -> None:
-    """checked_token_array (native check, and the pure fallback) accepts and refuses exactly
-    what token_array_bytes does, with its messages."""
+    """checked_token_array accepts and refuses exactly what token_array_bytes does, with its
+    messages."""
     given_tokens = array("i", tokens) if as_array else tokens
     want = outcome(given_tokens, lambda t: token_array_bytes(t)[0])
     assert outcome(given_tokens, checked_token_array) == want
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(keys, "_all_nonneg", None)
-        assert outcome(given_tokens, checked_token_array) == want
-
-
-@pytest.mark.skipif(all_nonneg is None, reason="kvcache._tokens is not built")
-def test_native_check_reads_every_position_and_only_int32_arrays() -> None:
-    tokens = array("i", range(4096))
-    assert all_nonneg(tokens) and all_nonneg(array("i"))
-    for at in (0, 1, 7, 8, 4095):
-        bad = array("i", tokens)
-        bad[at] = -1
-        assert not all_nonneg(bad)
-    for wrong in (array("l", [1]), array("h", [1]), b"\x01\x00\x00\x00"):
-        with pytest.raises(TypeError, match="all_nonneg needs a buffer of 4-byte ints"):
-            all_nonneg(wrong)  # type: ignore[arg-type]
-    with pytest.raises(TypeError):
-        all_nonneg([1])  # type: ignore[arg-type]
 
 
 @pytest.fixture(params=[1, 2, 8, 1024])

@@ -209,7 +209,7 @@ static PyObject *tokens_from_msgpack(PyObject *self, PyObject *const *args, Py_s
         goto refuse;
     }
     unsigned char *out;
-    arr = new_int32_array((Py_ssize_t)n, &out);
+    arr = int32_array_new((Py_ssize_t)n, &out);
     if (arr == NULL) {
         PyBuffer_Release(&buf);
         return NULL;
@@ -651,7 +651,7 @@ static int read_field(mp_reader *r, int f, wire_event *ev) {
             return 0;
         }
         unsigned char *out;
-        if ((ev->tokens = new_int32_array((Py_ssize_t)n, &out)) == NULL) {
+        if ((ev->tokens = int32_array_new((Py_ssize_t)n, &out)) == NULL) {
             return -1;
         }
         r->p = read_token_ids(r->p, r->end, n, out);
@@ -804,7 +804,7 @@ static PyObject *store_blocks(PyObject *kit, const wire_event *ev, PyObject *lev
             tokens = Py_NewRef(ev->tokens);
         } else {
             unsigned char *data;
-            tokens = new_int32_array(count, &data);
+            tokens = int32_array_new(count, &data);
             if (tokens == NULL) {
                 Py_CLEAR(out);
                 break;
@@ -1575,8 +1575,6 @@ static PyObject *simd(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
 static PyMethodDef methods[] = {
     {"simd", (PyCFunction)(void (*)(void))simd, METH_FASTCALL,
      "simd(on=None) -> bool: whether token ids are read and written with SSSE3 shuffles."},
-    {"int32_array_raw", (PyCFunction)(void (*)(void))int32_array_raw, METH_FASTCALL,
-     "int32_array_raw(on=None) -> bool: whether arrays are made without filling them first."},
     {"tokens_from_msgpack", (PyCFunction)(void (*)(void))tokens_from_msgpack, METH_FASTCALL,
      "tokens_from_msgpack(data, limit) -> array('i') | None: the token ids of one msgpack array "
      "of at most limit ints in [0, 2**31); None for anything else."},

@@ -42,7 +42,46 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "../../events/wire/_int32_array.h"
+/* ---- new int32 arrays ------------------------------------------------------------------
+ *
+ * The array module has no C API: a new array('i') of n items is made by repeating
+ * array('i', [0]) (public sequence protocol), and the caller writes its storage through the
+ * buffer it exports. */
+static PyObject *INT32_ARRAY_TYPE; /* array.array */
+static PyObject *INT32_ARRAY_ZERO; /* array('i', [0]) */
+
+/* An array('i') of n zeros, its storage at *data (valid while nothing resizes it). NULL with
+ * an exception set. */
+static inline PyObject *int32_array_new(Py_ssize_t n, unsigned char **data) {
+    *data = NULL;
+    PyObject *arr = PySequence_Repeat(INT32_ARRAY_ZERO, n);
+    if (arr == NULL) {
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(arr, &view, PyBUF_WRITABLE) < 0) {
+        Py_DECREF(arr);
+        return NULL;
+    }
+    *data = (unsigned char *)view.buf;
+    PyBuffer_Release(&view); /* the array is ours alone: its storage stays where it is */
+    return arr;
+}
+
+/* Loads array.array (0, or -1 with an exception set). */
+static inline int int32_array_init(void) {
+    PyObject *array_module = PyImport_ImportModule("array");
+    if (array_module == NULL) {
+        return -1;
+    }
+    INT32_ARRAY_TYPE = PyObject_GetAttrString(array_module, "array");
+    Py_DECREF(array_module);
+    if (INT32_ARRAY_TYPE == NULL || !PyType_Check(INT32_ARRAY_TYPE)) {
+        return -1;
+    }
+    INT32_ARRAY_ZERO = PyObject_CallFunction(INT32_ARRAY_TYPE, "s(i)", "i", 0);
+    return INT32_ARRAY_ZERO == NULL ? -1 : 0;
+}
 #ifdef __linux__
 #include <sys/mman.h>
 #endif
@@ -1148,7 +1187,7 @@ static PyTypeObject MaskTableType = {
    tokens in all (the last block cut short), as native-order int32s: bytes, or the array the
    prompt is (written in place: no copy of a bytes object into an array). */
 /* A new array('i') of n items for the caller to fill, *data its storage (the array is ours
-   alone: it stays put); see events/_int32_array.h. */
+   alone: it stays put). */
 static PyObject *new_int32_array(Py_ssize_t n, uint32_t **data) {
     unsigned char *bytes = NULL;
     PyObject *arr = int32_array_new(n, &bytes);
@@ -1388,8 +1427,6 @@ static PyMethodDef module_methods[] = {
      "array('i') of count consecutive ids from base (see router_sim.sim.workloads)."},
     {"held_prefixes", (PyCFunction)(void (*)(void))held_prefixes, METH_FASTCALL,
      "Per set, how many leading keys it holds (the simulator's true overlaps)."},
-    {"int32_array_raw", (PyCFunction)(void (*)(void))int32_array_raw, METH_FASTCALL,
-     "int32_array_raw(on=None) -> bool: whether arrays are made without filling them first."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -2,8 +2,9 @@
  * Block keys of the simulator's prompts, made ahead on a second thread (router_sim.sim.prefetch).
  *
  * A replay's requests are known before it starts, and the keys of a prompt's full blocks
- * depend on the request alone: the V1 hashes the router looks them up by (events/_v1core.h)
- * and the SHA-256 chain keys the worker's cache files them under (kvcache/_sha256ni.h). On a
+ * depend on the request alone: the V1 hashes the router looks them up by (events._v1hash's C
+ * API, a capsule) and the SHA-256 chain keys the worker's cache files them under (OpenSSL's
+ * libcrypto, which hashlib wraps too). On a
  * fleet these are computed on the router's and the workers' machines; in one process they cost
  * the replay's thread about a sixth of its time. Here a native thread computes them in arrival
  * order, a bounded number of requests ahead, while the replay's thread simulates; the replay
@@ -16,7 +17,7 @@
  *           expanded from ids as router_sim.sim.workloads.expand_hash_ids does (token j of id h
  *           is (j << shift) | (h & mask), per_id tokens per id, the last id cut); with hashed,
  *           the V1 hashes of its full blocks of tokens_per_block tokens under (lora, salt);
- *           with a root key (and SHA-NI on this CPU: KEYS), the cache keys of those blocks
+ *           with a root key (and a little-endian CPU: KEYS), the cache keys of those blocks
  *           chained from it
  *   .take() -> None for a None job, else (list[int] hashes or None, list[bytes] keys or
  *           None): the next job's, in order; it waits (without the GIL) for the thread
@@ -38,8 +39,20 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../../events/_v1core.h"
-#include "../../kvcache/_sha256ni.h"
+#include <openssl/evp.h>
+
+/* events._v1hash's V1 block hash (WIRE.md section 3) over n native-endian int32 tokens at p:
+ * the capsule "events._v1hash.hash_block_api" holds a function of this type. */
+typedef uint64_t (*v1_hash_block_fn)(const unsigned char *p, Py_ssize_t n, uint64_t parent,
+                                     int has_lora, uint64_t lora, int has_salt, uint64_t salt);
+static v1_hash_block_fn V1_HASH_BLOCK;
+
+typedef struct {
+    int has_lora;
+    uint64_t lora;
+    int has_salt;
+    uint64_t salt;
+} scope_t;
 
 typedef struct {
     uint32_t *ids; /* masked ids, as many as count needs */
@@ -84,7 +97,13 @@ typedef struct {
     int started; /* the thread runs until joined */
 } Prefetch;
 
-static int KEYS; /* this CPU runs SHA-NI: keys are made here */
+/* The cache keys blocks by their 4-byte little-endian tokens, read here in place: only where
+ * the CPU is little-endian are keys made here (elsewhere the caller makes them). */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define KEYS 1
+#else
+#define KEYS 0
+#endif
 
 /* Room for n items of size `size` in *buf (capacity *cap); 0, or -1 when out of memory. */
 static int reserve(void **buf, Py_ssize_t *cap, Py_ssize_t n, size_t size) {
@@ -123,32 +142,42 @@ static int make_slot(Prefetch *p, const job_t *job, slot_t *slot) {
                     sizeof(uint64_t)) < 0) {
             return -1;
         }
-        uint32_t sign = 0; /* every token is below 2**31 by construction (shift, mask) */
+        /* every token is below 2**31 by construction (shift, mask) */
         uint64_t parent = 0;
         const unsigned char *bytes = (const unsigned char *)t;
+        const scope_t *s = &job->scope;
         for (Py_ssize_t b = 0; b < nblocks; b++) {
-            parent = hash_block(bytes + 4 * b * p->tpb, p->tpb, parent, &job->scope, &sign);
+            parent = V1_HASH_BLOCK(bytes + 4 * b * p->tpb, p->tpb, parent, s->has_lora, s->lora,
+                                   s->has_salt, s->salt);
             slot->hashes[b] = parent;
         }
         slot->n_hashes = nblocks;
     }
-#ifdef KV_SHANI
     if (job->keyed) {
         Py_ssize_t nblocks = job->count / p->tpb;
         if (reserve((void **)&slot->keys, &slot->keys_cap, 32 * (nblocks > 0 ? nblocks : 1), 1) <
             0) {
             return -1;
         }
-        /* the cache keys its blocks by their 4-byte little-endian tokens: x86 is little-endian */
+        EVP_MD_CTX *ctx = EVP_MD_CTX_new();
+        if (ctx == NULL) {
+            return -1;
+        }
         const uint8_t *prev = job->root;
         size_t step = 4 * (size_t)p->tpb;
-        for (Py_ssize_t b = 0; b < nblocks; b++) {
+        int ok = 1;
+        for (Py_ssize_t b = 0; b < nblocks && ok; b++) {
             uint8_t *key = slot->keys + 32 * b;
-            sha_chain_key(prev, 32, (const uint8_t *)t + step * b, step, key);
+            ok = EVP_DigestInit_ex(ctx, EVP_sha256(), NULL) && EVP_DigestUpdate(ctx, prev, 32) &&
+                 EVP_DigestUpdate(ctx, (const uint8_t *)t + step * b, step) &&
+                 EVP_DigestFinal_ex(ctx, key, NULL);
             prev = key;
         }
+        EVP_MD_CTX_free(ctx);
+        if (!ok) {
+            return -1;
+        }
     }
-#endif
     return 0;
 }
 
@@ -279,10 +308,8 @@ static int read_job(PyObject *item, const Prefetch *p, uint32_t mask, job_t *job
             PyErr_SetString(PyExc_TypeError, "Prefetch: a root key is 32 bytes or None");
             return -1;
         }
-#ifdef KV_SHANI
         job->keyed = KEYS;
         memcpy(job->root, PyBytes_AS_STRING(root), 32);
-#endif
     }
     Py_ssize_t n_ids = count / p->per_id + (count % p->per_id != 0);
     if (count < 0 || count > PY_SSIZE_T_MAX / 8 || n_ids > PyTuple_GET_SIZE(ids)) {
@@ -499,9 +526,10 @@ PyMODINIT_FUNC PyInit__prefetch(void) {
     if (PyType_Ready(&PrefetchType) < 0) {
         return NULL;
     }
-#ifdef KV_SHANI
-    KEYS = cpu_has_shani();
-#endif
+    V1_HASH_BLOCK = (v1_hash_block_fn)PyCapsule_Import("events._v1hash.hash_block_api", 0);
+    if (V1_HASH_BLOCK == NULL) {
+        return NULL;
+    }
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) {
         return NULL;

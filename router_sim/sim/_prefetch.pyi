@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from kvcache.keys import BlockKey
 
 KEYS: int
-"""1 where this CPU runs SHA-NI: jobs with a root key get their cache keys made."""
+"""1 on a little-endian CPU: jobs with a root key get their cache keys made (OpenSSL)."""
 
 class Prefetch:
     """Block keys of a replay's prompts, made ahead on a native thread, taken in order."""

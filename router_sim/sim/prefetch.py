@@ -45,7 +45,7 @@ AHEAD = 1024
 
 Made = tuple[list[int] | None, list[BlockKey] | None]
 """What the thread made for a request: the router's V1 keys of its full blocks (None when not
-asked), and the cache's keys of them (None where this CPU lacks SHA-NI)."""
+asked), and the cache's keys of them (None on a big-endian CPU)."""
 
 
 class PromptSource(Protocol):
@@ -79,7 +79,7 @@ def prompt_source(
     """A thread working through ``requests`` in order, or None when it cannot run here or
     there is nothing for it to do. For each request under its scope (``scopes``) it makes the
     keys of the prompt's full blocks of ``tokens_per_block`` tokens: with ``hashed``, the V1
-    hashes the router keys them by (:meth:`Router.hash_request`); where the CPU has SHA-NI,
+    hashes the router keys them by (:meth:`Router.hash_request`); on a little-endian CPU,
     the keys the workers' caches store them under (``kvcache.keys.blockchain_keys``).
     ``take()`` gives each request's :data:`Made` in turn, or None for a request it did not
     take (made inline); ``close()`` stops the thread."""
