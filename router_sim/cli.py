@@ -25,6 +25,7 @@ from router_sim.run_args import (
     TRACE_DEVICE_BLOCKS,
     TRACE_TOKENS_PER_BLOCK,
     TRACE_WORKERS,
+    check_requests_fit,
     check_run_args,
     parse_policies,
     parse_policy_options,
@@ -192,6 +193,7 @@ def run(args: argparse.Namespace, stdout: TextIO, stderr: TextIO, *, exiting: bo
     if not requests:
         stderr.write("router-sim: the workload has no requests\n")
         return 2
+    check_requests_fit(requests, tpb, config.device_blocks)  # else every request is dropped
     bound = compulsory_bound(requests, tpb)
     summaries: dict[str, PolicySummary] = {}
     for name in args.policies:

@@ -17,6 +17,7 @@ import math
 import os
 import tempfile
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -27,6 +28,7 @@ from router_sim.sim.simulator import ALL_POLICIES, needs_event_stream
 from router_sim.sim.simulator import check_events as check_events_setting
 
 if TYPE_CHECKING:
+    from router_sim.sim.workloads import Request
     from router_sim.sweep.runner import SweepSpec
 
 MAX_WORKERS: Final = 4096
@@ -111,6 +113,25 @@ def _optional_number(policy: Any, key: str) -> bool:
         return False
     args = set(typing.get_args(hint))
     return type(None) in args and float in args
+
+
+def check_requests_fit(
+    requests: Sequence[Request], tokens_per_block: int, device_blocks: int
+) -> int:
+    """How many of ``requests`` fit a worker's device tier alone: the prompt and the output
+    in at most ``device_blocks`` blocks (a worker drops, with a warning, any request that
+    does not: ``router_sim.sim.worker``'s admission rule). :class:`ArgError` when none does:
+    the run would drop them all and print a table of nothing."""
+    needs = [-(-(r.input_length + r.output_length) // tokens_per_block) for r in requests]
+    fits = sum(1 for n in needs if n <= device_blocks)
+    if needs and not fits:
+        raise ArgError(
+            f"every one of the {len(needs)} requests needs more KV than the device tier "
+            f"({device_blocks} blocks of {tokens_per_block} tokens; they need {min(needs)} "
+            f"to {max(needs)}), so all would be dropped: raise --device-blocks or "
+            "--tokens-per-block"
+        )
+    return fits
 
 
 def check_policy_options(name: str, options: dict[str, Any]) -> None:

@@ -62,6 +62,24 @@ def test_corpus_covers_every_category() -> None:
     assert {"listen", "doctor", "hash"} <= commands
 
 
+@pytest.mark.timeout(60)
+def test_hashing_two_million_one_token_blocks_is_refused_at_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """2M tokens at 1 token per block used to run past a minute (and print half a gigabyte);
+    now the block count is checked before any hashing. The bound holds at the cap too."""
+    path = tmp_path / "tokens.txt"
+    path.write_text(" ".join(["7"] * 2_000_000))
+    status = _call("kv-events", ["hash", "--tokens-file", str(path), "--tokens-per-block", "1"])
+    captured = capsys.readouterr()
+    assert status == 2 and captured.out == ""
+    assert captured.err.count("\n") == 1 and "2000000 blocks; at most 65536" in captured.err
+    path.write_text(" ".join(["7"] * 65536))
+    status = _call("kv-events", ["hash", "--tokens-file", str(path), "--tokens-per-block", "1"])
+    captured = capsys.readouterr()
+    assert status == 0 and captured.out.count("  v1_block_key ") == 65536
+
+
 def test_max_requests_above_a_trace_length_takes_the_whole_trace() -> None:
     assert len(load_trace(DATA / "ok_trace.jsonl", max_requests=10**12)) == 2
 

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Final
 
+from events.tools.limits import MAX_CAPTURE_CHARS, MAX_LINE_CHARS, InputTooLarge, bounded_lines
+
 CAPTURE_FORMAT: Final = "kv-events-capture"
 CAPTURE_VERSION: Final = 1
 
@@ -120,18 +122,26 @@ def _parse_header(first: str | None) -> list[str]:
     return [str(e) for e in endpoints] if isinstance(endpoints, list) else []
 
 
-def read_capture(path: str | Path) -> Capture:
-    """Read a whole capture file; raises :class:`CaptureError` for anything malformed."""
+def read_capture(
+    path: str | Path,
+    *,
+    max_line: int = MAX_LINE_CHARS,
+    max_total: int = MAX_CAPTURE_CHARS,
+) -> Capture:
+    """Read a whole capture file; raises :class:`CaptureError` for anything malformed,
+    including a line over ``max_line`` characters or a file over ``max_total`` (it is held in
+    memory: ``/dev/zero`` or a runaway recording are refused, not read until memory runs
+    out)."""
     with open(path, encoding="utf-8") as stream:
         try:
-            endpoints = _parse_header(stream.readline() or None)
-            messages = [
-                _parse_line(number, text)
-                for number, text in enumerate(stream, start=2)
-                if text.strip()
-            ]
+            lines = bounded_lines(stream, "the capture", max_line, max_total)
+            first = next(lines, None)
+            endpoints = _parse_header(None if first is None else first[1])
+            messages = [_parse_line(number, text) for number, text in lines if text.strip()]
         except UnicodeDecodeError as exc:  # captures are ASCII JSON lines
             raise CaptureError(f"not a kv-events capture: not UTF-8 text ({exc.reason})") from None
+        except InputTooLarge as exc:
+            raise CaptureError(str(exc)) from None
     return Capture(endpoints, messages)
 
 

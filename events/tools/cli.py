@@ -24,7 +24,6 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import IO, Final
 
 from events.hashing import HashAlgo, hash_from_key, v1_block_hash
@@ -52,6 +51,7 @@ from events.tools.cli_args import (
 from events.tools.doctor import Doctor, DoctorOptions
 from events.tools.golden_cli import golden_command
 from events.tools.hashcheck import GoldenError
+from events.tools.limits import MAX_TOKENS_FILE_BYTES, InputTooLarge, read_bounded_text
 from events.tools.listener import OnMessage, listen
 from events.wire.codec import DecodeError, decode_batch
 from events.wire.model import (
@@ -144,13 +144,19 @@ def _printer(out: IO[str]) -> OnMessage:
 # --------------------------------------------------------------------------------- hash
 
 
+MAX_HASH_BLOCKS: Final = 65536
+"""Most blocks ``kv-events hash`` prints (about 1 s and 18 MB of output)."""
+
+
 def _read_tokens_file(path: str) -> list[int]:
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = read_bounded_text(path, "--tokens-file", MAX_TOKENS_FILE_BYTES)
     except OSError as exc:
         raise UsageError(f"cannot read --tokens-file {path}: {exc.strerror}") from None
     except UnicodeDecodeError as exc:
         raise UsageError(f"--tokens-file {path} is not UTF-8 text ({exc.reason})") from None
+    except InputTooLarge as exc:
+        raise UsageError(str(exc)) from None
     stripped = text.strip()
     if stripped.startswith("["):
         try:
@@ -161,6 +167,8 @@ def _read_tokens_file(path: str) -> list[int]:
             isinstance(v, int) and not isinstance(v, bool) for v in values
         ):
             raise UsageError(f"--tokens-file {path}: expected a JSON list of integers")
+        if not values:
+            raise UsageError(f"--tokens-file {path}: the token list is empty")
         return values
     return parse_tokens(stripped)
 
@@ -419,6 +427,9 @@ def _cmd_doctor(args: argparse.Namespace, out: IO[str]) -> int:
             raise UsageError(f"cannot read capture {args.target}: {exc.strerror}") from None
         except CaptureError as exc:
             raise UsageError(f"{args.target}: {exc}") from None
+        if not capture.messages:
+            # a header alone: "OK" would tell an operator a stream nothing was read from is fine
+            raise UsageError(f"{args.target}: the capture holds no message: nothing to check")
         doctor = Doctor(options, capture.endpoints)
         for message in capture.messages:
             doctor.feed(message.worker, message.frames, message.replay)
@@ -465,6 +476,15 @@ def _cmd_hash(args: argparse.Namespace, out: IO[str]) -> int:
         if args.tokens is not None
         else _read_tokens_file(args.tokens_file)
     )
+    blocks = -(-len(tokens) // args.tokens_per_block)
+    if blocks > MAX_HASH_BLOCKS:
+        # each block prints ~270 bytes at ~16 us apiece: 2M blocks took minutes and half a
+        # gigabyte of output
+        raise UsageError(
+            f"{len(tokens)} tokens at {args.tokens_per_block} per block are {blocks} blocks; "
+            f"at most {MAX_HASH_BLOCKS} are printed: hash fewer tokens or use a larger "
+            "--tokens-per-block"
+        )
     try:
         token_array(tokens)
     except (TypeError, ValueError) as exc:

@@ -188,11 +188,14 @@ def parse_tokens(text: str) -> list[int]:
     parts = text.replace(",", " ").split()
     if not parts:
         raise UsageError("no tokens given: pass --tokens 1,2,3 or a --tokens-file")
-    try:
-        return [int(p) for p in parts]
-    except ValueError:
-        bad = next(p for p in parts if not p.lstrip("-").isdigit())
-        raise UsageError(f"token {bad!r} is not an integer") from None
+    for p in parts:
+        # ASCII digits only, and few of them: int() also takes "1_000", "²"-like digits of
+        # other scripts (some of which it then refuses) and 5,000-digit numbers
+        digits = p[1:] if p[:1] == "-" else p
+        if not (digits.isascii() and digits.isdigit()) or len(digits) > 20:
+            shown = p if len(p) <= 24 else f"{p[:10]}...({len(p)} characters)"
+            raise UsageError(f"token {shown!r} is not an integer id")
+    return [int(p) for p in parts]
 
 
 def scope_from(args: argparse.Namespace) -> ReuseScope | None:

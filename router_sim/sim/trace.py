@@ -25,6 +25,7 @@ from typing import IO, Annotated, Final
 import msgspec
 
 from events.tools.cli_args import ArgError, loads_json
+from events.tools.limits import MAX_LINE_CHARS, MAX_TRACE_CHARS, InputTooLarge, bounded_lines
 from router_sim.sim.workloads import TOKENS_PER_HASH_ID, Request
 
 BUNDLED: Final[dict[str, str]] = {"mooncake": "conversation_trace.jsonl.gz"}
@@ -140,12 +141,13 @@ def iter_trace(
     lineno = 0
     try:
         with _open(p) as fh:
-            for lineno, line in enumerate(fh, 1):
+            # bounded: /dev/zero or a gzip bomb is refused at the cap, not read into memory
+            for lineno, line in bounded_lines(fh, str(p), MAX_LINE_CHARS, MAX_TRACE_CHARS):
                 if not line.strip():
                     continue
                 try:  # the typed pass; anything it refuses takes the checks below
                     fast = _ROW_DECODER.decode(line)
-                except msgspec.MsgspecError:
+                except (msgspec.MsgspecError, RecursionError):  # deep nesting: json says so
                     pass
                 else:
                     yield _checked_row(
@@ -162,6 +164,8 @@ def iter_trace(
                 except ArgError as exc:
                     raise TraceError(str(exc)) from None
                 yield _row(obj, f"{p}:{lineno}", tokens_per_hash_id)
+    except InputTooLarge as exc:
+        raise TraceError(f"{exc}: not a trace this tool reads") from None
     except (OSError, EOFError, UnicodeDecodeError, zlib.error) as exc:
         # not gzip, truncated, a directory, not UTF-8: the file, not a line, is at fault
         raise TraceError(
