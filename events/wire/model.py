@@ -63,8 +63,10 @@ def cache_level_of(medium: str | None) -> int:
     known = ENGINE_MEDIUMS.get(upper)
     if known is not None:
         return known
-    if upper.startswith("TIER") and upper[4:].isdigit() and len(upper) < 12:
-        return int(upper[4:])
+    digits = upper[4:]
+    # ASCII digits only: str.isdigit also takes "²" and other scripts' digits, int() not all
+    if upper.startswith("TIER") and digits.isascii() and digits.isdigit() and len(upper) < 12:
+        return int(digits)
     level = _unknown_levels.get(upper)
     if level is None:
         if len(_unknown_levels) >= _MAX_UNKNOWN:
