@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenizer_fixture import CHAT_TEMPLATE, make_tokenizer
 
 from router_sim.service.app import build_app
-from router_sim.service.core import RouterService
+from router_sim.service.core import RouterService, WorkerState
 from router_sim.service.fleet import FleetError, FleetFile, WorkerEntry, parse_fleet
 from router_sim.service.probes import prometheus_load, read_gauges, trtllm_load
 from router_sim.service.tokenizer import PromptTokenizer
@@ -432,3 +432,19 @@ def test_a_request_naming_a_model_goes_only_to_the_workers_serving_it(tmp_path: 
         assert "model-c" in message and "['model-a', 'model-b']" in message
 
     run(tmp_path, ["vllm", "vllm"], scenario, models=["model-a", "model-b"])
+
+
+def test_an_adapter_listed_by_an_engine_is_routed_by_its_name() -> None:
+    """vLLM and SGLang list a LoRA adapter in /v1/models with its base as ``parent`` and key
+    its blocks by the adapter's name: the router hashes the request that way."""
+    entry = WorkerEntry(id=0, engine="vllm", http="http://127.0.0.1:1", events="tcp://127.0.0.1:2")
+    svc = RouterService(FleetFile(tokens_per_block=TPB, models={"base": {"max_model_len": 100}}))
+    state = WorkerState(entry, models={"base": {"id": "base"}})
+    state.models["sql-lora"] = {"id": "sql-lora", "parent": "base", "max_model_len": None}
+    svc.workers[0] = state
+    adapter, base = svc.model_view("sql-lora"), svc.model_view("base")
+    assert (adapter.lora_name, adapter.workers, adapter.max_model_len) == ("sql-lora", {0}, 100)
+    assert base.lora_name is None and svc.model_view(None).max_model_len == 100
+    ids = prefix(40)
+    named = svc.router.hash_request(ids, lora_name="sql-lora")
+    assert named != svc.router.hash_request(ids) and len(named) == 4
