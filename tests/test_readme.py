@@ -1,4 +1,5 @@
-"""The README's runnable examples (```python blocks) run and print what their comments say."""
+"""The runnable examples (```python blocks) of the README and the package docs run and print what
+their comments say."""
 
 from __future__ import annotations
 
@@ -10,8 +11,13 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parent.parent / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), flags=re.S)
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ["README.md", "docs/KVCACHE.md", "docs/EVENTS.md", "docs/ROUTER.md"]
+BLOCKS = [
+    (doc, code)
+    for doc in DOCS
+    for code in re.findall(r"```python\n(.*?)```", (ROOT / doc).read_text("utf-8"), flags=re.S)
+]
 
 
 def _free_port() -> int:
@@ -20,13 +26,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_readme_has_runnable_examples() -> None:
-    assert len(BLOCKS) >= 5
+def test_each_doc_has_runnable_examples() -> None:
+    assert {doc for doc, _ in BLOCKS} == set(DOCS)
+    assert sum(doc == "README.md" for doc, _ in BLOCKS) >= 4
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
+@pytest.mark.parametrize(
+    "index", range(len(BLOCKS)), ids=[f"{doc}-{i}" for i, (doc, _) in enumerate(BLOCKS)]
+)
 def test_readme_example_runs(index: int) -> None:
-    code = BLOCKS[index]
+    code = BLOCKS[index][1]
     if "import torch" in code:
         pytest.importorskip("torch")
     # the example ports are fixed for readability; tests must not collide with anything
