@@ -24,11 +24,15 @@ holds them never changes what a record means: records compare by the ids alone."
 #: cache_level <-> wire "medium"
 MEDIUMS: Final[tuple[str, ...]] = ("GPU", "CPU", "DISK")
 
+#: Engines' names for this project's tiers: SGLang calls its host tier ``CPU_PINNED`` (its
+#: ``StorageMedium``: GPU = L1 device, CPU_PINNED = L2 host pinned memory, DISK = L3, EXTERNAL =
+#: L4; sglang/srt/disaggregation/kv_events.py), the tier vLLM calls ``CPU``.
+MEDIUM_ALIASES: Final[dict[str, int]] = {"CPU_PINNED": 1}
+
 #: Other medium names engines send, each its own tier (never the device tier): vLLM's
-#: ``STORAGE`` (0.33), ``FS`` / ``OBJ`` (0.26); SGLang's ``CPU_PINNED`` (its host tier) and
-#: ``EXTERNAL`` (a shared pool). Levels past TIER numbering so they never collide with ours.
+#: ``STORAGE`` (0.33), ``FS`` / ``OBJ`` (0.26); SGLang's ``EXTERNAL`` (a shared pool). Levels
+#: past TIER numbering so they never collide with ours.
 ENGINE_MEDIUMS: Final[dict[str, int]] = {
-    "CPU_PINNED": 64,
     "STORAGE": 65,
     "FS": 66,
     "OBJ": 67,
@@ -53,13 +57,17 @@ def medium_of(cache_level: int) -> str:
 
 def cache_level_of(medium: str | None) -> int:
     """The cache level of a wire medium name. None reads as the device tier (engines that
-    omit it mean the GPU); every other name is its own tier: ours, the engines' known names,
-    ``TIER<n>``, and any other name a level of its own (kept per process, bounded)."""
+    omit it mean the GPU); ``CPU_PINNED`` is the host tier (SGLang's name for it); every
+    other name is its own tier: ours, the engines' known names, ``TIER<n>``, and any other
+    name a level of its own (kept per process, bounded)."""
     if medium is None:
         return 0
     upper = medium.upper()
     if upper in MEDIUMS:
         return MEDIUMS.index(upper)
+    alias = MEDIUM_ALIASES.get(upper)
+    if alias is not None:
+        return alias
     known = ENGINE_MEDIUMS.get(upper)
     if known is not None:
         return known

@@ -100,6 +100,18 @@ ANOMALY_KINDS: Final[tuple[str, ...]] = (
     UNKEYED_BLOCK,
     LEVEL_OUT_OF_RANGE,
 )
+#: what an engine's ``AllBlocksCleared`` empties (:meth:`KvIndexer.set_clear_scope`)
+CLEAR_SCOPES: Final[tuple[str, ...]] = ("device", "all")
+#: the scope each engine means (engines not named: by the worker's keying). vLLM emits
+#: AllBlocksCleared from BlockPool.reset_prefix_cache, its GPU prefix cache (the offloading
+#: connector's copies stay); SGLang's cache reset rebuilds its radix tree and clears the host
+#: pool (mem_pool_host.clear()) before it records the event.
+ENGINE_CLEAR_SCOPES: Final[dict[str, str]] = {"vllm": "device", "sglang": "all"}
+
+
+def engine_clear_scope(engine: str) -> str | None:
+    """What ``engine``'s AllBlocksCleared empties (None: decided by the worker's keying)."""
+    return ENGINE_CLEAR_SCOPES.get(engine)
 MAX_CACHE_LEVEL: Final = 2047
 """Highest cache level the index keeps: every level events.wire.model hands out fits (ours 0-2,
 engines' media 64-68, other names 96-1120). A level is a bit of a per-block mask, so a stream
@@ -235,6 +247,8 @@ class KvIndexer:
         self._refs: dict[int, dict[tuple[IndexKey, int], int]] = {}
         # worker -> [blocks keyed by tokens, by engine hash, blocks whose key equals the hash]
         self._keying: dict[int, list[int]] = {}
+        # worker -> what its AllBlocksCleared empties, where its engine says (set_clear_scope)
+        self._clear_scope: dict[int, str] = {}
         # the native table of which workers hold each int key, on any tier and on the device
         # tier (None: the pure-Python loops, without the extension or with native=False)
         self._table: MaskTable | None = (
@@ -297,6 +311,25 @@ class KvIndexer:
         self._keys[worker].clear()
         self._recent[worker].clear()
         self._refs[worker].clear()
+
+    def set_clear_scope(self, worker: int, scope: str | None) -> None:
+        """What an ``AllBlocksCleared`` from ``worker`` empties, as its engine means it:
+        ``"device"``, its device tier only (vLLM: ``BlockPool.reset_prefix_cache`` resets the
+        GPU prefix cache; offloaded copies stay), or ``"all"``, every tier (SGLang: its cache
+        reset rebuilds the radix tree and clears the host pool; this project's cache manager).
+        None (the default): by how the worker keys its blocks, ``"all"`` for one that hashes
+        as the router does (this project's workers, V1-hashing engines), else ``"device"``.
+        The setting outlives :meth:`remove_worker` (it describes the worker's engine)."""
+        if scope is None:
+            self._clear_scope.pop(worker, None)
+        elif scope in CLEAR_SCOPES:
+            self._clear_scope[worker] = scope
+        else:
+            raise ValueError(f"clear scope must be one of {CLEAR_SCOPES} or None, got {scope!r}")
+
+    def clear_scope(self, worker: int) -> str | None:
+        """The scope set by :meth:`set_clear_scope` (None: decided by the worker's keying)."""
+        return self._clear_scope.get(worker)
 
     def remove_worker(self, worker: int) -> None:
         """Drop ``worker`` and all it holds; its bit is recycled. O(that worker's blocks)."""
@@ -393,11 +426,16 @@ class KvIndexer:
             self.events_applied += 1
 
     def _cleared(self, worker: int) -> None:
-        """An engine's ``AllBlocksCleared`` resets its device prefix cache (vLLM's meaning):
-        slower-tier copies stay. A worker that hashes as the router does (this project's
-        manager) clears every tier with it, so its whole view goes."""
-        by_tokens, _, same = self._keying[worker]
-        if not self.key_by_tokens or (by_tokens and same == by_tokens):
+        """An ``AllBlocksCleared`` empties what the worker's engine means by it
+        (:meth:`set_clear_scope`): vLLM resets its device prefix cache, slower-tier copies
+        stay; SGLang and this project's manager clear every tier, so the whole view goes. Not
+        set: a worker that hashes as the router does clears every tier, others the device."""
+        scope = self._clear_scope.get(worker)
+        if scope is None:
+            by_tokens, _, same = self._keying[worker]
+            everything = not self.key_by_tokens or (by_tokens > 0 and same == by_tokens)
+            scope = "all" if everything else "device"
+        if scope == "all":
             self.reset_worker(worker)
             return
         held = self._held[worker]

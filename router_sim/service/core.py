@@ -36,6 +36,7 @@ from aiohttp import web
 
 from events.stream.security import CurveClient
 from events.stream.subscriber import BatchDelivery, ResyncRequired
+from router_sim.router.indexer import engine_clear_scope
 from router_sim.router.policies import NoWorkersError, make_policy, without_history
 from router_sim.router.routing import Router, RoutingDecision
 from router_sim.service import probes
@@ -200,6 +201,8 @@ class RouterService:
         if entry.id in self.workers:
             raise FleetConflict(f"worker {entry.id} is already in the fleet; remove it first")
         self.workers[entry.id] = WorkerState(entry)
+        # what its AllBlocksCleared empties, as its engine means it
+        self.router.indexer.set_clear_scope(entry.id, engine_clear_scope(entry.engine))
         self.load.add(entry.id)
         self.load.set_eligible(entry.id, False)  # until its first probe answers
         try:

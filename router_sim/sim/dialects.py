@@ -35,6 +35,11 @@ and the engine's own LoRA int id still travels in ``lora_id`` (vLLM).
 
 Snapshots (this project's extension, which engines lack) are sent in the dialect too, with every
 block's token ids (vLLM's host copies included), so a router that resyncs keys each block.
+
+Where engines disagree on what an event means, the dialect decides: an ``AllBlocksCleared``
+empties vLLM's device tier only and every tier of SGLang (:func:`clear_scope`, which the
+simulator hands its router per worker); SGLang's host medium ``CPU_PINNED`` is the host tier
+vLLM calls ``CPU``.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ from events.wire.model import (
     medium_of,
 )
 from kvcache.scope import ReuseScope, cache_salt_id
+from router_sim.router.indexer import engine_clear_scope
 from router_sim.sim.workloads import Request
 
 ENGINES: Final[tuple[str, ...]] = ("native", "vllm", "sglang", "trtllm")
@@ -67,6 +73,14 @@ ENGINES: Final[tuple[str, ...]] = ("native", "vllm", "sglang", "trtllm")
 _NAMING: Final = frozenset({"vllm", "sglang"})  # engines that announce adapters by name
 _ENCODER: Final = msgspec.msgpack.Encoder()
 _DP_RANK: Final = 0  # engines put their data-parallel rank in the envelope
+
+
+def clear_scope(engine: str) -> str | None:
+    """What ``engine``'s AllBlocksCleared empties on a worker, for
+    ``KvIndexer.set_clear_scope``: ``"device"`` (vLLM), ``"all"`` (SGLang), None (this
+    project's and TensorRT-LLM's workers: keyed as the router keys, so every tier)."""
+    check_engine(engine)
+    return engine_clear_scope(engine)
 
 
 def check_engine(engine: str) -> None:

@@ -49,7 +49,7 @@ from router_sim.errors import SimulationError as SimulationError
 from router_sim.router.load import WorkerLoad
 from router_sim.router.policies import EVENT_FREE, make_policy
 from router_sim.router.routing import Router
-from router_sim.sim.dialects import check_engine, request_scope
+from router_sim.sim.dialects import check_engine, clear_scope, request_scope
 from router_sim.sim.metrics import PolicySummary, RequestRecord, WireStats
 from router_sim.sim.prefetch import prompt_source
 from router_sim.sim.timing import default_step_timing
@@ -342,6 +342,8 @@ class Simulation:
     # ------------------------------------------------------------------- transport
 
     def _attach(self, w: SimWorker) -> None:
+        # what the worker's AllBlocksCleared empties, as its engine dialect means it
+        self.router.indexer.set_clear_scope(w.worker_id, clear_scope(self.config.engine))
         if self._memory:
             w.announce()
             return
