@@ -48,6 +48,7 @@ from events.wire.model import (
     StoredBlock,
     TokenIds,
     Updated,
+    one_wire_event,
 )
 from kvcache.keys import BlockKey
 from kvcache.scope import ReuseScope
@@ -73,14 +74,7 @@ def _token_ids(tokens: Sequence[int]) -> TokenIds:
 def _continues(tail: StoredBlock, parent_hash: BlockHash | None, sb: StoredBlock) -> bool:
     """Whether ``sb`` extends the Stored chain ending in ``tail``: it is ``tail``'s child and
     alike in all but tokens (tier, LoRA, salt, priority), so one event can carry both."""
-    return (
-        parent_hash is not None
-        and tail.block_hash == parent_hash
-        and tail.cache_level == sb.cache_level
-        and tail.lora_id == sb.lora_id
-        and tail.cache_salt_id == sb.cache_salt_id
-        and tail.priority == sb.priority
-    )
+    return parent_hash is not None and tail.block_hash == parent_hash and one_wire_event(tail, sb)
 
 
 def _no_key_hash(key: bytes) -> BlockHash:
@@ -390,8 +384,7 @@ class KVCacheEventManager:
             announced = self._hashes
             pending = self._pending
             # The open chain: the last pending Stored's blocks, which a block extends when it
-            # is the next link with the same attributes (the rule of _append_stored, inline
-            # because it decides every block of a commit).
+            # is the next link with the same attributes (_continues, as _append_stored).
             last = pending[-1] if pending else None
             run = last.blocks if isinstance(last, _PendingStored) else None
             tail = run[-1] if run else None
@@ -449,17 +442,8 @@ class KVCacheEventManager:
                 else:
                     sb = self._record(block, parent_hash)
                     announced[key] = sb.block_hash
-                # _continues, inline (a call per record costs ~8 %); the records of one chain
-                # continue each other, so only its first one is checked
-                if (
-                    tail is not None
-                    and run is not None
-                    and tail.block_hash == parent_hash
-                    and tail.cache_level == sb.cache_level
-                    and tail.lora_id == sb.lora_id
-                    and tail.cache_salt_id == sb.cache_salt_id
-                    and tail.priority == sb.priority
-                ):
+                # the records of one chain continue each other: only its first one is checked
+                if tail is not None and run is not None and _continues(tail, parent_hash, sb):
                     if records is None:
                         run.append(sb)
                     else:

@@ -81,6 +81,7 @@ from events.wire.model import (
     TokenIds,
     Updated,
     medium_of,
+    one_wire_event,
 )
 from kvcache.scope import U64_LIMIT
 
@@ -175,15 +176,8 @@ def _stored_runs_py(blocks: list[StoredBlock], block_size: int) -> list[_Run]:
         parts.append(block.tokens)
         hashes.append(block.block_hash)
         nxt = blocks[i + 1] if i + 1 < len(blocks) else None
-        # A wire event has one lora/medium/priority/salt and only its last block may be short.
-        if (
-            nxt is None
-            or n < block_size
-            or nxt.lora_id != block.lora_id
-            or nxt.cache_level != block.cache_level
-            or nxt.priority != block.priority
-            or nxt.cache_salt_id != block.cache_salt_id
-        ):
+        # only a wire event's last block may be short
+        if nxt is None or n < block_size or not one_wire_event(block, nxt):
             runs.append((i + 1, _joined(parts), hashes))
             parts, hashes = [], []
     return runs
