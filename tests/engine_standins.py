@@ -12,8 +12,10 @@ documented behaviour (not its code):
 - KV events: ZeroMQ PUB frames ``[topic, seq (8 bytes, big-endian), payload]`` from seq 0 at
   every start, in the engine's event layout (:mod:`router_sim.sim.dialects`), and a ROUTER
   replay socket that answers ``[id, "", start]`` with every buffered batch from ``start`` as
-  ``[id, "", topic, seq, payload]`` and then the end marker ``[id, "", "", -1, ""]``, with no
-  incarnation or snapshot (engines have neither).
+  ``[id, "", topic, seq, payload]`` (vLLM 0.26-0.33, SGLang 0.5; ``replay_topic=False``:
+  ``[id, "", seq, payload]``, as vLLM 0.25 did) and then the end marker ``[id, "", "", -1,
+  ""]``, with no incarnation or snapshot (engines have neither). The HTTP surface used here
+  (``/health``, the three gauges, ``/v1/models``) is the same in vLLM 0.26.0 and 0.33.0.
 
 The prompt is tokenized with the ``tokenizers`` library and chat messages are rendered with
 jinja2 directly (a few lines here, independent of the router's own tokenizer module), then
@@ -94,6 +96,7 @@ class EngineStandIn:
         device_blocks: int = 4096,
         answer_tokens: int = 4,
         metrics: bool = True,
+        replay_topic: bool = True,
     ) -> None:
         self.engine = engine
         self.worker_id = worker_id
@@ -108,6 +111,7 @@ class EngineStandIn:
         self.special_tokens = dict(special_tokens or {})
         self.dead = False
         self.metrics_enabled = metrics
+        self.replay_topic = replay_topic  # vLLM >= 0.26 and SGLang 0.5 send it; 0.25 did not
         self.cut_after: int | None = None
         self.end_without_done = False
         self.running = 0
@@ -212,8 +216,9 @@ class EngineStandIn:
             first = int.from_bytes(start, "big")
             for seq, payload in list(self._ring):
                 if seq >= first:
+                    topic = [b""] if self.replay_topic else []
                     await self._replay.send_multipart(
-                        [client, b"", b"", seq.to_bytes(8, "big"), payload]
+                        [client, b"", *topic, seq.to_bytes(8, "big"), payload]
                     )
             await self._replay.send_multipart([client, b"", b"", END_SEQ, b""])
 

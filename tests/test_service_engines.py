@@ -345,8 +345,9 @@ async def _probes_after(svc: RouterService, worker: int) -> bool:
     return True
 
 
+@pytest.mark.parametrize("replay_topic", [True, False], ids=["vllm-0.26+", "vllm-0.25"])
 def test_an_engine_restart_is_read_from_its_event_stream(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, replay_topic: bool
 ) -> None:
     async def scenario(
         client: TestClient[Any, Any], svc: RouterService, ins: list[EngineStandIn]
@@ -370,7 +371,7 @@ def test_an_engine_restart_is_read_from_its_event_stream(
         assert any("worker 0 restarted" in r.getMessage() for r in caplog.records)
 
     caplog.set_level(logging.INFO, logger="router_sim.service")
-    run(tmp_path, ["vllm"], scenario)
+    run(tmp_path, ["vllm"], scenario, replay_topic=replay_topic)
 
 
 def test_per_worker_counters_survive_removal_and_re_adding(tmp_path: Path) -> None:

@@ -11,9 +11,12 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 from engine_standins import EngineStandIn
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_service_engines import _all_up, prefix, run, until
 
 from router_sim.service.core import RouterService
+from router_sim.service.proxy import _StreamEnd
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -104,3 +107,15 @@ def test_a_broken_unstreamed_answer_is_a_502_naming_the_worker_and_is_not_retrie
         assert worker in (None, chosen[0])
 
     run(tmp_path, ["vllm", "vllm"], scenario)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.booleans(), st.lists(st.integers(0, 200), max_size=6))
+def test_the_done_marker_is_found_however_the_stream_is_cut(done: bool, cuts: list[int]) -> None:
+    body = b'data: {"choices": [{"text": "a"}]}\n\n' * 3 + (b"data: [DONE]\n\n" if done else b"")
+    points = sorted({min(c, len(body)) for c in cuts})
+    pieces = [body[a:b] for a, b in zip([0, *points], [*points, len(body)], strict=True)]
+    end = _StreamEnd()
+    for piece in pieces:
+        end.see(piece)
+    assert end.done == done
