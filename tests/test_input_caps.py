@@ -74,6 +74,17 @@ def test_read_bounded_text(tmp_path: Path) -> None:
 
 @needs_dev_zero
 def test_dev_zero_is_refused_by_every_file_reader() -> None:
+    from events.stream.security import SecurityError, load_keypair
+    from router_sim.cli import build_parser
+    from router_sim.service.fleet import FleetError, load_fleet
+    from router_sim.service.settings import ConfigError, resolve
+
+    with pytest.raises(FleetError, match="fleet file /dev/zero is larger than 64 MiB"):
+        load_fleet(DEV_ZERO)
+    with pytest.raises(ConfigError, match="config file /dev/zero is larger than 1 MiB"):
+        resolve(build_parser().parse_args(["serve", "--config", str(DEV_ZERO)]))
+    with pytest.raises(SecurityError, match="CURVE key file /dev/zero is larger than 64 KiB"):
+        load_keypair(DEV_ZERO)
     with pytest.raises(InputTooLarge, match="larger than 1 MiB"):
         read_bounded_text(DEV_ZERO, "--tokens-file", 1 << 20)
     with pytest.raises(CaptureError, match="line 1 is over 1 KiB"):

@@ -35,6 +35,8 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from events.tools.limits import MAX_KEY_FILE_BYTES, InputTooLarge, read_bounded_bytes
+
 DEFAULT_MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
 """Largest inbound ZeroMQ message a socket reading outside input accepts (``MAXMSGSIZE``).
 A real batch is a few kB to a few MB (a 128k-token prompt stored in one batch is under 1 MB of
@@ -98,7 +100,10 @@ def generate_keys(directory: str | Path, name: str) -> tuple[Path, Path]:
 def _load(path: str | Path) -> tuple[bytes, bytes | None]:
     p = Path(path)
     try:
+        read_bounded_bytes(p, "CURVE key file", MAX_KEY_FILE_BYTES)  # /dev/zero is no key
         public, secret = zmq.auth.load_certificate(p)
+    except InputTooLarge as exc:
+        raise SecurityError(str(exc)) from None
     except (OSError, ValueError, UnicodeDecodeError) as exc:
         raise SecurityError(f"{p}: not a CURVE key file ({exc})") from None
     for key in (public, secret):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import shlex
-from pathlib import Path
 from typing import IO
 
 from events.hashing import HashAlgo
@@ -34,6 +33,7 @@ from events.tools.hashcheck import (
     worker_hasher,
     write_golden,
 )
+from events.tools.limits import MAX_SMALL_FILE_BYTES, InputTooLarge, read_bounded_text
 from kvcache.keys import token_array
 from kvcache.scope import ReuseScope
 
@@ -44,7 +44,9 @@ def _read_corpus(args: argparse.Namespace) -> Golden:
     if args.corpus is None:
         raise UsageError("--record needs a --corpus of prompts")
     try:
-        text = Path(args.corpus).read_text(encoding="utf-8")
+        text = read_bounded_text(args.corpus, "--corpus", MAX_SMALL_FILE_BYTES)
+    except InputTooLarge as exc:
+        raise UsageError(str(exc)) from None
     except OSError as exc:
         raise UsageError(f"cannot read --corpus {args.corpus}: {exc.strerror}") from None
     except UnicodeDecodeError as exc:

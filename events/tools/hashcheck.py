@@ -40,6 +40,7 @@ from typing import Any, Final
 
 from events.hashing import HashAlgo
 from events.tools.diagnosis import KNOWN_ALGOS, explain_chain, reference_chain
+from events.tools.limits import MAX_SMALL_FILE_BYTES, InputTooLarge, read_bounded_text
 from events.wire.model import BlockHash
 from kvcache.keys import token_array
 from kvcache.scope import ReuseScope, cache_salt_id
@@ -216,7 +217,9 @@ def resolve(spec: str | Path) -> Path:
 def load_golden(path: str | Path) -> Golden:
     """Read a golden (or corpus) file; raises :class:`GoldenError` when it is unusable."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = read_bounded_text(path, "golden file", MAX_SMALL_FILE_BYTES)
+    except InputTooLarge as exc:
+        raise GoldenError(str(exc)) from None
     except OSError as exc:
         raise GoldenError(f"cannot read {path}: {exc.strerror}") from None
     except UnicodeDecodeError:

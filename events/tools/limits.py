@@ -5,7 +5,8 @@ inflate a thousandfold, a "line" may be a gigabyte. The readers here never hold 
 cap's worth of any file and say which cap was hit, so a command refuses such input with one
 clear line instead of a ``MemoryError`` (or a machine brought to its knees first):
 
-- :func:`read_bounded_text`: a whole small file (a token list), at most ``max_bytes``;
+- :func:`read_bounded_bytes`, :func:`read_bounded_text`: a whole small file (a token list, a
+  golden file, a fleet file, a key), at most ``max_bytes``;
 - :func:`bounded_lines`: the lines of a stream (a trace, a capture), each at most
   ``max_line`` characters and all of them at most ``max_total``; the caller streams them.
 
@@ -20,6 +21,11 @@ from typing import IO, Final
 
 MAX_TOKENS_FILE_BYTES: Final = 64 << 20
 """Largest ``--tokens-file`` (64 MiB: about 6M token ids written out)."""
+MAX_SMALL_FILE_BYTES: Final = 64 << 20
+"""Largest file read whole that is not a token list: golden files and corpora, fleet files,
+sweep grids (64 MiB, far past any real one)."""
+MAX_KEY_FILE_BYTES: Final = 64 << 10
+"""Largest CURVE key file (one is ~300 bytes)."""
 MAX_LINE_CHARS: Final = 64 << 20
 """Longest line of a trace or a capture (64 MiB; a trace row of 2**20 hash ids is ~20 MB, a
 capture line of a 16 MiB message ~22 MB of base64)."""
@@ -40,15 +46,20 @@ def _size(n: int) -> str:
     return f"{n} bytes"
 
 
-def read_bounded_text(path: str | Path, what: str, max_bytes: int) -> str:
-    """The whole of a UTF-8 text file of at most ``max_bytes`` bytes (``OSError`` and
-    ``UnicodeDecodeError`` pass through; a larger file or an endless one is
-    :class:`InputTooLarge`)."""
+def read_bounded_bytes(path: str | Path, what: str, max_bytes: int) -> bytes:
+    """The whole of a file of at most ``max_bytes`` bytes (``OSError`` passes through; a
+    larger file or an endless one is :class:`InputTooLarge`, after reading one byte past the
+    cap: ``stat`` sizes lie for devices and pipes)."""
     with open(path, "rb") as stream:
         data = stream.read(max_bytes + 1)
     if len(data) > max_bytes:
         raise InputTooLarge(f"{what} {path} is larger than {_size(max_bytes)}")
-    return data.decode("utf-8")
+    return data
+
+
+def read_bounded_text(path: str | Path, what: str, max_bytes: int) -> str:
+    """:func:`read_bounded_bytes` as UTF-8 text (``UnicodeDecodeError`` passes through)."""
+    return read_bounded_bytes(path, what, max_bytes).decode("utf-8")
 
 
 def bounded_lines(

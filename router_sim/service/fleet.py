@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from events.hashing import HashAlgo
 from events.stream.endpoints import EndpointError, should_bind
+from events.tools.limits import MAX_SMALL_FILE_BYTES, InputTooLarge, read_bounded_bytes
 from router_sim.service.probes import Engine
 
 
@@ -136,7 +137,9 @@ def parse_fleet(text: str | bytes) -> FleetFile:
 def load_fleet(path: str | Path) -> FleetFile:
     """Read and check a fleet file."""
     try:
-        text = Path(path).read_bytes()
+        text = read_bounded_bytes(path, "fleet file", MAX_SMALL_FILE_BYTES)
+    except InputTooLarge as exc:
+        raise FleetError(str(exc)) from None
     except OSError as exc:
         raise FleetError(f"cannot read fleet file {path}: {exc.strerror}") from None
     return parse_fleet(text)

@@ -21,6 +21,8 @@ from typing import Any, Final
 
 import tomllib
 
+from events.tools.limits import InputTooLarge, read_bounded_bytes
+
 LOG_LEVELS: Final = ("debug", "info", "warning", "error")
 LOG_FORMAT: Final = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 MAX_CONFIG_BYTES: Final = 1 << 20
@@ -74,7 +76,11 @@ def _load(path: str) -> dict[str, Any]:
     try:
         if p.stat().st_size > MAX_CONFIG_BYTES:
             raise ConfigError(f"config file {path} is over {MAX_CONFIG_BYTES} bytes")
-        return tomllib.loads(p.read_text(encoding="utf-8"))
+        # read within the cap too: a device or a pipe reports size 0
+        data = read_bounded_bytes(p, "config file", MAX_CONFIG_BYTES)
+        return tomllib.loads(data.decode("utf-8"))
+    except InputTooLarge as exc:
+        raise ConfigError(str(exc)) from None
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:

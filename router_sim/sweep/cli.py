@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
+from events.tools.limits import MAX_SMALL_FILE_BYTES, InputTooLarge, read_bounded_text
 from router_sim.run_args import (
     SYNTH_DEVICE_BLOCKS,
     SYNTH_TOKENS_PER_BLOCK,
@@ -118,8 +119,8 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     merged: dict[str, Any] = {}
     if args.grid is not None:
         try:
-            data = json.loads(args.grid.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            data = json.loads(read_bounded_text(args.grid, "--grid", MAX_SMALL_FILE_BYTES))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, InputTooLarge) as exc:
             raise SweepError(f"cannot read --grid {args.grid}: {exc}") from None
         if not isinstance(data, dict):
             raise SweepError(f"--grid {args.grid}: want a JSON object")
