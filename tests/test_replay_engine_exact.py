@@ -28,7 +28,16 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from zmq_helpers import END, SEQ, StateModel, poll_until, stored, tcp_any, zmq_context
+from zmq_helpers import (
+    END,
+    SEQ,
+    StateModel,
+    free_tcp_port,
+    poll_until,
+    stored,
+    tcp_any,
+    zmq_context,
+)
 
 from events.stream.publisher import ZmqEventPublisher
 from events.stream.snapshot import HELLO_START, PublisherInfo, parse_info, replay_request
@@ -265,14 +274,17 @@ class EnginePublisher:
     ``int.from_bytes`` and gets every ringed batch with seq >= start, then the end marker with
     an empty payload. ``topic_frame`` False: vLLM <= 0.25.1's layout."""
 
-    def __init__(self, ctx: Ctx, topic_frame: bool) -> None:
+    def __init__(
+        self, ctx: Ctx, topic_frame: bool, endpoints: tuple[str, str] | None = None
+    ) -> None:
+        live, replay = endpoints or (tcp_any(), tcp_any())
         self.pub = ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub.bind(tcp_any())
+        self.pub.bind(live)
         self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.router = ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
-        self.router.bind(tcp_any())
+        self.router.bind(replay)
         self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
         self.topic_frame = topic_frame
         self.ring: deque[tuple[int, bytes]] = deque(maxlen=100)
@@ -351,3 +363,24 @@ def test_joining_this_projects_idle_publisher_gets_history_and_incarnation(ctx: 
             assert status.state == "ok" and status.incarnation == pub.incarnation
             assert model.blocks[0] == {10, 11, 12}
         assert pub.stats.replay_requests == 1  # one extended request did it all
+
+
+def test_an_engine_that_comes_up_after_the_join_is_asked_again(ctx: Ctx) -> None:
+    """The router may start before its engines (still loading their models): an unanswered
+    join is asked again, waiting longer each time, until the engine's replay answers."""
+    live = f"tcp://127.0.0.1:{free_tcp_port()}"
+    replay = f"tcp://127.0.0.1:{free_tcp_port()}"
+    model = StateModel()
+    with ZmqEventSubscriber(context=ctx, replay_timeout_ms=100) as sub:
+        sub.add_worker(0, live, replay)
+        assert sub.status(0).replaying
+        poll_until(sub, model, lambda: not sub.status(0).replaying)  # the join timed out
+        assert sub.status(0).resyncs == 0  # nothing was known, so nothing was lost
+        engine = EnginePublisher(ctx, topic_frame=True, endpoints=(live, replay))
+        try:
+            for i in range(2):
+                engine.publish(i, encode_batch([stored(i, 20 + i)], float(i)))
+            poll_until(sub, model, lambda: sub.status(0).last_seq == 1)
+            assert model.blocks[0] == {20, 21} and sub.status(0).state == "ok"
+        finally:
+            engine.close()

@@ -380,3 +380,30 @@ def test_recovered_counts_the_frames_lost_live_whatever_else_a_replay_resends() 
     first, second = run(2), run(6)
     assert first.recovered == second.recovered == 2
     assert first.replayed != second.replayed  # the transport-level count moved with timing
+
+
+def test_an_unanswered_join_is_asked_again_later_and_later() -> None:
+    seq: StreamSequencer[Ops] = StreamSequencer(decode, is_clear=is_clear, replay_timeout_s=1.0)
+    assert seq.join(0.0) == [Request(0, extended=False)]  # no probes: the engines' own form
+    assert seq.deadline == 1.0
+    assert seq.tick(1.0) == [Abandon()]  # unanswered: nothing known, nothing lost
+    assert seq.resyncs == 0 and seq.deadline == 2.0
+    assert seq.tick(2.0) == [Request(0, extended=False)]
+    assert seq.tick(3.0) == [Abandon()] and seq.deadline == 5.0  # twice as long
+    assert seq.tick(5.0) == [Request(0, extended=False)]
+    a = ModelPublisher(1, 10, False, engine=True)
+    frames = [a.publish([["s", i]], ringed=True) for i in range(2)]
+    out = [o for s, p in frames for o in seq.replayed_frame(s, p, 5.1)]
+    out += seq.replay_end(None, 5.2)
+    assert [o.seq for o in out if isinstance(o, Deliver)] == [0, 1]
+    assert seq.complete and seq.deadline is None  # no more joins (and no probes)
+
+
+def test_a_join_in_this_projects_form_falls_back_to_the_engines() -> None:
+    seq: StreamSequencer[Ops] = StreamSequencer(decode, is_clear=is_clear, probe_interval_s=60)
+    assert seq.join(0.0) == [Request(0, extended=True)]
+    # an engine reads the extended request as a seq beyond its ring: the end marker alone
+    assert seq.replay_end(None, 0.1) == [Request(0, extended=False)]
+    assert seq.extended is False
+    assert seq.replay_end(None, 0.2) == []  # its (empty) ring: nothing to deliver, no probes
+    assert seq.deadline is None

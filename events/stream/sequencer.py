@@ -61,6 +61,8 @@ from events.stream.snapshot import PublisherInfo, Snapshot
 T = TypeVar("T")
 
 DIGEST_WINDOW: Final = 4096
+#: the longest wait between two joins of an endpoint that has not answered yet
+JOIN_RETRY_MAX_S: Final = 30.0
 
 
 @dataclass(slots=True)  # not frozen: built once per batch, and frozen init costs 4x
@@ -164,6 +166,8 @@ class StreamSequencer(Generic[T]):
         self._request_extended = False
         self._request_first = 0
         self._replay_high = -1  # the highest seq replayed in answer to the request in flight
+        self._join_at: float | None = None  # when to ask an unanswered join again
+        self._join_wait = replay_timeout_s
         self._rejoin = False  # a restart was found: fetch the new stream's history from 0
         self._pending: dict[int, bytes] = {}
         self._heap: list[int] = []
@@ -204,6 +208,8 @@ class StreamSequencer(Generic[T]):
         if self._deadline is not None:
             return self._deadline
         wake = self._next_probe
+        if self._join_at is not None:
+            wake = self._join_at if wake is None else min(wake, self._join_at)
         if not self.complete and self.snapshots and self.replay and self.mode == "live":
             wake = self._retry_snapshot_at if wake is None else min(wake, self._retry_snapshot_at)
         return wake
@@ -410,11 +416,21 @@ class StreamSequencer(Generic[T]):
                     )
                     self._forget_stream()
                     return self._tick_done(out, now)
+                if self._request_kind == "join" and self._nothing_yet():
+                    # unanswered, nothing received: the endpoint may not be up yet (an engine
+                    # loading its model): ask again later, waiting longer each time
+                    self._join_at = now + self._join_wait
+                    self._join_wait = min(2 * self._join_wait, JOIN_RETRY_MAX_S)
+                    return self._tick_done(out, now)
                 if now >= self._hard_deadline:
                     why = f"replay took longer than {round(self.replay_max_s * 1000)} ms"
                 else:
                     why = f"replay endpoint silent for {round(self.replay_timeout_s * 1000)} ms"
                 self._advance(out, now, allow_replay=False, why=why)
+        elif self.mode == "live" and self._join_at is not None and now >= self._join_at:
+            self._join_at = None
+            if self._nothing_yet():
+                self._request_replay(out, now, "join")
         elif (
             self.mode == "live"
             and self._next_probe is not None
@@ -424,6 +440,16 @@ class StreamSequencer(Generic[T]):
             self._request_replay(out, now, "probe")
         self._after(out, now)
         return out
+
+    def _nothing_yet(self) -> bool:
+        """Joined, and nothing delivered, held or learned since."""
+        return (
+            self.next_seq == 0
+            and self.last_seq is None
+            and not self._pending
+            and self.incarnation is None
+            and self.extended is None
+        )
 
     # ------------------------------------------------------------------ logic
 
