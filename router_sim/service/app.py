@@ -32,6 +32,7 @@ import json
 import signal
 import sys
 from collections.abc import Callable, Coroutine, Sequence
+from functools import partial
 from typing import Any
 
 import prometheus_client
@@ -153,8 +154,10 @@ async def metrics(request: web.Request) -> web.Response:
 async def count_refusals(request: web.Request, handler: Handler) -> web.StreamResponse:
     """:func:`~router_sim.service.protocol.json_errors`, and a count of the 4xx answers. One
     middleware calling the other: aiohttp wraps each middleware around the handler on every
-    request, which costs a few microseconds apiece."""
-    resp = await json_errors(request, handler)
+    request, which costs a few microseconds apiece. Inside, the HTTP guard
+    (:meth:`~router_sim.service.http_limits.ConnectionGuard.guarded`) reads the body within
+    its deadline before the handler runs."""
+    resp = await json_errors(request, partial(request.app[GUARD].guarded, handler))
     if 400 <= resp.status < 500:
         request.app[SERVICE].metrics.bad_requests.inc()
     return resp
@@ -165,9 +168,7 @@ def build_app(service: RouterService, guard: ConnectionGuard | None = None) -> w
     ``guard``: its time bounds and JSON errors (:mod:`router_sim.service.http_limits`; default
     limits when None), kept as ``app[GUARD]`` for the site that serves it."""
     guard = ConnectionGuard() if guard is None else guard
-    app = web.Application(
-        middlewares=[count_refusals, guard.middleware], client_max_size=MAX_BODY_BYTES
-    )
+    app = web.Application(middlewares=[count_refusals], client_max_size=MAX_BODY_BYTES)
     app[SERVICE] = service
     app[GUARD] = guard
 

@@ -314,8 +314,11 @@ class ConnectionGuard:
         limit = self.limits.body_timeout_s
         try:
             try:
-                async with asyncio.timeout(limit):
-                    await request.read()
+                # a body that came whole with its headers (the usual small one) needs no
+                # deadline: the handler's own read returns at once
+                if request.body_exists and not request.content.is_eof():
+                    async with asyncio.timeout(limit):
+                        await request.read()
             except TimeoutError:
                 self.body_timeouts += 1
                 log.warning(
@@ -346,23 +349,30 @@ class ConnectionGuard:
             resp.force_close()
             return resp
 
+    async def guarded(self, handler: Handler, request: web.Request) -> web.StreamResponse:
+        """``handler(request)`` under the guard: the body read within ``body_timeout_s``
+        before the handler runs (its own ``request.read()`` then returns at once), JSON nested
+        too deeply a 400, a client that went away one log line; the connection's phase
+        follows (see :meth:`middleware`, which is this as an aiohttp middleware)."""
+        conn = self._started(request.protocol)
+        resp: web.StreamResponse | None = None
+        try:
+            resp = await self._answer(request, handler)
+            return resp
+        finally:
+            if conn is not None:
+                self._finished(request.protocol, conn, resp)
+
     @property
     def middleware(self) -> Any:
-        """Reads each request's body within ``body_timeout_s`` before its handler runs (the
-        handler's ``request.read()`` then returns it at once), answers JSON nested too deeply
-        with a 400, and logs a client that went away as one line."""
+        """:meth:`guarded` as an aiohttp middleware (the service calls it from its own single
+        middleware instead: aiohttp wraps each middleware around the handler per request,
+        which costs microseconds apiece)."""
         guard = self
 
         @web.middleware
         async def limits(request: web.Request, handler: Handler) -> web.StreamResponse:
-            conn = guard._started(request.protocol)
-            resp: web.StreamResponse | None = None
-            try:
-                resp = await guard._answer(request, handler)
-                return resp
-            finally:
-                if conn is not None:
-                    guard._finished(request.protocol, conn, resp)
+            return await guard.guarded(handler, request)
 
         return limits
 
