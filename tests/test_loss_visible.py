@@ -164,6 +164,22 @@ def test_publish_turns_a_leading_marker_into_a_burned_seq(ctx: Ctx) -> None:
             sub.close(linger=0)
 
 
+def test_a_marker_inside_a_batch_makes_the_batch_a_gap_logged_as_a_loss(
+    ctx: Ctx, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Drained batches joined together: the second one's marker is not at the head. The
+    whole batch is then a gap (its seq never sent), logged as a loss in one line."""
+    with ZmqEventPublisher("inproc://loss-inside", context=ctx) as pub:
+        events = [KVCacheEvent(0, AllBlocksCleared()), loss_marker(1, 3)]
+        events.append(KVCacheEvent(4, AllBlocksCleared()))
+        assert pub.publish(events) == 0
+        assert pub.flush(DEADLINE_S)
+        assert (pub.stats.encode_errors, pub.stats.sent, pub.next_seq) == (1, 0, 1)
+    lines = [r for r in caplog.records if "loss marker" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].exc_info is None
+    assert "3 events dropped upstream" in lines[0].getMessage()
+
+
 # ------------------------------------------------------------------------- end to end
 
 

@@ -51,7 +51,7 @@ from typing import Final, Protocol
 
 import zmq
 
-from events.loss import leading_loss
+from events.loss import leading_loss, lost_events
 from events.stream.endpoints import offset_for_rank, should_bind
 from events.stream.security import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -647,9 +647,19 @@ class ZmqEventPublisher:
                         )
                     except Exception:
                         self._stats.encode_errors += 1
-                        log.exception(
-                            "publisher %s: cannot encode batch seq %d", self._endpoint, seq
-                        )
+                        lost = sum(lost_events(e) for e in data)
+                        if lost:  # a loss marker inside the batch (publish takes a leading one)
+                            log.warning(
+                                "publisher %s: batch seq %d holds a loss marker (%d events "
+                                "dropped upstream): not sent, a gap",
+                                self._endpoint,
+                                seq,
+                                lost,
+                            )
+                        else:
+                            log.exception(
+                                "publisher %s: cannot encode batch seq %d", self._endpoint, seq
+                            )
                         continue
                 # ringed (and counted as handled for replay's end marker) before it is sent
                 with self._ring_lock:
