@@ -711,7 +711,7 @@ static int read_event(mp_reader *r, wire_event *ev) {
     return 1;
 }
 
-/* The decode kit: (StoredBlock, its 6 setters, Stored, its 7, Removed, its 3, AllBlocksCleared,
+/* The decode kit: (StoredBlock, its 6 setters, Stored, its 10, Removed, its 3, AllBlocksCleared,
  * KVCacheEvent, its 5, DecodedBatch, its 4, cache_level_of). */
 enum {
     KIT_BLOCK, KIT_BLOCK_SET, KIT_STORED, KIT_STORED_SET, KIT_REMOVED, KIT_REMOVED_SET,
@@ -721,7 +721,7 @@ enum {
 static PyObject *STR_DEFAULT_ALGO; /* "v1_block_key" */
 
 static int check_kit(PyObject *kit) {
-    static const Py_ssize_t fields[][2] = {{KIT_BLOCK, RECORD_FIELDS}, {KIT_STORED, 7},
+    static const Py_ssize_t fields[][2] = {{KIT_BLOCK, RECORD_FIELDS}, {KIT_STORED, 10},
                                            {KIT_REMOVED, 3}, {KIT_EVENT, 5}, {KIT_BATCH, 4}};
     if (!PyTuple_CheckExact(kit) || PyTuple_GET_SIZE(kit) != KIT_SIZE ||
         !PyType_Check(PyTuple_GET_ITEM(kit, KIT_CLEARED))) {
@@ -862,9 +862,12 @@ static PyObject *event_data(PyObject *kit, const wire_event *ev) {
     PyObject *lora_name = opt_str(&ev->f[F_LORA_NAME]);
     PyObject *salt = opt_str(&ev->f[F_SALT]);
     if (blocks != NULL && parent != NULL && bs != NULL && lora_name != NULL && salt != NULL) {
-        PyObject *values[7] = {parent, blocks, bs, group, lora_name, salt, Py_False};
+        /* masked False; no group spec (a store that sends one is the typed path's) and so
+           no masked tokens */
+        PyObject *values[10] = {parent, blocks,   bs,      group,   lora_name,
+                                salt,   Py_False, Py_None, Py_None, Py_None};
         data = new_record_n(PyTuple_GET_ITEM(kit, KIT_STORED),
-                            PyTuple_GET_ITEM(kit, KIT_STORED_SET), values, 7);
+                            PyTuple_GET_ITEM(kit, KIT_STORED_SET), values, 10);
     }
     Py_XDECREF(level);
     Py_XDECREF(blocks);

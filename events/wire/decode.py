@@ -34,6 +34,7 @@ from events.wire.fast import (
     MAX_STR,
     MAX_TOKENS,
     decode_typed,
+    with_group_spec,
 )
 from events.wire.json_codec import (
     DecodeError,
@@ -154,6 +155,8 @@ _KNOWN_FIELDS: Final[dict[str, frozenset[str]]] = {
             "cache_salt",
             "extra_keys",
             "group_idx",
+            "kv_cache_spec_kind",
+            "kv_cache_spec_sliding_window",
         )
     ),
     "BlockRemoved": frozenset((*_COMMON_FIELDS, *POSITIONAL_FIELDS["BlockRemoved"], "group_idx")),
@@ -335,7 +338,15 @@ def _stored(f: Mapping[str, Any], where: str, limits: DecodeLimits) -> Stored | 
     if salt_name is None:
         salt_name = salt_from_extra_keys(f.get("extra_keys"), lora_name, f"{where}.extra_keys")
     fields = (lora_id, level or 0, salt, priority, lora_name, group, salt_name)
-    return build_stored(hashes, tokens, block_size, parent_hash, fields, where)
+    kind = _optional_str(f.get("kv_cache_spec_kind"), f"{where}.kv_cache_spec_kind")
+    window = expect_optional_int(
+        f.get("kv_cache_spec_sliding_window"),
+        f"{where}.kv_cache_spec_sliding_window",
+        0,
+        TOKEN_LIMIT,
+    )
+    stored = build_stored(hashes, tokens, block_size, parent_hash, fields, where)
+    return with_group_spec(stored, kind, window, tokens)
 
 
 def _data(kind: str, f: Mapping[str, Any], where: str, limits: DecodeLimits) -> EventData | None:

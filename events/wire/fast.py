@@ -44,7 +44,8 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Annotated, Final, TypeAlias, Union, cast
 
 import msgspec
@@ -131,9 +132,9 @@ class MapStored(_Common, tag="BlockStored", kw_only=True, **_MAP):
     cache_salt: Str | None = None
     extra_keys: ExtraKeys = None
     group_idx: Small | None = None
-    # vLLM 0.33 sends these; they are read by no one here (scalars, like any ignored field)
+    # vLLM's KV-cache group spec (>= 0.25): the group's attention kind and window in tokens
     kv_cache_spec_kind: Str | None = None
-    kv_cache_spec_sliding_window: int | None = None
+    kv_cache_spec_sliding_window: Annotated[int, Meta(ge=0, lt=TOKEN_LIMIT)] | None = None
 
 
 class MapRemoved(_Common, tag="BlockRemoved", kw_only=True, **_MAP):
@@ -232,6 +233,22 @@ def _diff(value: tuple[int, int] | None) -> EventDiff | None:
     return None if value is None else EventDiff(value[0], value[1])
 
 
+def with_group_spec(
+    stored: Stored | None, kind: str | None, window: int | None, tokens: Sequence[int]
+) -> Stored | None:
+    """``stored`` with vLLM's KV-cache group spec, and a masked store's token ids (kept so a
+    sliding-window group's blocks can be keyed: their tokens are the trailing ones)."""
+    if stored is None or (kind is None and window is None and not stored.masked):
+        return stored
+    return replace(
+        stored,
+        group_kind=kind,
+        sliding_window=window,
+        # a tuple on every path (the typed one reads an array, the general one a list)
+        masked_tokens=tuple(tokens) if stored.masked else None,
+    )
+
+
 def _stored(e: MapStored | PosStored, where: str) -> EventData | None:
     parent = e.parent_block_hash
     if type(e) is MapStored:
@@ -246,7 +263,7 @@ def _stored(e: MapStored | PosStored, where: str) -> EventData | None:
     tokens = packed_tokens(e.token_ids)
     if tokens is None:
         raise DecodeError(f"{where}.token_ids: left to the general path")
-    return build_stored(
+    stored = build_stored(
         wire_hashes(e.block_hashes, where, MAX_BLOCKS),
         tokens,
         e.block_size,
@@ -254,6 +271,9 @@ def _stored(e: MapStored | PosStored, where: str) -> EventData | None:
         (e.lora_id, level, salt_id, priority, e.lora_name, group, salt),
         where,
     )
+    if type(e) is MapStored:
+        return with_group_spec(stored, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window, tokens)
+    return stored
 
 
 def _data(e: MapEvent | PosEvent, where: str) -> EventData | None:

@@ -166,6 +166,13 @@ class Stored:
     lora_name: str | None = None
     salt: str | None = None
     masked: bool = False
+    #: vLLM's KV-cache group spec on stores (``kv_cache_spec_kind``, e.g. ``"full_attention"``,
+    #: ``"sliding_window"``; ``kv_cache_spec_sliding_window`` in tokens), None when not sent;
+    #: ``masked_tokens``: a masked store's token ids as sent (covering the blocks it names and
+    #: the ones it left out), else None
+    group_kind: str | None = None
+    sliding_window: int | None = None
+    masked_tokens: TokenIds | None = None
 
 
 @dataclass(frozen=True, slots=True)

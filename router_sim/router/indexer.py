@@ -112,6 +112,8 @@ ENGINE_CLEAR_SCOPES: Final[dict[str, str]] = {"vllm": "device", "sglang": "all"}
 def engine_clear_scope(engine: str) -> str | None:
     """What ``engine``'s AllBlocksCleared empties (None: decided by the worker's keying)."""
     return ENGINE_CLEAR_SCOPES.get(engine)
+
+
 MAX_CACHE_LEVEL: Final = 2047
 """Highest cache level the index keeps: every level events.wire.model hands out fits (ours 0-2,
 engines' media 64-68, other names 96-1120). A level is a bit of a per-block mask, so a stream
@@ -127,6 +129,29 @@ def lora_name_id(name: str) -> int:
     """The LoRA id a router uses for an adapter known by name (engines that send
     ``lora_name`` key by it; requests name the adapter the same way): ``cache_salt_id(name)``."""
     return cache_salt_id(name)
+
+
+#: vLLM's KV-cache spec kinds (kv_cache_spec_kind) of sliding-window groups: a store names only
+#: the blocks inside the window (the ones before it are null), its token ids cover them all
+SLIDING_KINDS: Final = frozenset({"sliding_window", "sliding_window_mla"})
+#: kinds whose groups must hold the whole prefix, as vLLM's full-attention groups
+FULL_KINDS: Final = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+
+
+def sliding_hit(held: Callable[[int], bool], length: int, window_blocks: int) -> int:
+    """vLLM's prefix hit of a sliding-window group (``SlidingWindowManager.
+    find_longest_cache_hit``) within the first ``length`` blocks: scanning from the end, the
+    end of the first run of ``window_blocks`` blocks it holds; if there is none, the run it
+    holds from the first block. ``held(i)``: whether it holds block ``i``."""
+    run = 0
+    for i in range(length - 1, -1, -1):
+        if held(i):
+            run += 1
+            if run >= window_blocks:
+                return i + run
+        else:
+            run = 0
+    return run
 
 
 def _group_mask(group: int | None) -> int:
@@ -249,6 +274,9 @@ class KvIndexer:
         self._keying: dict[int, list[int]] = {}
         # worker -> what its AllBlocksCleared empties, where its engine says (set_clear_scope)
         self._clear_scope: dict[int, str] = {}
+        # worker -> {KV-cache group other than 0 -> (its spec kind, blocks a hit needs in it:
+        # 0 for a full-attention group)}: the groups that also decide a prefix hit (hybrid)
+        self._groups: dict[int, dict[int, tuple[str, int]]] = {}
         # the native table of which workers hold each int key, on any tier and on the device
         # tier (None: the pure-Python loops, without the extension or with native=False)
         self._table: MaskTable | None = (
@@ -343,6 +371,7 @@ class KvIndexer:
         del self._recent[worker]
         del self._refs[worker]
         del self._keying[worker]
+        self._groups.pop(worker, None)
         self._free_bits.append(bit)
         self._flagged.pop(worker, None)
 
@@ -521,6 +550,12 @@ class KvIndexer:
             if pk == raw:
                 # a parent dropped a moment ago still has its key
                 pk = self._recent[worker].get(raw, pk)
+            if pk == raw and group:
+                # vLLM names a block by one hash in every group: a parent this group never
+                # announced (a sliding window's null block) has group 0's key, in this group
+                k0 = self._key_of(keys, parent, None)
+                if type(k0) is int and (k0 != parent or k0 in held):
+                    pk = k0 ^ gmask
             if pk not in held:
                 self._anomaly(worker, UNKNOWN_PARENT)
             # A known key chains (the parent's key is its content's, held or not); an unmapped
@@ -535,6 +570,10 @@ class KvIndexer:
             salt = cache_salt_id(data.salt)
         computed: list[int] = []
         blocks = data.blocks
+        if data.group_kind is not None or data.sliding_window is not None:
+            self._learn_group(worker, data)
+        if data.masked and chain is not None and data.group_kind in SLIDING_KINDS:
+            return self._sliding_keys(worker, data, chain, lora, salt, gmask)
         if (
             chain is not None
             and not group
@@ -606,6 +645,62 @@ class KvIndexer:
             else:
                 keys[h if not group else (h, group)] = key
             out.append(key)
+        return out
+
+    def _learn_group(self, worker: int, data: Stored) -> None:
+        """Remember the spec of a KV-cache group other than 0 (group 0 is vLLM's first,
+        full-attention group when the model has one): what a prefix hit needs in it."""
+        group = data.group
+        if not group:
+            return
+        kind = data.group_kind or ""
+        window = data.sliding_window
+        if kind in SLIDING_KINDS and window:
+            # vLLM: cdiv(window - 1, size) blocks, checked after counting each one (so 0
+            # needs one, as 1 does)
+            need = max(-(-(window - 1) // self.tokens_per_block), 1)
+        elif kind in FULL_KINDS:
+            need = 0
+        else:
+            return  # another kind (Mamba, chunked local, ...): its rule is not modelled
+        self._groups.setdefault(worker, {})[group] = (kind, need)
+
+    def _sliding_keys(
+        self,
+        worker: int,
+        data: Stored,
+        chain: int,
+        lora: int | None,
+        salt: int | None,
+        gmask: int,
+    ) -> list[IndexKey]:
+        """A sliding-window group's masked store: its token ids cover every block from the
+        chain's start, its hashes name the trailing ones (vLLM nulls the blocks that fell out
+        of the window, and leaves them out): those get the keys of the trailing blocks."""
+        tokens = data.masked_tokens
+        blocks = data.blocks
+        size = data.block_size or self.tokens_per_block
+        assert tokens is not None
+        covered = len(tokens) // size
+        try:
+            chained = _chain_lists(
+                [list(tokens[i * size : (i + 1) * size]) for i in range(covered)],
+                chain,
+                lora,
+                salt,
+            )
+        except (TypeError, ValueError, OverflowError):
+            chained = []
+        keys = self._keys[worker]
+        if len(chained) < len(blocks):
+            self._anomaly(worker, UNKEYED_BLOCK, len(blocks))
+            return [self._key_of(keys, b.block_hash, data.group) for b in blocks]
+        out: list[IndexKey] = []
+        for block, key in zip(blocks, chained[len(chained) - len(blocks) :], strict=True):
+            k = key ^ gmask
+            keys[(block.block_hash, data.group) if data.group else block.block_hash] = k
+            out.append(k)
+        self._keying[worker][0] += len(out)
         return out
 
     def _stored_by_key(
@@ -1006,6 +1101,47 @@ class KvIndexer:
         if not block_hashes:
             return {}
         return self._run_lengths(self._prefix_masks(block_hashes, device_only=False))
+
+    def prefix_hit(self, worker: int, block_hashes: Sequence[BlockHash]) -> tuple[int, int | None]:
+        """How many leading blocks of the request ``worker``'s engine can reuse, and the
+        KV-cache group that limited it (None: group 0's run, the plain prefix match). Routing
+        does not apply it yet (``find_matches`` counts group 0's run): how an offload tier
+        counts for a hybrid model's groups is not settled (docs/INTEROP.md).
+
+        vLLM's hybrid rule (``HybridKVCacheCoordinator.find_longest_cache_hit``): starting from
+        group 0's run, every full-attention group must hold the whole prefix, and a
+        sliding-window group needs only the ``cdiv(window - 1, block_size)`` blocks before the
+        hit's end (:func:`sliding_hit`); any group that shortens the hit makes all look again,
+        until none does."""
+        runs = self._run_lengths(self._prefix_masks(block_hashes, device_only=False))
+        return self._hybrid_hit(worker, block_hashes, runs.get(worker, 0))
+
+    def _hybrid_hit(
+        self, worker: int, block_hashes: Sequence[BlockHash], length: int
+    ) -> tuple[int, int | None]:
+        groups = self._groups.get(worker)
+        if not groups or not length:
+            return length, None
+        held = self._held[worker]
+        hit, limit = length, None
+        changed = True
+        while changed and hit:
+            changed = False
+            for group in sorted(groups):
+                _, need = groups[group]
+                mask = _group_mask(group)
+
+                def has(i: int, mask: int = mask) -> bool:
+                    k = block_hashes[i]
+                    return type(k) is int and (k ^ mask) in held
+
+                if need == 0:  # full attention: the whole prefix
+                    new = next((i for i in range(hit) if not has(i)), hit)
+                else:
+                    new = sliding_hit(has, hit, need)
+                if new < hit:
+                    hit, limit, changed = new, group, True
+        return hit, limit
 
     def find_matches_detailed(self, block_hashes: Sequence[BlockHash]) -> dict[int, MatchDetail]:
         """Like :meth:`find_matches` with the device-tier run and per-tier counts."""
