@@ -102,7 +102,7 @@ static int get_tokens(PyObject *obj, tokens_t *t) {
         }
         for (Py_ssize_t i = 0; i < n; i++) {
             PyObject *item = PyList_GET_ITEM(obj, i);
-            if (!PyLong_Check(item)) {
+            if (!PyLong_Check(item) || PyBool_Check(item)) { /* True is not a token id */
                 PyErr_Format(PyExc_TypeError, "token ids must be ints, got %s %R",
                              Py_TYPE(item)->tp_name, item);
                 release_tokens(t);

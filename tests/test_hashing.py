@@ -223,3 +223,19 @@ def test_public_functions_fall_back_to_the_reference(monkeypatch: pytest.MonkeyP
     assert v1_block_hash(array("i", [1, 2, 3, 4]).tobytes()) == 924206229973855
     with pytest.raises(ValueError, match=r"\[0, 2\*\*31\)"):
         v1_chain(array("i", [1, -1]), 1)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_bool_is_not_a_token_id_on_either_path(native: bool, monkeypatch: Any) -> None:
+    """``True`` packs as 1, but it is not a token id: both paths refuse it, as kvcache does."""
+    if native and not hashing.NATIVE:
+        pytest.skip("native extension not built")
+    if not native:
+        monkeypatch.setattr(hashing, "_native", None)
+    for tokens in ([1, True, 3], [False]):
+        with pytest.raises(TypeError, match=r"bool|ints"):
+            v1_block_hash(tokens)
+        with pytest.raises(TypeError, match=r"bool|ints"):
+            v1_chain(tokens, 1)
+        with pytest.raises(TypeError, match=r"bool|ints"):
+            chain_hashes(tokens, 1, ReuseScope())
