@@ -285,9 +285,10 @@ class _StreamEnd:
     def see(self, chunk: bytes) -> None:
         if self.done:
             return
-        if _DONE in chunk or _DONE in self._tail + chunk[: len(_DONE)]:
+        window = self._tail + chunk  # chunks are single events: small
+        if _DONE in window:
             self.done = True
-        self._tail = chunk[-len(_DONE) :]
+        self._tail = window[1 - len(_DONE) :]
 
 
 async def _stream_error(resp: web.StreamResponse, worker: int, why: str, relayed: int) -> None:
