@@ -14,6 +14,7 @@ from aiohttp.test_utils import TestClient
 from engine_standins import EngineStandIn
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from service_procs import fleet_file, poll, post_json, start_serve, start_worker, workers_by_id
 from test_service_engines import _all_up, overlap, run, until
 from tokenizer_fixture import BOS, ROLE_IDS, make_tokenizer, word, words
 
@@ -228,3 +229,45 @@ def test_long_prompts_are_tokenized_off_the_event_loop(tmp_path: Path) -> None:
         assert all(t.startswith("router-tokenize") for t in threads[1:]), threads
 
     run(tmp_path, ["vllm"], scenario)
+
+
+def test_a_native_worker_with_a_tokenizer_takes_text_and_chat_as_an_engine_does(
+    tmp_path: Path,
+) -> None:
+    folder = make_tokenizer(tmp_path)
+    plain = start_worker(0)
+    worker = start_worker(1, tokenizer=str(folder))
+    serve = None
+    try:
+        text = words(range(word(300), word(340)))  # <s> + 40 ids: 2 full blocks + 9
+        status, _, got = post_json(worker.http + "/v1/completions", {"prompt": text})
+        assert status == 200 and got["usage"]["prompt_tokens"] == 41
+        chat = {"messages": [{"role": "user", "content": "w7 w8"}], "max_tokens": 2}
+        status, _, got = post_json(worker.http + "/v1/chat/completions", chat)
+        assert status == 200, got
+        assert got["usage"]["prompt_tokens"] == 5  # <s> <|user|> w7 w8 <|assistant|>
+        assert got["object"] == "chat.completion" and got["choices"][0]["message"]["content"]
+        status, _, got = post_json(plain.http + "/v1/completions", {"prompt": text})
+        assert status == 400 and "--tokenizer" in got["error"]["message"]
+        # through the router: routed by the same ids, the second time served from cache
+        fleet = fleet_file(tmp_path / "fleet.json", [worker])
+        serve = start_serve(fleet, "--tokenizer", str(folder))
+        poll("worker up", lambda: workers_by_id(serve)[1]["up"])
+        routed = words(range(word(400), word(440)))  # not sent before
+        body = {"prompt": routed, "max_tokens": 1}
+        status, _, first = post_json(serve.http + "/v1/completions", body)
+        # only the <s> its earlier prompts began with (a partial first block is reused)
+        assert status == 200 and first["usage"]["prompt_tokens_details"]["cached_tokens"] == 1
+        ids = [BOS, *range(word(400), word(440))]
+
+        def indexed() -> bool:
+            return bool(post_json(serve.http + "/route", {"prompt": ids})[2]["overlaps"]["1"] == 2)
+
+        poll("the routed text's blocks indexed under its ids", indexed)
+        status, _, again = post_json(serve.http + "/v1/completions", body)
+        # all but the last of its 41 tokens (two full blocks and the partial third it stored)
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 40
+    finally:
+        for p in (serve, worker, plain):
+            if p is not None:
+                p.stop()

@@ -122,7 +122,8 @@ def test_published_events_carry_the_prompt_block_hashes(worker: Proc) -> None:
         b'{"prompt": [1, 2.5]}',
         b'{"prompt": [true]}',
         b'{"prompt": [2147483648]}',
-        b'{"prompt": [[1, 2]]}',
+        b'{"prompt": [[1, 2], [3]]}',  # a batch (one prompt per request)
+        b'{"prompt": [[1, 2], "a"]}',
         b'{"prompt": [1], "max_tokens": 0}',
         b'{"prompt": [1], "max_tokens": "3"}',
         b'{"prompt": [1], "cache_salt": 5}',

@@ -194,6 +194,7 @@ def _child_argv(args: argparse.Namespace, i: int) -> list[str]:
         "--log-level",
         getattr(args, "log_level", "warning"),
         *(["--curve-key", args.curve_key] if args.curve_key else []),
+        *(["--tokenizer", args.tokenizer] if getattr(args, "tokenizer", None) else []),
         *(arg for key in args.curve_allow for arg in ("--curve-allow", key)),
     ]
 

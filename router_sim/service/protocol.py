@@ -1,17 +1,13 @@
 """The HTTP bodies that the router service and the worker process speak, and their errors.
 
 Both sides validate requests with the same pydantic models, so a prompt the router accepts is a
-prompt the worker accepts. Prompts are token ids only (OpenAI's completions API allows a list of
-ints as ``prompt``; there is no tokenizer here). Bodies are parsed with
-``model_validate_json``: pydantic-core parses and checks an 8,192-id prompt in one pass, well
-under the cost of ``json.loads`` followed by a Python check per id. ``POST /route``, the path
-that runs at high rates, reads its JSON body with msgspec instead (:class:`RouteJson`: the
-same fields and bounds), and its prompt, when it is written plainly (digits, commas, JSON
-whitespace), straight into packed int32 ids natively: a body of 8,192 ids costs ~0.17 ms to
-parse into Python ints with msgspec, ~0.05 ms when the prompt comes first (the native reader
-takes it, msgspec the members after it) and ~0.12 ms when it comes later (msgspec walks it
-once to find it), and the router hashes packed ids without unpacking them. Any other spelling
-goes to msgspec, which accepts or names it.
+prompt the worker accepts. A completions ``prompt`` is any of OpenAI's forms (a string, token
+ids, or a list of either: :func:`read_prompts`); chat bodies (:class:`ChatBody`) carry
+``messages``; text becomes ids through the model's tokenizer (:mod:`.tokenizer`). Bodies are
+parsed with ``model_validate_json``, token ids checked by msgspec in one pass. ``POST /route``,
+the path that runs at high rates, reads a token-id body with msgspec instead
+(:class:`RouteJson`: the same fields and bounds); a body it refuses may still be a text, batch
+or chat route (:class:`TextRouteBody`).
 
 ``POST /route`` also takes the prompt packed (``Content-Type: application/octet-stream``,
 little-endian int32 ids, the other fields as query parameters).
@@ -133,15 +129,6 @@ def packed_tokens(body: bytes) -> array[int]:
     if sys.byteorder == "big":
         tokens.byteswap()
     return tokens
-
-
-class TokenCompletionBody(RouteBody):
-    """``POST /v1/completions`` as ``router-sim worker`` reads it: a token-id prompt (the
-    subset of OpenAI's fields used; the router reads more forms, :class:`CompletionBody`)."""
-
-    model: str | None = None
-    max_tokens: Annotated[int, Field(strict=True, ge=1, le=MAX_OUTPUT_TOKENS)] = 16
-    stream: Annotated[bool, Field(strict=True)] = False
 
 
 class BadRequest(ValueError):

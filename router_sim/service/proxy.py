@@ -31,6 +31,7 @@ from aiohttp import web
 
 from router_sim.router.policies import NoWorkersError
 from router_sim.router.routing import RoutingDecision
+from router_sim.service import tokenizer
 from router_sim.service.core import SERVICE, ModelView, RouterService
 from router_sim.service.protocol import (
     BadRequest,
@@ -91,32 +92,15 @@ def _chars(messages: ChatBody) -> int:
 
 
 def prompt_ids(view: ModelView, prompt: Prompt, add_special_tokens: bool | None) -> Sequence[int]:
-    """The ids the engine sees for ``prompt`` (text: tokenized, special tokens added unless
-    the request says otherwise)."""
+    """The ids the engine sees for ``prompt`` (see :func:`.tokenizer.prompt_ids`)."""
     if not isinstance(prompt, str):
         return prompt
-    ids = _tokenizer(view).encode(
-        prompt, add_special_tokens=True if add_special_tokens is None else add_special_tokens
-    )
-    if not ids:
-        raise BadRequest("prompt: the text tokenizes to no token")
-    return ids
+    return tokenizer.prompt_ids(_tokenizer(view), prompt, add_special_tokens)
 
 
 def chat_ids(view: ModelView, body: ChatBody) -> list[int]:
-    """The ids the engine sees for ``body``'s messages (the chat template, then the
-    tokenizer without special tokens unless the request says otherwise)."""
-    messages = body.template_messages()
-    ids = _tokenizer(view).encode_chat(
-        messages,
-        add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
-        continue_final_message=body.continue_final_message,
-        add_special_tokens=bool(body.add_special_tokens),
-        extra=body.chat_template_kwargs,
-    )
-    if not ids:
-        raise BadRequest("messages: the chat template renders no token")
-    return ids
+    """The ids the engine sees for ``body``'s messages (see :func:`.tokenizer.chat_body_ids`)."""
+    return tokenizer.chat_body_ids(_tokenizer(view), body)
 
 
 def check_context(view: ModelView, prompt_tokens: int, max_tokens: int | None) -> None:

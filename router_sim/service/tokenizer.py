@@ -30,7 +30,7 @@ import jinja2.ext
 import jinja2.sandbox
 import tokenizers
 
-from router_sim.service.protocol import BadRequest
+from router_sim.service.protocol import BadRequest, ChatBody, Prompt
 
 _SPECIAL: Final = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
 MAX_TEMPLATE_BYTES: Final = 1 << 20
@@ -204,3 +204,36 @@ def _raise(message: str) -> None:
 
 def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False) -> str:
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=False)
+
+
+def prompt_ids(
+    tok: PromptTokenizer | None, prompt: Prompt, add_special_tokens: bool | None
+) -> list[int]:
+    """The ids an engine computes for one completions prompt: ids as sent, text tokenized
+    with special tokens added unless the request says otherwise (``tok`` None: text is a
+    :class:`BadRequest` whose message is the caller's to complete)."""
+    if not isinstance(prompt, str):
+        return list(prompt)
+    if tok is None:
+        raise BadRequest("no tokenizer")
+    ids = tok.encode(
+        prompt, add_special_tokens=True if add_special_tokens is None else add_special_tokens
+    )
+    if not ids:
+        raise BadRequest("prompt: the text tokenizes to no token")
+    return ids
+
+
+def chat_body_ids(tok: PromptTokenizer, body: ChatBody) -> list[int]:
+    """The ids an engine computes for a chat request: the chat template over its messages,
+    then the tokenizer without special tokens unless the request says otherwise."""
+    ids = tok.encode_chat(
+        body.template_messages(),
+        add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
+        continue_final_message=body.continue_final_message,
+        add_special_tokens=bool(body.add_special_tokens),
+        extra=body.chat_template_kwargs,
+    )
+    if not ids:
+        raise BadRequest("messages: the chat template renders no token")
+    return ids

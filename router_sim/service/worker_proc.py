@@ -3,9 +3,11 @@
 The process runs a :class:`~router_sim.service.engine.LiveEngine` (real KV cache manager, event
 manager and ZeroMQ publisher; step times from the simulator's timing model) and serves:
 
-- ``POST /v1/completions``: token-id prompts, streaming (server-sent events, one chunk per token,
-  then ``data: [DONE]``) or not; ``usage.prompt_tokens_details.cached_tokens`` says how much of
-  the prompt the cache served;
+- ``POST /v1/completions``: token-id prompts (text too with ``--tokenizer``), streaming
+  (server-sent events, one chunk per token, then ``data: [DONE]``) or not;
+  ``usage.prompt_tokens_details.cached_tokens`` says how much of the prompt the cache served;
+- ``POST /v1/chat/completions`` with ``--tokenizer``: the messages through its chat template,
+  tokenized as an engine does (:mod:`router_sim.service.tokenizer`);
 - ``GET /healthz``: liveness, the engine's incarnation (new at every start, so a router can tell
   a restart from a pause), the last published seq, the block size and hash algorithm, the load;
 - ``GET /stats``: the engine's counters and its cache's;
@@ -51,48 +53,97 @@ from kvcache.scope import ReuseScope
 from router_sim.service.engine import LiveEngine, LiveRequest, RequestTooLarge
 from router_sim.service.protocol import (
     MAX_BODY_BYTES,
-    TokenCompletionBody,
+    BadRequest,
+    ChatBody,
+    CompletionBody,
     error_response,
     json_errors,
     parse_body,
     read_body,
+    read_prompts,
     usage,
 )
 from router_sim.service.settings import LOG_LEVELS, setup_logging, show_defaults
+from router_sim.service.tokenizer import PromptTokenizer, chat_body_ids, prompt_ids
 from router_sim.sim.timing import default_step_timing
 
 ENGINE: web.AppKey[LiveEngine] = web.AppKey("engine", LiveEngine)
+DEFAULT_MAX_TOKENS: Final = 16  # OpenAI's default for completions
 INFO: web.AppKey[dict[str, Any]] = web.AppKey("info", dict)
 
 
-def _chunk(rid: str, created: int, model: str, token: int | None, **extra: Any) -> bytes:
-    choice: dict[str, Any] = {
-        "index": 0,
-        "text": "" if token is None else f" {token}",
-        "token_ids": [] if token is None else [token],
-        "finish_reason": extra.pop("finish_reason", None),
-    }
+def _choice(token: int | None, chat: bool, finish_reason: str | None) -> dict[str, Any]:
+    text = "" if token is None else f" {token}"
+    choice: dict[str, Any] = {"index": 0}
+    if chat:
+        choice["delta"] = {} if token is None else {"content": text}
+    else:
+        choice["text"] = text
+    choice["token_ids"] = [] if token is None else [token]
+    choice["finish_reason"] = finish_reason
+    return choice
+
+
+def _chunk(
+    rid: str, created: int, model: str, token: int | None, chat: bool = False, **extra: Any
+) -> bytes:
     body = {
         "id": rid,
-        "object": "text_completion",
+        "object": "chat.completion.chunk" if chat else "text_completion",
         "created": created,
         "model": model,
-        "choices": [choice],
+        "choices": [_choice(token, chat, extra.pop("finish_reason", None))],
         **extra,
     }
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
+def _tokenizer(request: web.Request) -> PromptTokenizer:
+    tok: PromptTokenizer | None = request.app[INFO].get("tokenizer")
+    if tok is None:
+        raise BadRequest(
+            "this worker has no tokenizer: send token ids, or start it with --tokenizer PATH"
+        )
+    return tok
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/completions``: token ids, or text when the worker has a tokenizer."""
+    body = parse_body(CompletionBody, await read_body(request))
+    prompts = read_prompts(body.prompt)
+    if len(prompts) != 1:
+        raise BadRequest(f"prompt: one prompt per request, got a batch of {len(prompts)}")
+    prompt = prompts[0]
+    tok = _tokenizer(request) if isinstance(prompt, str) else None
+    ids = prompt_ids(tok, prompt, body.add_special_tokens)
+    return await _generate(request, body, ids, body.max_tokens, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/chat/completions``: the messages through the tokenizer's chat template."""
+    body = parse_body(ChatBody, await read_body(request))
+    ids = chat_body_ids(_tokenizer(request), body)
+    return await _generate(
+        request, body, ids, body.max_completion_tokens or body.max_tokens, chat=True
+    )
+
+
+async def _generate(
+    request: web.Request,
+    body: CompletionBody | ChatBody,
+    ids: list[int],
+    max_tokens: int | None,
+    *,
+    chat: bool,
+) -> web.StreamResponse:
     engine = request.app[ENGINE]
-    body = parse_body(TokenCompletionBody, await read_body(request))
     scope = ReuseScope.for_request(lora_id=body.lora_id, cache_salt=body.cache_salt)
-    live = LiveRequest(list(body.prompt), body.max_tokens, scope)
+    live = LiveRequest(ids, max_tokens or DEFAULT_MAX_TOKENS, scope)
     try:
         engine.submit(live)
     except RequestTooLarge as exc:
         return error_response(400, str(exc))
-    rid = f"cmpl-{uuid.uuid4().hex[:16]}"
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:16]}"
     created = int(time.time())
     model = body.model or request.app[INFO]["model"]
     try:
@@ -100,20 +151,20 @@ async def completions(request: web.Request) -> web.StreamResponse:
             tokens = [t async for t in _tokens(live)]
             if live.error is not None:
                 return error_response(500, f"the engine failed: {live.error}")
+            text = "".join(f" {t}" for t in tokens)
+            choice: dict[str, Any] = {"index": 0}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choice.update(token_ids=tokens, finish_reason="length")
             return web.json_response(
                 {
                     "id": rid,
-                    "object": "text_completion",
+                    "object": "chat.completion" if chat else "text_completion",
                     "created": created,
                     "model": model,
-                    "choices": [
-                        {
-                            "index": 0,
-                            "text": "".join(f" {t}" for t in tokens),
-                            "token_ids": tokens,
-                            "finish_reason": "length",
-                        }
-                    ],
+                    "choices": [choice],
                     "usage": usage(len(live.prompt), len(tokens), live.cached_tokens),
                 }
             )
@@ -122,14 +173,16 @@ async def completions(request: web.Request) -> web.StreamResponse:
         n = 0
         async for t in _tokens(live):
             n += 1
-            await resp.write(_chunk(rid, created, model, t))
+            await resp.write(_chunk(rid, created, model, t, chat))
         if live.error is not None:
             err = {"error": {"message": f"the engine failed: {live.error}", "code": 500}}
             await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
             await resp.write_eof()
             return resp
         final = usage(len(live.prompt), n, live.cached_tokens)
-        await resp.write(_chunk(rid, created, model, None, finish_reason="length", usage=final))
+        await resp.write(
+            _chunk(rid, created, model, None, chat, finish_reason="length", usage=final)
+        )
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -195,6 +248,7 @@ def build_app(engine: LiveEngine, info: dict[str, Any]) -> web.Application:
     app[ENGINE] = engine
     app[INFO] = info
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/stats", stats)
     app.router.add_get("/v1/models", models)
@@ -241,6 +295,12 @@ def add_parser(sub: Any) -> None:
         "--speedup", type=float, default=1.0, help="divide every step time by this (> 0)"
     )
     p.add_argument("--model", default="router-sim", help="model name in responses")
+    p.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="a tokenizer on local disk (tokenizer.json or its directory, with its chat "
+        "template): text prompts and POST /v1/chat/completions are tokenized with it",
+    )
     p.add_argument(
         "--heartbeat",
         type=float,
@@ -307,6 +367,7 @@ async def serve_worker(args: argparse.Namespace, ready: asyncio.Event | None = N
             "incarnation": uuid.uuid4().hex,
             "model": args.model,
             "created": int(time.time()),
+            "tokenizer": PromptTokenizer.load(args.tokenizer) if args.tokenizer else None,
         }
         runner = web.AppRunner(build_app(engine, info), access_log=None)
         await runner.setup()
