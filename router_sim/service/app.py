@@ -224,7 +224,9 @@ def add_parser(sub: Any) -> None:
         help="routing policy",
     )
     p.add_argument("--policy-options", default="{}", help="JSON, e.g. '{\"overlap_weight\": 2}'")
-    p.add_argument("--tokens-per-block", type=int, help="block size without --fleet (none: 16)")
+    p.add_argument(
+        "--tokens-per-block", type=int, help="block size when there is no --fleet (none: 16 tokens)"
+    )
     p.add_argument(
         "--health-interval",
         type=float,
