@@ -119,3 +119,33 @@ def test_the_done_marker_is_found_however_the_stream_is_cut(done: bool, cuts: li
     for piece in pieces:
         end.see(piece)
     assert end.done == done
+
+
+def test_openais_own_client_sees_a_truncated_stream_as_an_error(tmp_path: Path) -> None:
+    """What a user runs: the ``openai`` package against the router. A broken stream raises
+    instead of returning normally with ``finish_reason=None``; models, text and chat work."""
+    openai = pytest.importorskip("openai")
+
+    async def scenario(
+        client: TestClient[Any, Any], svc: RouterService, ins: list[EngineStandIn]
+    ) -> None:
+        await until("up", lambda: _all_up(client))
+        api = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="none")
+        try:
+            assert [m.id async for m in api.models.list()] == ["test-model"]
+            done = await api.completions.create(model="test-model", prompt="w1 w2", max_tokens=2)
+            assert done.usage.prompt_tokens == 3 and done.choices[0].finish_reason == "length"
+            messages = [{"role": "user", "content": "w1"}]
+            ins[0].cut_after = 2
+            seen = []
+            with pytest.raises(openai.APIError, match="worker 0 failed mid-stream"):
+                stream = await api.chat.completions.create(
+                    model="test-model", messages=messages, max_tokens=4, stream=True
+                )
+                async for chunk in stream:
+                    seen.append(chunk.choices[0].delta.content)
+            assert seen == ["w0", "w1"]
+        finally:
+            await api.close()
+
+    run(tmp_path, ["vllm"], scenario)
