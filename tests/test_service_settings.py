@@ -128,3 +128,11 @@ def test_log_lines_carry_time_and_level_and_a_down_worker_is_logged(tmp_path: Pa
     finally:
         p.terminate()
         p.wait(timeout=10)
+
+
+def test_a_misspelt_policy_option_is_named_with_the_one_meant() -> None:
+    p = _run("--port", "0", "--policy-options", '{"overlap_weigth": 2}')
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 2, err
+    assert "no option 'overlap_weigth' (did you mean 'overlap_weight'?)" in err
+    assert "'balance'" not in err.split("its options")[0]  # the valid one is not blamed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import inspect
 from collections.abc import Callable
 from typing import Any, Final
@@ -53,10 +54,43 @@ def make_policy(name: str, **options: Any) -> RoutingPolicy:
     factory = POLICIES.get(name)
     if factory is None:
         raise ValueError(f"unknown routing policy {name!r}; choose one of {sorted(POLICIES)}")
+    unknown = _unknown_options(factory, options)
+    if unknown:
+        raise TypeError(unknown_options_message(name, factory, unknown))
     try:
         return factory(**options)
     except TypeError as exc:
         raise TypeError(f"bad options {sorted(options)} for policy {name!r}: {exc}") from exc
+
+
+def _options_of(factory: Any) -> list[str] | None:
+    """The keyword options ``factory`` takes (None: it takes any)."""
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in params if p.kind in kinds]
+
+
+def _unknown_options(factory: Any, options: dict[str, Any]) -> list[str]:
+    known = _options_of(factory)
+    return [] if known is None else sorted(set(options) - set(known))
+
+
+def unknown_options_message(name: str, factory: Any, unknown: list[str]) -> str:
+    """Which options ``name`` does not take, the nearest it does, and all it takes."""
+    known = _options_of(factory) or []
+    parts = []
+    for key in unknown:
+        near = difflib.get_close_matches(key, known, n=1)
+        parts.append(f"{key!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+    return (
+        f"policy {name!r} has no option {', '.join(parts)}; its options: "
+        f"{', '.join(known) or 'none'}"
+    )
 
 
 def without_history(name: str, options: dict[str, Any]) -> dict[str, Any]:
