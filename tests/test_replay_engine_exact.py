@@ -331,7 +331,8 @@ def test_joining_an_idle_engine_gets_its_history_at_once(ctx: Ctx, topic_frame: 
         for i in range(3):  # published before anyone listened; the engine is idle since
             engine.publish(i, encode_batch([stored(i, 10 + i)], float(i)))
         model = StateModel()
-        with ZmqEventSubscriber(context=ctx) as sub:
+        # a generous replay timeout: a join retried under load would ask twice
+        with ZmqEventSubscriber(context=ctx, replay_timeout_ms=5000) as sub:
             sub.add_worker(0, engine.endpoint, engine.replay_endpoint)
             poll_until(sub, model, lambda: sub.status(0).last_seq == 2)
             status = sub.status(0)
@@ -356,7 +357,10 @@ def test_joining_this_projects_idle_publisher_gets_history_and_incarnation(ctx: 
             pub.publish([stored(i, 10 + i)])
         assert pub.flush(5)
         model = StateModel()
-        with ZmqEventSubscriber(context=ctx) as sub:
+        # no probe and no retried join within the test, however slow the machine
+        with ZmqEventSubscriber(
+            context=ctx, replay_timeout_ms=5000, probe_interval_ms=60000
+        ) as sub:
             sub.add_worker(0, pub.endpoint, pub.replay_endpoint)
             poll_until(sub, model, lambda: sub.status(0).last_seq == 2)
             status = sub.status(0)
