@@ -54,6 +54,7 @@ def run(
     entry_engine: str | None = None,
     router_tokenizer: bool = True,
     models: list[str] | None = None,
+    policy: str = "kv_overlap",
     **standin: Any,
 ) -> None:
     """``scenario`` against a router (in process) in front of one stand-in per engine named,
@@ -78,6 +79,7 @@ def run(
                 entries.append(WorkerEntry.model_validate(e))
             svc = RouterService(
                 FleetFile(tokens_per_block=TPB, workers=entries),
+                policy,
                 health_interval_s=0.05,
                 probe_timeout_s=0.5,
                 replay_timeout_ms=200,
@@ -117,6 +119,12 @@ async def complete(client: TestClient[Any, Any], prompt: Any, **extra: Any) -> i
     assert resp.status == 200, await resp.text()
     await resp.read()
     return int(resp.headers["X-Router-Worker"])
+
+
+async def _completes(client: TestClient[Any, Any], prompt: list[int]) -> bool:
+    resp = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+    await resp.read()
+    return resp.status == 200
 
 
 async def overlap(client: TestClient[Any, Any], prompt: list[int], worker: int) -> int:
@@ -360,7 +368,8 @@ def test_an_engine_restart_is_read_from_its_event_stream(
         received = await metric(client, "router_stream_received_total", 0)
         assert received is not None and received >= 1
         await ins[0].restart()  # same ports, an empty cache, seqs from 0 again
-        await complete(client, [*new, 5])
+        # a probe that ran while it was stopping may mark it down a moment: poll for the answer
+        await until("a completion after the restart", lambda: _completes(client, [*new, 5]))
         await until("new prefix indexed", lambda: _eq(overlap(client, new, 0), 4))
         assert await overlap(client, old, 0) == 0  # the restart emptied the engine's cache
         got = (await report(client))[0]
@@ -449,3 +458,23 @@ def test_an_adapter_listed_by_an_engine_is_routed_by_its_name() -> None:
     ids = prefix(40)
     named = svc.router.hash_request(ids, lora_name="sql-lora")
     assert named != svc.router.hash_request(ids) and len(named) == 4
+
+
+def test_an_engines_own_request_count_steers_a_load_aware_policy(tmp_path: Path) -> None:
+    """Requests other routers sent count: the engine's running + waiting gauges are part of
+    the load the policy reads, beside what this router forwarded."""
+
+    async def scenario(
+        client: TestClient[Any, Any], svc: RouterService, ins: list[EngineStandIn]
+    ) -> None:
+        await until("both up", lambda: _all_up(client))
+        for busy, idle in ((0, 1), (1, 0)):
+            ins[busy].running, ins[busy].waiting = 8, 30
+            ins[idle].running = ins[idle].waiting = 0
+            await until("the load read", lambda busy=busy: _reported(client, busy, 38))
+            await until("the other idle", lambda idle=idle: _reported(client, idle, 0))
+            for k in range(3):
+                resp = await client.post("/route", json={"prompt": prefix(50 + k)})
+                assert (await resp.json())["worker"] == idle
+
+    run(tmp_path, ["sglang", "sglang"], scenario, policy="least_loaded")
