@@ -448,6 +448,54 @@ def vllm_stream(
         "events": sum(len(e) for e in ev),
         "clears": 1,
     }
+    if grouped:
+        expected["hybrid"] = {
+            "why": (
+                "vLLM's hybrid rule (HybridKVCacheCoordinator / SlidingWindowManager."
+                "find_longest_cache_hit) once group 1's store names it a sliding window of 32 "
+                "tokens: a hit needs cdiv(31, 16) = 2 blocks of group 1 ending it (scanning "
+                "from its end), else group 1's run from the first block"
+            ),
+            "window_blocks": 2,
+            "routes": [
+                # after batch 2: group 0 holds a0..a5, group 1 a2 and a3: the hit ends at a3
+                {
+                    "tokens": ta,
+                    "lora_name": None,
+                    "salt": None,
+                    "after_batch": 2,
+                    "blocks": 4,
+                    "limited_by": 1,
+                },
+                # after batch 3: group 0 holds a0..a3, group 1 a2 alone: no run of 2, and
+                # group 1 holds no block from the first
+                {
+                    "tokens": ta,
+                    "lora_name": None,
+                    "salt": None,
+                    "after_batch": 3,
+                    "blocks": 0,
+                    "limited_by": 1,
+                },
+            ],
+            # at the end group 1 holds nothing (the clear reset every group's device tier)
+            "final_routes": [
+                {
+                    "tokens": td[: 3 * BLOCK],
+                    "lora_name": None,
+                    "salt": None,
+                    "blocks": 0,
+                    "limited_by": 1,
+                },
+                {
+                    "tokens": ta[: 3 * BLOCK],
+                    "lora_name": None,
+                    "salt": None,
+                    "blocks": 0,
+                    "limited_by": 1,
+                },
+            ],
+        }
     return batches, expected
 
 

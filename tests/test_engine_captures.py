@@ -69,6 +69,12 @@ def _overlap(router: Router, route: dict[str, Any]) -> int:
     return decision.overlaps[0]
 
 
+def _limit(router: Router, route: dict[str, Any]) -> tuple[int, int | None]:
+    """What worker 0's engine reuses of the route's prompt, and the group that limited it."""
+    keys = router.hash_request(route["tokens"], lora_name=route["lora_name"])
+    return router.indexer.prefix_hit(0, keys)
+
+
 def test_every_engine_capture_is_present() -> None:
     versions = {n.split("-")[0] + "-" + n.split("-")[1] for n in NAMES}
     assert versions == {
@@ -135,6 +141,8 @@ def test_router_with_defaults_finds_the_announced_prefixes(name: str) -> None:
     live, _, _, expected = _load(name)
     router = _router(name)
     checks = expected["before_clear_routes"]
+    hybrid: dict[str, Any] = expected.get("hybrid", {})
+    assert bool(hybrid) == (name.startswith("vllm") and "0.11" not in name)
     index = router.indexer
     host_copies: list[object] = []  # SGLang's keys of the copy on its host tier, before a clear
     for i, batch in enumerate(live):
@@ -146,8 +154,14 @@ def test_router_with_defaults_finds_the_announced_prefixes(name: str) -> None:
         router.apply(0, batch)
         for route in (r for r in checks if r["after_batch"] == i):
             assert _overlap(router, route) == route["blocks"], (i, route["blocks"])
-    for route in expected["routes"]:
+        for route in (r for r in hybrid.get("routes", []) if r["after_batch"] == i):
+            assert _overlap(router, route) == route["blocks"], (i, route["blocks"])
+            assert _limit(router, route) == (route["blocks"], route["limited_by"])
+    # a hybrid model's sliding-window group decides its routes (expected.json: "hybrid")
+    for route in hybrid.get("final_routes", expected["routes"]):
         assert _overlap(router, route) == route["blocks"]
+        if "limited_by" in route:
+            assert _limit(router, route) == (route["blocks"], route["limited_by"])
     index = router.indexer
     anomalies = index.worker_anomalies(0)
     # the sliding-window store's two masked blocks are keyed from the trailing token ids (the
@@ -175,7 +189,7 @@ def test_a_mixed_fleet_routes_with_one_default_router() -> None:
     router = Router(16, "kv_overlap", StaticLoadSource({w: WorkerLoad() for w in range(3)}))
     vllm, _, _, v_expected = _load("vllm-0.33.0")
     sglang, _, _, s_expected = _load("sglang-0.5.23")
-    for batch in vllm:
+    for batch in vllm[:3]:  # up to its sliding-window group's store
         router.apply(0, batch)
     for batch in sglang:
         router.apply(1, batch)
@@ -186,8 +200,13 @@ def test_a_mixed_fleet_routes_with_one_default_router() -> None:
     assert router.route(tokens).overlaps == {0: 0, 1: 0, 2: 3}
     assert router.indexer.worker_status(2).native
     assert not router.indexer.worker_status(0).native
-    v_route, s_route = v_expected["routes"][0], s_expected["routes"][0]
-    assert router.route(v_route["tokens"]).overlaps == {0: 3, 1: 0, 2: 0}
+    v_route, s_route = v_expected["hybrid"]["routes"][0], s_expected["routes"][0]
+    assert v_route["after_batch"] == 2
+    decision = router.route(v_route["tokens"])
+    assert decision.overlaps == {0: 4, 1: 0, 2: 0}
+    # the explanation names the group that cut worker 0's 6 blocks to 4: its sliding window
+    assert decision.limited_by == {0: 1}
+    assert router.route(tokens).limited_by == {}
     assert router.route(s_route["tokens"]).overlaps == {0: 0, 1: 3, 2: 0}
     assert router.route(v_route["tokens"]).worker == 0
     assert router.route(s_route["tokens"]).worker == 1

@@ -163,13 +163,17 @@ def test_prefix_hit_is_vllms_hybrid_rule(
             )
     held = [{i for i in range(n) if i not in gone} for _, gone in drops]
     need = max(-(-(window - 1) // TPB), 1)  # vLLM counts a block before comparing
-    run0 = index.find_matches(keys).get(0, 0)
+    run0 = next((i for i in range(n) if i not in held[0]), n)  # group 0's own run
     full = [held[0]] + ([held[2]] if third else [])
     want = model_hit(full, [(held[1], need)], n)
     hit, limit = index.prefix_hit(0, keys)
     assert hit == want
     assert (limit is None) == (hit == run0)
-    assert hit <= run0
+    # what routing counts, on both paths
+    assert index.find_matches(keys).get(0, 0) == want == index.find_matches_py(keys).get(0, 0)
+    detail = index.find_matches_detailed(keys).get(0)
+    assert (detail.matched_blocks if detail else 0) == want
+    assert index.find_matches_detailed_py(keys).get(0) == detail
 
 
 def test_a_worker_without_groups_hits_its_plain_run() -> None:

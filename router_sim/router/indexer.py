@@ -1092,7 +1092,7 @@ class KvIndexer:
         if self._table is not None:
             runs = self._table.runs(block_hashes, self._worker_of_bit)
             if runs is not None:
-                return runs
+                return self._hybrid_runs(block_hashes, runs) if self._groups else runs
         return self.find_matches_py(block_hashes)
 
     def find_matches_py(self, block_hashes: Sequence[BlockHash]) -> dict[int, int]:
@@ -1100,13 +1100,13 @@ class KvIndexer:
         table, or for a request naming keys the table does not mirror)."""
         if not block_hashes:
             return {}
-        return self._run_lengths(self._prefix_masks(block_hashes, device_only=False))
+        runs = self._run_lengths(self._prefix_masks(block_hashes, device_only=False))
+        return self._hybrid_runs(block_hashes, runs) if self._groups else runs
 
     def prefix_hit(self, worker: int, block_hashes: Sequence[BlockHash]) -> tuple[int, int | None]:
         """How many leading blocks of the request ``worker``'s engine can reuse, and the
-        KV-cache group that limited it (None: group 0's run, the plain prefix match). Routing
-        does not apply it yet (``find_matches`` counts group 0's run): how an offload tier
-        counts for a hybrid model's groups is not settled (docs/INTEROP.md).
+        KV-cache group that limited it (None: group 0's run, the plain prefix match). What
+        the ``find_matches`` family counts for a worker with such groups.
 
         vLLM's hybrid rule (``HybridKVCacheCoordinator.find_longest_cache_hit``): starting from
         group 0's run, every full-attention group must hold the whole prefix, and a
@@ -1115,6 +1115,25 @@ class KvIndexer:
         until none does."""
         runs = self._run_lengths(self._prefix_masks(block_hashes, device_only=False))
         return self._hybrid_hit(worker, block_hashes, runs.get(worker, 0))
+
+    @property
+    def has_groups(self) -> bool:
+        """Whether any worker announced KV-cache groups that decide its prefix hits."""
+        return bool(self._groups)
+
+    def limiting_groups(self, block_hashes: Sequence[BlockHash]) -> dict[int, int]:
+        """Per worker whose hit a KV-cache group other than 0 cut short: that group (see
+        :meth:`prefix_hit`; workers whose group 0 run stands are absent)."""
+        if not self._groups or not block_hashes:
+            return {}
+        runs = self._run_lengths(self._prefix_masks(block_hashes, device_only=False))
+        out: dict[int, int] = {}
+        for worker, run in runs.items():
+            if worker in self._groups:
+                _, limit = self._hybrid_hit(worker, block_hashes, run)
+                if limit is not None:
+                    out[worker] = limit
+        return out
 
     def _hybrid_hit(
         self, worker: int, block_hashes: Sequence[BlockHash], length: int
@@ -1143,6 +1162,36 @@ class KvIndexer:
                     hit, limit, changed = new, group, True
         return hit, limit
 
+    def _hybrid_runs(
+        self, block_hashes: Sequence[BlockHash], runs: dict[int, int]
+    ) -> dict[int, int]:
+        """``runs`` with each hybrid worker's cut to what its engine reuses (a worker left
+        with nothing is absent, as an unmatched one is)."""
+        for worker in [w for w in runs if w in self._groups]:
+            hit, _ = self._hybrid_hit(worker, block_hashes, runs[worker])
+            if hit:
+                runs[worker] = hit
+            else:
+                del runs[worker]
+        return runs
+
+    def _hybrid_details(
+        self, block_hashes: Sequence[BlockHash], details: dict[int, MatchDetail]
+    ) -> dict[int, MatchDetail]:
+        """:meth:`_hybrid_runs` for match details: a cut run counts its tiers again."""
+        for worker in [w for w in details if w in self._groups]:
+            d = details[worker]
+            hit, _ = self._hybrid_hit(worker, block_hashes, d.matched_blocks)
+            if hit == d.matched_blocks:
+                continue
+            if not hit:
+                del details[worker]
+                continue
+            held = self._held[worker]
+            on_device = sum(1 for k in block_hashes[:hit] if held.get(k, 0) & 1)
+            details[worker] = MatchDetail(hit, min(d.device_run, hit), on_device, hit - on_device)
+        return details
+
     def find_matches_detailed(self, block_hashes: Sequence[BlockHash]) -> dict[int, MatchDetail]:
         """Like :meth:`find_matches` with the device-tier run and per-tier counts."""
         if not block_hashes:
@@ -1152,7 +1201,7 @@ class KvIndexer:
                 block_hashes, self._worker_of_bit, MatchDetail, _MATCH_DETAIL_FIELDS
             )
             if details is not None:
-                return details
+                return self._hybrid_details(block_hashes, details) if self._groups else details
         return self.find_matches_detailed_py(block_hashes)
 
     def find_matches_detailed_py(self, block_hashes: Sequence[BlockHash]) -> dict[int, MatchDetail]:
@@ -1162,9 +1211,10 @@ class KvIndexer:
             return {}
         any_runs = self._run_lengths(self._prefix_masks(block_hashes, device_only=False))
         if not self._slower:
-            return {w: MatchDetail(n, n, n, 0) for w, n in any_runs.items()}
+            result = {w: MatchDetail(n, n, n, 0) for w, n in any_runs.items()}
+            return self._hybrid_details(block_hashes, result) if self._groups else result
         dev_runs = self._run_lengths(self._prefix_masks(block_hashes, device_only=True))
-        result: dict[int, MatchDetail] = {}
+        result = {}
         dev_masks: list[int] | None = None
         for w, n in any_runs.items():
             d = dev_runs.get(w, 0)
@@ -1177,7 +1227,7 @@ class KvIndexer:
                 bit = 1 << self._bit_of[w]
                 on_device += sum(1 for m in dev_masks[d:n] if m & bit)
             result[w] = MatchDetail(n, d, on_device, n - on_device)
-        return result
+        return self._hybrid_details(block_hashes, result) if self._groups else result
 
     def holds(self, worker: int, block_hash: BlockHash) -> tuple[int, ...]:
         """The cache levels at which ``worker`` holds ``block_hash`` (empty if none)."""

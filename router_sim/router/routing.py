@@ -123,6 +123,9 @@ class RoutingDecision:
     best_overlap: int
     chosen_overlap: int
     decision_us: float
+    limited_by: dict[int, int] = field(default_factory=dict)
+    """Per candidate whose overlap a KV-cache group other than 0 cut short (a hybrid model's
+    sliding-window group, as vLLM counts a prefix hit): that group."""
 
     @property
     def locality_given_up(self) -> int:
@@ -319,6 +322,8 @@ class Router:
                 if held > best:
                     best = held
         chosen_overlap = overlaps.get(choice.worker, 0)
+        index = self.indexer
+        limited = index.limiting_groups(hashes) if index.has_groups else {}
         elapsed_us = (time.perf_counter() - start) * 1e6
         stats = self.stats
         stats.decisions += 1
@@ -341,4 +346,5 @@ class Router:
             best_overlap=best,
             chosen_overlap=chosen_overlap,
             decision_us=elapsed_us,
+            limited_by={w: g for w, g in limited.items() if w in overlaps},
         )

@@ -471,6 +471,8 @@ class RouterService:
             "chosen_overlap": d.chosen_overlap,
             "locality_given_up": d.locality_given_up,
             "decision_us": round(d.decision_us, 1),
+            # per candidate, the KV-cache group that cut its overlap (hybrid models)
+            "limited_by": _keyed(d.limited_by),
         }
 
     def _keying(self, worker: int) -> str | None:
