@@ -353,9 +353,13 @@ async def _probes_after(svc: RouterService, worker: int) -> bool:
     return True
 
 
-@pytest.mark.parametrize("replay_topic", [True, False], ids=["vllm-0.26+", "vllm-0.25"])
+@pytest.mark.parametrize(
+    ("engine", "replay_topic"),
+    [("vllm", True), ("vllm", False), ("sglang", True)],
+    ids=["vllm-0.26+", "vllm-0.25", "sglang-0.5"],
+)
 def test_an_engine_restart_is_read_from_its_event_stream(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, replay_topic: bool
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, engine: str, replay_topic: bool
 ) -> None:
     async def scenario(
         client: TestClient[Any, Any], svc: RouterService, ins: list[EngineStandIn]
@@ -380,7 +384,7 @@ def test_an_engine_restart_is_read_from_its_event_stream(
         assert any("worker 0 restarted" in r.getMessage() for r in caplog.records)
 
     caplog.set_level(logging.INFO, logger="router_sim.service")
-    run(tmp_path, ["vllm"], scenario, replay_topic=replay_topic)
+    run(tmp_path, [engine], scenario, replay_topic=replay_topic)
 
 
 def test_per_worker_counters_survive_removal_and_re_adding(tmp_path: Path) -> None:
