@@ -137,6 +137,8 @@ def test_text_and_chat_route_to_the_blocks_the_engine_announced(tmp_path: Path) 
         # a batch of text prompts is routed per prompt on /route
         batch = await (await client.post("/route", json={"prompt": [text, "w1 w2"]})).json()
         assert [d["num_tokens"] for d in batch["decisions"]] == [len(ids), 3]
+        batch = await (await client.post("/route", json={"prompt": [ids]})).json()
+        assert [d["overlaps"] for d in batch["decisions"]] == [by_ids["overlaps"]]
 
     run(tmp_path, ["vllm", "sglang"], scenario)
 

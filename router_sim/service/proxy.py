@@ -200,8 +200,8 @@ async def route_text(svc: RouterService, raw: bytes) -> web.Response | None:
         ]
     else:
         read = read_prompts(body.prompt)
-        if len(read) == 1 and not isinstance(read[0], str):
-            return None  # token ids: the fast reader's error stands
+        if not _is_batch(body.prompt) and not isinstance(read[0], str):
+            return None  # plain token ids: the fast reader's error stands
         size = sum(len(p) for p in read if isinstance(p, str))
         prompts = await off_loop(
             svc, size, lambda: [prompt_ids(view, p, body.add_special_tokens) for p in read]
@@ -216,7 +216,7 @@ async def route_text(svc: RouterService, raw: bytes) -> web.Response | None:
         except NoWorkersError as exc:
             return no_workers(exc)
         decisions.append(svc.explain(d))
-    if (isinstance(body.prompt, list) and len(prompts) > 1) or _is_batch(body.prompt):
+    if _is_batch(body.prompt):
         return json_answer({"decisions": decisions})
     return json_answer(decisions[0])
 
