@@ -388,3 +388,27 @@ def test_an_engine_that_comes_up_after_the_join_is_asked_again(ctx: Ctx) -> None
             assert model.blocks[0] == {20, 21} and sub.status(0).state == "ok"
         finally:
             engine.close()
+
+
+def test_an_engine_that_published_nothing_is_exact_after_the_join(ctx: Ctx) -> None:
+    """An empty ring (an engine keeps its newest batches, forgetting only past its size) is
+    an empty history: the worker is "ok" at once, not waiting for a first batch."""
+    from router_sim.service.core import _state
+
+    engine = EnginePublisher(ctx, topic_frame=True)
+    try:
+        with ZmqEventSubscriber(context=ctx, replay_timeout_ms=5000) as sub:
+            sub.add_worker(0, engine.endpoint, engine.replay_endpoint)
+            model = StateModel()
+            assert sub.status(0).replaying
+            assert _state(True, sub.status(0).state, sub.status(0).last_seq) == "waiting"
+            poll_until(sub, model, lambda: not sub.status(0).replaying)
+            status = sub.status(0)
+            assert status.state == "ok" and status.last_seq is None
+            assert _state(True, status.state, status.last_seq) == "ok"
+            engine.publish(0, encode_batch([stored(0, 30)], 0.0))
+            poll_until(sub, model, lambda: sub.status(0).last_seq == 0)
+            assert model.blocks[0] == {30} and sub.status(0).state == "ok"
+    finally:
+        engine.close()
+    assert _state(True, "degraded", None) == "waiting" and _state(False, "ok", 3) == "down"

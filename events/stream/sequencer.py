@@ -275,6 +275,17 @@ class StreamSequencer(Generic[T]):
             self._learn(info, out)
             if kind == "join" and info.next_seq == 0 and self.next_seq == 0:
                 self.complete = True  # it has published nothing: the empty history is all
+        elif (
+            kind == "join"
+            and not self._request_extended
+            and self._replay_high < 0
+            and self.next_seq == 0
+            and not self._pending
+            and self._mark == 0
+        ):
+            # an engine's ring keeps its newest batches and forgets only past its size: an
+            # empty one has published nothing yet, so the empty history is all
+            self.complete = True
         reached = max(-1 if self.last_seq is None else self.last_seq, self._mark - 1)
         if self._request_kind == "rejoin" and self._replay_high < reached:
             # a publisher's ring keeps its newest batch, so the same one would have replayed

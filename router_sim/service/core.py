@@ -549,12 +549,14 @@ def _down(misconfigured: bool) -> str:
 
 
 def _state(up: bool, stream: str | None, last_seq: int | None) -> str:
-    """``down`` (no health answer), ``waiting`` (no batch received yet: the view becomes exact
-    at the worker's next batch, which is replayed from its first), else the stream's state:
-    ``ok`` (provably complete) or ``degraded`` (events were lost; resync in progress)."""
+    """``down`` (no health answer), ``waiting`` (no batch received yet, and the worker's
+    replay has not shown its history complete: while the replay asked on joining runs, or
+    without a replay socket; the view becomes exact at the worker's next batch), else the
+    stream's state: ``ok`` (provably complete, an empty history included) or ``degraded``
+    (events were lost; resync in progress)."""
     if not up:
         return "down"
-    if stream is None or last_seq is None:
+    if stream is None or (last_seq is None and stream != "ok"):
         return "waiting"
     return stream
 
