@@ -145,14 +145,22 @@ COMMON = ["events/_native_common.h"]
 V1CORE = "events/_v1core.h"
 
 
-def native(name: str, *, shared: bool = False, depends: tuple[str, ...] = ()) -> Extension:
+def native(
+    name: str,
+    *,
+    shared: bool = False,
+    depends: tuple[str, ...] = (),
+    libraries: tuple[str, ...] = (),
+) -> Extension:
     """The optional extension ``name`` built from its one C file at -O3; ``shared``: it
-    includes :data:`COMMON`; ``depends``: other headers it includes."""
+    includes :data:`COMMON`; ``depends``: other headers it includes; ``libraries``: what it
+    links."""
     path = name.replace(".", "/") + ".c"
     return Extension(
         name,
         sources=[path],
         depends=[*(COMMON if shared else []), *depends],
+        libraries=list(libraries),
         extra_compile_args=["-O3"],
         optional=True,
     )
@@ -167,8 +175,12 @@ setup(
         # fallback)
         native("events.wire._wire", shared=True),
         # router_sim.router.indexer's match loop over a mirror of its masks, and the simulator's
-        # trace prompts and answers (pure-Python fallback)
+        # trace
+        # prompts and answers (pure-Python fallback)
         native("router_sim.router._match"),
+        # the simulator's prompts and their V1 hashes, made ahead on a native thread
+        # (router_sim.sim.prefetch; made inline without it)
+        native("router_sim.sim._prefetch", libraries=("crypto",)),
     ],
     cmdclass={"build_ext": OptionalBuildExt},
 )

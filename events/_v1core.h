@@ -1,7 +1,8 @@
 /*
  * The V1 block hash's arithmetic (WIRE.md section 3: TensorRT-LLM's V1 BlockKeyHasher, 64-bit),
- * of events/_v1hash.c. Plain C on native-endian int32 tokens: no Python object is touched, so
- * it runs with or without the GIL. events/hashing.py holds the readable pure-Python reference.
+ * of events/_v1hash.c, which also offers it to other extensions as a C API (a capsule; the
+ * simulator's prompt thread, router_sim/sim/_prefetch.c, hashes with it). Plain C on
+ * native-endian int32 tokens: no Python object is touched, so it runs with or without the GIL. events/hashing.py holds the readable pure-Python reference.
  * Include <Python.h> (for Py_ssize_t) before this header.
  */
 #ifndef EVENTS_V1CORE_H

@@ -1001,6 +1001,16 @@ static struct PyModuleDef module = {
     NULL, NULL, NULL, NULL,
 };
 
+/* The C API other extensions call for V1 hashes (a capsule, "events._v1hash.hash_block_api"),
+ * so the arithmetic lives in this package alone. No Python object is touched: callable
+ * without the GIL. Its signature is the one documented where the capsule is read. */
+static uint64_t api_hash_block(const unsigned char *p, Py_ssize_t n, uint64_t parent,
+                               int has_lora, uint64_t lora, int has_salt, uint64_t salt) {
+    scope_t scope = {has_lora, lora, has_salt, salt};
+    uint32_t sign = 0;
+    return hash_block(p, n, parent, &scope, &sign);
+}
+
 PyMODINIT_FUNC PyInit__v1hash(void) {
     if (native_common_init() < 0 ||
         (STR_PARENT_HASH = PyUnicode_InternFromString("parent_hash")) == NULL ||
@@ -1009,5 +1019,15 @@ PyMODINIT_FUNC PyInit__v1hash(void) {
         (ONE_INT = PyLong_FromLong(1)) == NULL) {
         return NULL;
     }
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) {
+        return NULL;
+    }
+    PyObject *api = PyCapsule_New((void *)api_hash_block, "events._v1hash.hash_block_api", NULL);
+    if (api == NULL || PyModule_AddObject(m, "hash_block_api", api) < 0) {
+        Py_XDECREF(api);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

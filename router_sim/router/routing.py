@@ -286,8 +286,8 @@ class Router:
         """Choose a worker for a prompt under a scope (or a LoRA id + cache salt string).
 
         ``block_hashes``: the prompt's keys when the caller has them already, exactly as
-        :meth:`hash_request` gives them for this prompt and scope (not checked: trusted as an
-        engine's own hashes of the request).
+        :meth:`hash_request` gives them for this prompt and scope (not checked: the simulator
+        passes those its prompt thread made, see :mod:`router_sim.sim.prefetch`).
         Raises ``router_sim.router.policies.NoWorkersError`` when the load source offers no worker.
         """
         start = time.perf_counter()

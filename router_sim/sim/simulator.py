@@ -30,10 +30,11 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import zmq
 
+from events.hashing import HashAlgo
 from events.stream.subscriber import (
     BatchDelivery,
     ResyncRequired,
@@ -42,7 +43,7 @@ from events.stream.subscriber import (
 )
 from events.wire.codec import decode_batch
 from events.wire.model import BlockHash
-from kvcache.keys import BlockKey, blockchain_keys
+from kvcache.keys import blockchain_keys
 from router_sim.build_info import warn_if_stale
 from router_sim.errors import SimulationError as SimulationError
 from router_sim.router.load import WorkerLoad
@@ -50,6 +51,7 @@ from router_sim.router.policies import EVENT_FREE, make_policy
 from router_sim.router.routing import Router
 from router_sim.sim.dialects import check_engine, clear_scope, request_scope
 from router_sim.sim.metrics import PolicySummary, RequestRecord, WireStats
+from router_sim.sim.prefetch import prompt_source
 from router_sim.sim.timing import default_step_timing
 from router_sim.sim.timing_model import PolynomialTiming
 from router_sim.sim.worker import TRANSPORTS, SimWorker, WorkerConfig
@@ -467,6 +469,9 @@ class Simulation:
         engine = self.config.engine
         native = engine == "native"
         scopes = [req.scope if native else request_scope(engine, req) for req in ordered]
+        # prompts (and the router's V1 keys of them) made ahead on a second thread
+        hashed = self.router.hash_algo is HashAlgo.V1_BLOCK_KEY
+        source = prompt_source(ordered, scopes, tpb, hashed)
         try:
             for i, req in enumerate(ordered):
                 t = req.arrival_ms
@@ -474,15 +479,18 @@ class Simulation:
                 self._advance(t)
                 scope = scopes[i]
                 prompt = req.tokens()
-                decision = self.router.route(prompt, scope, now_ms=t)
-                keys: list[BlockKey] | None = None
+                made = source.take() if source is not None else None
+                hashes, keys = made if made is not None else (None, None)
+                # V1 hashes are ints, which the router's keys (BlockHash) may be
+                known = cast("list[BlockHash] | None", hashes)
+                decision = self.router.route(prompt, scope, now_ms=t, block_hashes=known)
                 if self._held:
                     true = self._true_overlaps(decision.block_hashes)
                 else:
-                    # each cache's tree, by the prompt's cache keys of its full blocks (which
-                    # the worker's cache then takes as given instead of hashing them again)
-                    keys = blockchain_keys(scope, prompt, tpb)[: len(prompt) // tpb]
-                    lookup = keys[: len(decision.block_hashes)]
+                    # each cache's tree, by the prompt's cache keys
+                    n = len(decision.block_hashes)
+                    made_keys = keys if keys is not None else blockchain_keys(scope, prompt, tpb)
+                    lookup = made_keys[:n]
                     true = [w.prefix_blocks(lookup, scope) for w in self.workers]
                 record = RequestRecord(
                     request_id=req.request_id,
@@ -496,7 +504,7 @@ class Simulation:
                     decision_us=decision.decision_us,
                 )
                 records.append(record)
-                self.workers[decision.worker].enqueue(req, record, t, prompt, keys, None)
+                self.workers[decision.worker].enqueue(req, record, t, prompt, keys, hashes)
                 if progress is not None:
                     progress(i + 1, len(ordered))
             self._restart_due(math.inf)
@@ -514,6 +522,8 @@ class Simulation:
                     for w in self.workers
                 )
         finally:
+            if source is not None:
+                source.close()
             wire = self._wire_stats()
             self.close()
         return PolicySummary(

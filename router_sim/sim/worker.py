@@ -129,7 +129,7 @@ class _Seq:
     """The sequence is the prompt followed by the answer (kept apart: a 10k-token prompt is
     not copied to append its answer, nor to be looked up whole)."""
     keys: list[BlockKey] | None = None
-    """The cache keys of the prompt's full blocks, when made already (the simulator's lookup)."""
+    """The cache keys of the prompt's full blocks, when made already (router_sim.sim.prefetch)."""
     hashes: list[int] | None = None
     """Their V1 hashes, likewise (what the event manager announces them under)."""
     cache: KVCache | None = None
