@@ -528,6 +528,9 @@ PyMODINIT_FUNC PyInit__prefetch(void) {
     }
     V1_HASH_BLOCK = (v1_hash_block_fn)PyCapsule_Import("events._v1hash.hash_block_api", 0);
     if (V1_HASH_BLOCK == NULL) {
+        /* events._v1hash not built: this module cannot run either, and says so the way a
+           missing extension does (its caller then makes prompts inline) */
+        PyErr_SetString(PyExc_ImportError, "router_sim.sim._prefetch needs events._v1hash");
         return NULL;
     }
     PyObject *m = PyModule_Create(&module);
