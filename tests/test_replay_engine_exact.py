@@ -278,7 +278,8 @@ class EnginePublisher:
         self, ctx: Ctx, topic_frame: bool, endpoints: tuple[str, str] | None = None
     ) -> None:
         live, replay = endpoints or (tcp_any(), tcp_any())
-        self.pub = ctx.socket(zmq.PUB)
+        # XPUB sends as vLLM's PUB does; it also shows the test when a subscriber has joined
+        self.pub = ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.bind(live)
         self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -293,6 +294,13 @@ class EnginePublisher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
+
+    def wait_subscribed(self, timeout_s: float = 5.0) -> None:
+        """Until a subscriber's subscription reached the live socket (a live frame sent before
+        would be dropped by ZeroMQ, as by any PUB)."""
+        if not self.pub.poll(int(timeout_s * 1000)):
+            raise AssertionError("no subscriber joined the live socket in time")
+        self.pub.recv()
 
     def publish(self, seq: int, payload: bytes) -> None:
         self.pub.send_multipart([b"", SEQ.pack(seq), payload])
@@ -340,6 +348,7 @@ def test_joining_an_idle_engine_gets_its_history_at_once(ctx: Ctx, topic_frame: 
             assert model.blocks[0] == {10, 11, 12}
             assert status.recovered == 3 and status.resyncs == 0
             # a live batch continues the replayed history
+            engine.wait_subscribed()
             engine.publish(3, encode_batch([stored(3, 13)], 3.0))
             poll_until(sub, model, lambda: sub.status(0).last_seq == 3)
             assert model.blocks[0] == {10, 11, 12, 13}
@@ -406,6 +415,7 @@ def test_an_engine_that_published_nothing_is_exact_after_the_join(ctx: Ctx) -> N
             status = sub.status(0)
             assert status.state == "ok" and status.last_seq is None
             assert _state(True, status.state, status.last_seq) == "ok"
+            engine.wait_subscribed()
             engine.publish(0, encode_batch([stored(0, 30)], 0.0))
             poll_until(sub, model, lambda: sub.status(0).last_seq == 0)
             assert model.blocks[0] == {30} and sub.status(0).state == "ok"
