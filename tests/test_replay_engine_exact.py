@@ -342,9 +342,14 @@ def test_joining_an_idle_engine_gets_its_history_at_once(ctx: Ctx, topic_frame: 
         # a generous replay timeout: a join retried under load would ask twice
         with ZmqEventSubscriber(context=ctx, replay_timeout_ms=5000) as sub:
             sub.add_worker(0, engine.endpoint, engine.replay_endpoint)
-            poll_until(sub, model, lambda: sub.status(0).last_seq == 2)
+            # the replay ends with the end marker, read after the last replayed batch
+            poll_until(
+                sub,
+                model,
+                lambda: sub.status(0).last_seq == 2 and not sub.status(0).replaying,
+            )
             status = sub.status(0)
-            assert status.state == "ok" and not status.replaying
+            assert status.state == "ok"
             assert model.blocks[0] == {10, 11, 12}
             assert status.recovered == 3 and status.resyncs == 0
             # a live batch continues the replayed history
@@ -371,7 +376,12 @@ def test_joining_this_projects_idle_publisher_gets_history_and_incarnation(ctx: 
             context=ctx, replay_timeout_ms=5000, probe_interval_ms=60000
         ) as sub:
             sub.add_worker(0, pub.endpoint, pub.replay_endpoint)
-            poll_until(sub, model, lambda: sub.status(0).last_seq == 2)
+            # the incarnation comes with the end marker, after the last replayed batch
+            poll_until(
+                sub,
+                model,
+                lambda: sub.status(0).last_seq == 2 and not sub.status(0).replaying,
+            )
             status = sub.status(0)
             assert status.state == "ok" and status.incarnation == pub.incarnation
             assert model.blocks[0] == {10, 11, 12}
