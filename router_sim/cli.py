@@ -27,6 +27,7 @@ from router_sim.run_args import (
     TRACE_WORKERS,
     check_requests_fit,
     check_run_args,
+    kv_groups_arg,
     parse_policies,
     parse_policy_options,
 )
@@ -84,6 +85,13 @@ def build_parser(services: bool = True) -> argparse.ArgumentParser:
         default="native",
         help="whose KV events the workers publish: native, vllm, sglang or trtllm (their "
         "hashes, fields and media; the router keys all by token ids)",
+    )
+    run.add_argument(
+        "--kv-groups",
+        help="--engine vllm only: the KV-cache groups its workers publish, as a hybrid model's "
+        "vLLM does, comma-separated in group order, each full or sliding_window:TOKENS (e.g. "
+        "full,sliding_window:4096; default one full-attention group). Every group holds the "
+        "blocks its worker holds (the simulated cache has no sliding window)",
     )
     run.add_argument(
         "--events",
@@ -181,6 +189,7 @@ def run(args: argparse.Namespace, stdout: TextIO, stderr: TextIO, *, exiting: bo
         restarts=list(args.restart),
         policy_options=dict(args.policy_options),
         engine=args.engine,
+        kv_groups=kv_groups_arg(args),
         events=args.events,
     )
     if args.out is not None:

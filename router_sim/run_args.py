@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from events.tools.cli_args import MAX_BLOCK_TOKENS, ArgError, check_float, check_int, loads_json
 from router_sim.router.policies import POLICIES, make_policy
-from router_sim.sim.dialects import ENGINES
+from router_sim.sim.dialects import ENGINES, KvGroup, parse_kv_groups
 from router_sim.sim.simulator import ALL_POLICIES, needs_event_stream
 from router_sim.sim.simulator import check_events as check_events_setting
 
@@ -72,6 +72,7 @@ def check_run_args(args: argparse.Namespace) -> None:
     engine = getattr(args, "engine", "native")
     if engine not in ENGINES:
         raise ArgError(f"--engine must be one of {', '.join(ENGINES)}; got {engine!r}")
+    kv_groups_arg(args)
     for restart in args.restart:
         check_int("--restart worker", restart.worker, 0, MAX_WORKERS - 1)
         check_float("--restart time", restart.at_ms, 0.0, MAX_MS)
@@ -88,6 +89,23 @@ def check_run_args(args: argparse.Namespace) -> None:
     check_events(args)
     if args.out is not None:
         check_out_dir(args.out)
+
+
+def kv_groups_arg(args: argparse.Namespace) -> tuple[KvGroup, ...] | None:
+    """``--kv-groups`` parsed (None when not given); :class:`ArgError` for a malformed value
+    or an engine other than vLLM."""
+    text = getattr(args, "kv_groups", None)
+    if text is None:
+        return None
+    engine = getattr(args, "engine", "native")
+    if engine != "vllm":
+        raise ArgError(
+            f"--kv-groups needs --engine vllm (KV-cache groups are vLLM's); got --engine {engine}"
+        )
+    try:
+        return parse_kv_groups(text)
+    except ValueError as exc:
+        raise ArgError(str(exc)) from None
 
 
 def check_events(args: argparse.Namespace) -> None:

@@ -19,7 +19,18 @@ vLLM workers send, not against a router-friendly stream:
   an int from the digest's last 8 bytes), ``lora_id`` plus ``lora_name``, the adapter's name
   in every block's ``extra_keys`` and the cache salt in the first block's, ``group_idx`` 0,
   a trailing partial block as its own store, and host-tier copies announced as CPU-offload
-  placeholders (no token ids, ``block_size`` 0) on medium ``CPU``.
+  placeholders (no token ids, ``block_size`` 0) on medium ``CPU``. With KV-cache groups
+  (``router-sim run --kv-groups full,sliding_window:4096``, :func:`parse_kv_groups`), as a
+  hybrid model's vLLM 0.33 sends them: every GPU store and every GPU removal once per group,
+  in the group's order, with its ``group_idx``; a store names its group's spec after
+  ``group_idx`` (``kv_cache_spec_kind``, and ``kv_cache_spec_sliding_window`` in tokens for
+  a sliding window), except a full-attention group 0, whose stores carry ``group_idx`` only,
+  as in the capture (tests/data/engines/vllm-0.33.0). Host-tier events stay as they are (vLLM's
+  offload connector names no group). The simulated worker's cache has no sliding window: every
+  group holds every block the worker holds, so a sliding-window group's store names all its
+  blocks with their own token ids (where vLLM would leave the blocks before the window out) and
+  the router's per-group bookkeeping and its decoding of a hybrid stream are what such a run
+  measures, not a sliding-window eviction model (the hits are those of one group).
 - ``sglang`` (0.5.23, tests/data/engines/sglang-0.5.23): signed int64 hashes (stand-in: the
   first 8 bytes of a sha256 of the content key, as SGLang's recorder folds its sha256 page
   hashes to int64, with no per-process seed), ``lora_name`` with ``lora_id`` nil,
@@ -34,7 +45,11 @@ the name's id (:func:`request_scope`), in the worker's cache and in the router's
 and the engine's own LoRA int id still travels in ``lora_id`` (vLLM).
 
 Snapshots (this project's extension, which engines lack) are sent in the dialect too, with every
-block's token ids (vLLM's host copies included), so a router that resyncs keys each block.
+block's token ids (vLLM's host copies included), so a router that resyncs keys each block; with
+KV-cache groups, the device blocks once per group as the live stream sends them. That is the
+memory transport's snapshot (:meth:`Dialect.encode` with ``snapshot``); over ZeroMQ the
+publisher encodes its snapshot replies itself (:meth:`Dialect.renamed`, this project's codec),
+which has no ``group_idx``: such a snapshot restores group 0 only.
 
 Where engines disagree on what an event means, the dialect decides: an ``AllBlocksCleared``
 empties vLLM's device tier only and every tier of SGLang (:func:`clear_scope`, which the
@@ -47,7 +62,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 import msgspec
@@ -69,6 +84,67 @@ from router_sim.sim.workloads import Request
 
 ENGINES: Final[tuple[str, ...]] = ("native", "vllm", "sglang", "trtllm")
 """Values of ``router-sim run --engine``."""
+
+FULL_ATTENTION: Final = "full_attention"
+SLIDING_WINDOW: Final = "sliding_window"
+MAX_KV_GROUPS: Final = 64
+MAX_SLIDING_WINDOW: Final = 2**31 - 1  # tokens
+
+
+@dataclass(frozen=True, slots=True)
+class KvGroup:
+    """One vLLM KV-cache group: its spec kind (vLLM's ``kv_cache_spec_kind``) and, for a
+    sliding window, the window in tokens (``kv_cache_spec_sliding_window``)."""
+
+    kind: str = FULL_ATTENTION
+    sliding_window: int | None = None
+
+
+DEFAULT_KV_GROUPS: Final[tuple[KvGroup, ...]] = (KvGroup(),)
+"""One full-attention group (``group_idx`` 0): what ``--engine vllm`` sends by default."""
+
+
+def parse_kv_groups(text: str) -> tuple[KvGroup, ...]:
+    """``--kv-groups``: comma-separated groups in ``group_idx`` order, each ``full`` (or
+    ``full_attention``) or ``sliding_window:TOKENS``; raises ``ValueError`` for anything else."""
+    items = [item.strip() for item in text.split(",")]
+    if not text.strip() or any(not item for item in items):
+        raise ValueError(
+            f"--kv-groups: expected comma-separated full or sliding_window:TOKENS; got {text!r}"
+        )
+    if len(items) > MAX_KV_GROUPS:
+        raise ValueError(f"--kv-groups: at most {MAX_KV_GROUPS} groups; got {len(items)}")
+    groups: list[KvGroup] = []
+    for item in items:
+        kind, sep, value = item.partition(":")
+        if kind in ("full", FULL_ATTENTION) and not sep:
+            groups.append(KvGroup())
+            continue
+        if kind == SLIDING_WINDOW and sep:
+            try:
+                window = int(value)
+            except ValueError:
+                window = 0
+            if 1 <= window <= MAX_SLIDING_WINDOW and value.isdigit():
+                groups.append(KvGroup(SLIDING_WINDOW, window))
+                continue
+            raise ValueError(
+                f"--kv-groups: a sliding window is a whole number of tokens from 1 to "
+                f"{MAX_SLIDING_WINDOW}; got {item!r}"
+            )
+        raise ValueError(f"--kv-groups: each group is full or sliding_window:TOKENS; got {item!r}")
+    return tuple(groups)
+
+
+def check_kv_groups(engine: str, groups: Sequence[KvGroup] | None) -> None:
+    """KV-cache groups other than the default are vLLM's: ``ValueError`` for another engine."""
+    if groups is None:
+        return
+    if not groups:
+        raise ValueError("kv_groups needs at least one group")
+    if engine != "vllm":
+        raise ValueError(f"KV-cache groups are published by engine 'vllm' only, not {engine!r}")
+
 
 _NAMING: Final = frozenset({"vllm", "sglang"})  # engines that announce adapters by name
 _ENCODER: Final = msgspec.msgpack.Encoder()
@@ -274,10 +350,28 @@ class _EngineDialect(Dialect):
 class VllmDialect(_EngineDialect):
     engine = "vllm"
 
-    def __init__(self, worker_id: int, tokens_per_block: int) -> None:
+    def __init__(
+        self,
+        worker_id: int,
+        tokens_per_block: int,
+        kv_groups: Sequence[KvGroup] = DEFAULT_KV_GROUPS,
+    ) -> None:
         super().__init__(worker_id, tokens_per_block)
         # vLLM seeds its hash chain per process (NONE_HASH); a worker is a process
         self._seed = hashlib.sha256(b"vllm-none-hash:%d" % worker_id).digest()
+        if not kv_groups:
+            raise ValueError("kv_groups needs at least one group")
+        # per group: its group_idx and the spec fields its stores carry after it (none for a
+        # full-attention group 0, as vLLM 0.33's capture of a hybrid model sends it)
+        self._specs: list[tuple[int, dict[str, Any]]] = []
+        for idx, group in enumerate(kv_groups):
+            spec: dict[str, Any] = {}
+            if idx or group.kind != FULL_ATTENTION:
+                spec["kv_cache_spec_kind"] = group.kind
+                if group.sliding_window is not None:
+                    spec["kv_cache_spec_sliding_window"] = group.sliding_window
+            self._specs.append((idx, spec))
+        self._group = 0  # the group of the store being written (_store)
 
     def engine_hash(self, h: BlockHash) -> int:
         return int.from_bytes(hashlib.sha256(self._seed + _hash_bytes(h)).digest()[-8:], "big")
@@ -287,6 +381,40 @@ class VllmDialect(_EngineDialect):
         if not data.cache_level:
             wire["group_idx"] = 0  # the GPU KV-cache group; offload tiers send none
         return wire
+
+    def encode(self, batch: Sequence[KVCacheEvent], ts: float, snapshot: bool = False) -> bytes:
+        if len(self._specs) == 1:
+            return super().encode(batch, ts, snapshot)
+        out: list[dict[str, Any]] = []
+        for event in batch:
+            data = event.data
+            if isinstance(data, Stored):
+                self._stored_groups(data, out, snapshot)
+            elif isinstance(data, Removed):
+                if not data.block_hashes:
+                    continue
+                wire = super()._removed(data)
+                if data.cache_level:
+                    out.append(wire)  # an offload tier: no group
+                    continue
+                for idx, _ in self._specs:  # a GPU removal: once per group
+                    out.append({**wire, "group_idx": idx})
+            elif isinstance(data, AllBlocksCleared):
+                out.append({"type": "AllBlocksCleared"})
+        return _ENCODER.encode([float(ts), out, _DP_RANK])
+
+    def _stored_groups(self, data: Stored, out: list[dict[str, Any]], snapshot: bool) -> None:
+        """A store once per group (vLLM caches a request's blocks group by group); the host
+        tier's runs, which name no group, once."""
+        runs = self._runs(data.blocks)
+        for idx, _ in self._specs:
+            self._group = idx
+            parent = data.parent_hash
+            for run in runs:
+                if not idx or not run[0].cache_level:
+                    out.append(self._store(run, parent, snapshot))
+                parent = run[-1].block_hash
+        self._group = 0
 
     def _store(
         self, run: list[StoredBlock], parent: BlockHash | None, snapshot: bool
@@ -326,7 +454,12 @@ class VllmDialect(_EngineDialect):
                 )
                 keys.append(entry or None)
             wire["extra_keys"] = keys
-        wire["group_idx"] = 0
+        if first.cache_level:
+            wire["group_idx"] = 0  # a snapshot's host copy: in group 0, as ever
+            return wire
+        idx, spec = self._specs[self._group]
+        wire["group_idx"] = idx
+        wire.update(spec)
         return wire
 
 
@@ -368,7 +501,16 @@ _DIALECTS: Final[dict[str, type[Dialect]]] = {
 }
 
 
-def make_dialect(engine: str, worker_id: int, tokens_per_block: int) -> Dialect:
-    """The dialect of ``engine`` (one of :data:`ENGINES`) for one worker."""
+def make_dialect(
+    engine: str,
+    worker_id: int,
+    tokens_per_block: int,
+    kv_groups: Sequence[KvGroup] | None = None,
+) -> Dialect:
+    """The dialect of ``engine`` (one of :data:`ENGINES`) for one worker; ``kv_groups``: the
+    KV-cache groups a ``vllm`` worker publishes (None: :data:`DEFAULT_KV_GROUPS`)."""
     check_engine(engine)
+    check_kv_groups(engine, kv_groups)
+    if kv_groups is not None:
+        return VllmDialect(worker_id, tokens_per_block, kv_groups)
     return _DIALECTS[engine](worker_id, tokens_per_block)

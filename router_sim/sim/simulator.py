@@ -49,7 +49,13 @@ from router_sim.errors import SimulationError as SimulationError
 from router_sim.router.load import WorkerLoad
 from router_sim.router.policies import EVENT_FREE, make_policy
 from router_sim.router.routing import Router
-from router_sim.sim.dialects import check_engine, clear_scope, request_scope
+from router_sim.sim.dialects import (
+    KvGroup,
+    check_engine,
+    check_kv_groups,
+    clear_scope,
+    request_scope,
+)
 from router_sim.sim.metrics import PolicySummary, RequestRecord, WireStats
 from router_sim.sim.prefetch import prompt_source
 from router_sim.sim.timing import default_step_timing
@@ -173,6 +179,10 @@ class SimConfig:
     engine: str = "native"
     """Whose KV events the workers publish (router_sim.sim.dialects.ENGINES): the router keys
     every engine's blocks by their token ids, so routing is the same for all."""
+    kv_groups: tuple[KvGroup, ...] | None = None
+    """The KV-cache groups ``engine`` ``vllm``'s workers publish, as a hybrid model's vLLM
+    does (None: one full-attention group; router_sim.sim.dialects.parse_kv_groups). Every
+    group holds the blocks its worker holds (the simulated cache has no sliding window)."""
     events: str = "auto"
     """``on``: the workers publish KV events and the router's index applies them; ``off``: no
     event stream (the wire figures and the index check are then not measured), only for a
@@ -185,6 +195,7 @@ class SimConfig:
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         check_engine(self.engine)
+        check_kv_groups(self.engine, self.kv_groups)
         if self.engine != "native" and self.hash_algo != "v1_block_key":
             raise ValueError(f"engine {self.engine!r} needs hash_algo 'v1_block_key'")
         if self.event_buffer < 1:
@@ -242,6 +253,7 @@ class SimConfig:
             fast_forward=self.fast_forward,
             event_buffer=self.event_buffer,
             engine=self.engine,
+            kv_groups=self.kv_groups,
             events=events,
             held=held,
         )
@@ -518,7 +530,7 @@ class Simulation:
             # that replay, resync and snapshots recovered from injected faults.
             if self.events:
                 self.index_mismatch = sum(
-                    abs(self.router.indexer.block_count(w.worker_id) - w.num_announced)
+                    abs(self.router.indexer.block_count(w.worker_id) - self._index_blocks(w))
                     for w in self.workers
                 )
         finally:
@@ -535,6 +547,20 @@ class Simulation:
             events=self.events,
             wall_s=time.perf_counter() - started,
         )
+
+    def _index_blocks(self, w: SimWorker) -> int:
+        """The index entries ``w``'s announced blocks make: one per block, plus, with several
+        KV-cache groups, one per further group for each device-tier block (host-tier events
+        name no group)."""
+        groups = self.config.kv_groups
+        n = w.num_announced
+        if groups is None or len(groups) == 1 or w.events is None:
+            return n
+        announced = w.events.hash_of
+        on_device = sum(
+            1 for b in w.manager.iter_blocks() if b.tier == 0 and announced(b) is not None
+        )
+        return n + (len(groups) - 1) * on_device
 
     def _true_overlaps(self, hashes: list[BlockHash]) -> list[int]:
         """Per worker, the leading blocks of ``hashes`` its cache holds right now (what the

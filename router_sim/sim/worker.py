@@ -51,7 +51,7 @@ from kvcache.sequence import KVCache
 from kvcache.tree import RadixTree
 from router_sim.errors import WorkerError as WorkerError
 from router_sim.router.load import WorkerLoad
-from router_sim.sim.dialects import check_engine, make_dialect
+from router_sim.sim.dialects import KvGroup, check_engine, check_kv_groups, make_dialect
 from router_sim.sim.metrics import RequestRecord
 from router_sim.sim.timing import StepTiming, default_step_timing
 from router_sim.sim.workloads import Request
@@ -86,6 +86,9 @@ class WorkerConfig:
     engine: str = "native"
     """Whose events the worker publishes: ``native``, ``vllm``, ``sglang`` or ``trtllm``
     (hashes, fields and media as that engine sends them; router_sim.sim.dialects)."""
+    kv_groups: tuple[KvGroup, ...] | None = None
+    """The KV-cache groups a ``vllm`` worker publishes (None: the engine's default, one
+    full-attention group; router_sim.sim.dialects.parse_kv_groups)."""
     events: str = "publish"
     """``publish``: the event manager's batches go out on the transport; ``track``: they only
     keep :attr:`SimWorker.held`, nothing is published; ``none``: no event manager at all. The
@@ -106,6 +109,7 @@ class WorkerConfig:
         if self.max_batch_tokens < 1 or self.max_running < 1:
             raise ValueError("max_batch_tokens and max_running must be >= 1")
         check_engine(self.engine)
+        check_kv_groups(self.engine, self.kv_groups)
         if self.events not in WORKER_EVENTS:
             raise ValueError(f"events must be one of {WORKER_EVENTS}, got {self.events!r}")
         if self.events == "track" and not self.held:
@@ -228,7 +232,9 @@ class SimWorker:
         self.bytes_published = 0
         self.dropped_frames = 0
         # the engine whose events this worker publishes (its hashes are a function of ours)
-        self.dialect = make_dialect(config.engine, worker_id, config.tokens_per_block)
+        self.dialect = make_dialect(
+            config.engine, worker_id, config.tokens_per_block, config.kv_groups
+        )
         self._start_engine()
 
     # ------------------------------------------------------------------ engine lifecycle
