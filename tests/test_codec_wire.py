@@ -462,19 +462,19 @@ def test_the_limits_walk_measures_depth_as_msgpack_nests(value: Any, limit: int)
     roomy = DecodeLimits(max_depth=limit, max_fields=1 << 10)
     if _has_ext(value):  # refused as not the format, or for depth when it also nests too deep
         with pytest.raises(DecodeError, match=r"not a valid msgpack payload|max_depth"):
-            wire_decode._unpack(payload, roomy)
+            wire_decode._whole(payload, roomy)
     elif _depth(value) > limit:
         with pytest.raises(DecodeError, match="max_depth"):
-            wire_decode._unpack(payload, roomy)
+            wire_decode._whole(payload, roomy)
     else:
         # compared re-packed: NaN, which the value may hold, is not equal to itself
-        got = msgpack.packb(wire_decode._unpack(payload, roomy), use_bin_type=True)
+        got = msgpack.packb(wire_decode._whole(payload, roomy), use_bin_type=True)
         assert got == msgpack.packb(msgpack.unpackb(payload), use_bin_type=True)
     if len(payload) > 1:  # every proper prefix is refused
         with pytest.raises(DecodeError):
-            wire_decode._unpack(payload[:-1], roomy)
+            wire_decode._whole(payload[:-1], roomy)
     with pytest.raises(DecodeError, match="trailing bytes"):
-        wire_decode._unpack(payload + b"\xc0", roomy)
+        wire_decode._whole(payload + b"\xc0", roomy)
 
 
 @pytest.mark.parametrize("form", ["", "Map", "msgpack"])

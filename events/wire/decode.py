@@ -11,10 +11,16 @@ Two paths give the same batches. The typed path (``events.wire.fast``) has msgsp
 payload into structs that mirror the wire, checking types and ranges as it reads; it takes
 well-formed map-form or positional batches under limits at least as loose as the defaults.
 Everything else (malformed input, unknown fields or event types, bigram pages, tighter
-limits) takes the general path: msgspec's untyped decode (which refuses any declared length
-beyond the bytes present before it allocates, and bounds nesting by its recursion guard), a
-walk that holds every array, map, string and bin and the nesting to the limits, then field
-by field checks here. Both build model objects by the rules in ``events.wire.values``.
+limits) takes the general path: the envelope and the event list are split undecoded (their
+lengths checked before anything is built), then each event in turn is decoded untyped by
+msgspec (which refuses any declared length beyond the bytes present before it allocates,
+and bounds nesting by its recursion guard), held to the limits by a walk over every array,
+map, string and bin, checked field by field here and turned into model objects before the
+next event is read. An event that may hold more than :data:`OBJECT_BUDGET` costly objects
+(an empty map is one byte on the wire and ~64 in CPython) is read one level at a time: its
+known fields each on its own, a long token or hash list typed, unknown fields never built.
+So the general path's memory is the payload, one event's objects and the batch it returns.
+Both paths build model objects by the rules in ``events.wire.values``.
 """
 
 from __future__ import annotations
@@ -70,6 +76,24 @@ _SCALARS: Final = frozenset((type(None), bool, int, float, str, bytes))
 _CONTAINERS: Final = frozenset((list, dict))
 _KEYS: Final = frozenset((str, bytes))
 _UNTYPED: Final = msgspec.msgpack.Decoder()
+_FRAMING: Final = msgspec.msgpack.Decoder(msgspec.Raw)  # checks framing, builds nothing
+_ENVELOPE: Final = msgspec.msgpack.Decoder(Annotated[list[msgspec.Raw], msgspec.Meta(max_length=3)])
+# The lead bytes of what costs the untyped decoder a new object of more than a pointer
+# (arrays, maps, strings, bins, floats, ints outside CPython's small-int cache, ext types).
+# A chunk of N bytes holds at most as many such objects as it has bytes of these values (they
+# also occur inside other values, so this is a bound, not a count): the general path decodes a
+# chunk untyped only when that bound is within OBJECT_BUDGET, and otherwise one level at a time.
+_COSTLY_LEADS: Final = bytes(
+    [
+        *range(0x80, 0xC0),  # fixmap, fixarray, fixstr
+        *range(0xC4, 0xD4),  # bin, ext, float, uint8..64, int8..64
+        *range(0xD4, 0xE0),  # fixext, str8..32, array16/32, map16/32
+        *range(0xE0, 0xFB),  # negative fixints -32..-6 (-5..-1 are cached)
+    ]
+)
+#: the most costly objects (see above) one event, or one field of it, is decoded untyped with:
+#: with each at most ~72 bytes of Python objects, about 9 MB transient per event
+OBJECT_BUDGET: Final = 1 << 17
 _TOKEN_LIST: Final = list[Annotated[int, msgspec.Meta(ge=0, lt=TOKEN_LIMIT)]]
 
 _DEFAULT_ALGO: Final = "v1_block_key"
@@ -166,7 +190,7 @@ _KNOWN_FIELDS: Final[dict[str, frozenset[str]]] = {
 }
 
 
-def _unpack(payload: bytes | bytearray | memoryview, limits: DecodeLimits) -> object:
+def _check_size(payload: bytes | bytearray | memoryview, limits: DecodeLimits) -> int:
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise DecodeError(f"payload must be bytes, got {type(payload).__name__}")
     size = memoryview(payload).nbytes
@@ -177,19 +201,103 @@ def _unpack(payload: bytes | bytearray | memoryview, limits: DecodeLimits) -> ob
             f"payload of {size} bytes exceeds DecodeLimits.max_payload_bytes "
             f"({limits.max_payload_bytes})"
         )
+    return size
+
+
+def _msgpack_error(exc: msgspec.DecodeError) -> DecodeError:
+    text = str(exc)
+    if "trailing characters" in text:
+        return DecodeError("trailing bytes after the payload's msgpack array")
+    if "truncated" in text:
+        return DecodeError("not a valid msgpack payload: truncated (incomplete input)")
+    return DecodeError(f"not a valid msgpack payload: {text}")
+
+
+class _Refused(DecodeError):
+    """What refuses the whole payload wherever it is found (limits, the format itself), as
+    opposed to a malformed event, which costs only that event."""
+
+
+class _TooCostly(Exception):
+    """A chunk whose costly objects may exceed :data:`OBJECT_BUDGET` (decoded level by level)."""
+
+
+def _costly(chunk: bytes) -> int:
+    """A bound on the costly objects ``chunk`` decodes to (see ``_COSTLY_LEADS``)."""
+    return len(chunk) - len(chunk.translate(None, _COSTLY_LEADS))
+
+
+def _untyped(chunk: bytes, limits: DecodeLimits, depth: int) -> object:
+    """``chunk`` (one well-framed msgpack value at nesting ``depth``) decoded untyped and held to
+    ``limits``; raises :class:`_TooCostly` rather than build past :data:`OBJECT_BUDGET`."""
+    if _costly(chunk) > OBJECT_BUDGET:
+        raise _TooCostly
     try:
-        top = _UNTYPED.decode(payload)
+        value = _UNTYPED.decode(chunk)
     except RecursionError:  # msgspec's guard: nesting deeper than the interpreter's stack
         raise DecodeError("arrays/maps nested too deep for a KV event payload") from None
     except msgspec.DecodeError as exc:
-        text = str(exc)
-        if "trailing characters" in text:
-            raise DecodeError("trailing bytes after the payload's msgpack array") from None
-        if "truncated" in text:
-            raise DecodeError("not a valid msgpack payload: truncated (incomplete input)") from None
-        raise DecodeError(f"not a valid msgpack payload: {text}") from None
-    _check_tree(top, limits, size)
-    return top
+        raise _Refused(str(_msgpack_error(exc))) from None
+    try:
+        _check_tree(value, limits, len(chunk), depth)
+    except DecodeError as exc:
+        raise _Refused(str(exc)) from None
+    return value
+
+
+def _whole(payload: bytes | bytearray | memoryview, limits: DecodeLimits) -> object:
+    """Any one msgpack value as a payload, decoded untyped and held to ``limits`` (the walk
+    of :func:`_check_tree`); raises :class:`_TooCostly` past :data:`OBJECT_BUDGET`."""
+    _check_size(payload, limits)
+    return _untyped(bytes(payload), limits, 1)
+
+
+def _array_length(chunk: bytes | memoryview) -> int | None:
+    """The declared length of the msgpack array ``chunk`` starts, or None for another type."""
+    lead = chunk[0]
+    if 0x90 <= lead <= 0x9F:
+        return lead & 0x0F
+    if lead in (0xDC, 0xDD) and len(chunk) >= (3 if lead == 0xDC else 5):
+        return int.from_bytes(chunk[1 : 3 if lead == 0xDC else 5], "big")
+    return None
+
+
+def _unpack(payload: bytes | bytearray | memoryview, limits: DecodeLimits) -> list[msgspec.Raw]:
+    """The payload's envelope, its elements undecoded; any other top-level value raises the
+    envelope's DecodeError (after the same checks of framing and limits as any payload)."""
+    _check_size(payload, limits)
+    data = bytes(payload)
+    try:
+        parts = _ENVELOPE.decode(data)
+    except msgspec.ValidationError:
+        try:
+            _FRAMING.decode(data)
+        except RecursionError:
+            raise DecodeError("arrays/maps nested too deep for a KV event payload") from None
+        except msgspec.DecodeError as exc:
+            raise _msgpack_error(exc) from None
+        n = _array_length(data)
+        if n is not None:
+            shape = f"{n} elements"
+        else:
+            try:
+                shape = type(_untyped(data, limits, 1)).__name__
+            except _TooCostly:
+                shape = "a map" if data[0] in (0xDE, 0xDF) or 0x80 <= data[0] <= 0x8F else "?"
+        raise _envelope_error(shape) from None
+    except RecursionError:  # msgspec's guard while skipping the elements
+        raise DecodeError("arrays/maps nested too deep for a KV event payload") from None
+    except msgspec.DecodeError as exc:
+        raise _msgpack_error(exc) from None
+    if len(parts) not in (2, 3):
+        raise _envelope_error(f"{len(parts)} elements")
+    return parts  # views of the payload: the event list is never copied whole
+
+
+def _envelope_error(shape: str) -> DecodeError:
+    return DecodeError(
+        f"payload must be an array [ts, events] or [ts, events, dp_rank], got {shape}"
+    )
 
 
 def _too_long(kind: str, n: int, cap: int) -> DecodeError:
@@ -198,7 +306,7 @@ def _too_long(kind: str, n: int, cap: int) -> DecodeError:
     )
 
 
-def _check_tree(top: object, limits: DecodeLimits, size: int) -> None:
+def _check_tree(top: object, limits: DecodeLimits, size: int, depth0: int = 1) -> None:
     """Holds the decoded payload to ``limits``, level by level: nesting, the length of every
     array, map, string and bin, map keys (strings or bins), no ext types.
 
@@ -210,7 +318,7 @@ def _check_tree(top: object, limits: DecodeLimits, size: int) -> None:
     max_array = min(size, max(limits.max_events, limits.max_tokens_per_event))
     max_map, max_str = min(size, limits.max_fields), min(size, limits.max_str_len)
     max_bin = min(size, limits.max_bin_len)
-    level, depth = [top], 0
+    level, depth = [top], depth0 - 1
     while level:
         depth += 1
         if depth > limits.max_depth:
@@ -423,40 +531,175 @@ def decode_batch(
     return decode_general(payload, lim)
 
 
+_RAW_LISTS: dict[int, msgspec.msgpack.Decoder[list[msgspec.Raw]]] = {}
+_RAW_MAPS: dict[int, msgspec.msgpack.Decoder[dict[Any, msgspec.Raw]]] = {}
+_INT_LISTS: dict[int, msgspec.msgpack.Decoder[list[int]]] = {}
+_PAIR_LISTS: dict[int, msgspec.msgpack.Decoder[list[list[int]]]] = {}
+_HASH_LISTS: dict[int, msgspec.msgpack.Decoder[list[int | bytes]]] = {}
+_Pair = Annotated[list[int], msgspec.Meta(min_length=2, max_length=2)]
+
+
+def _capped(cache: dict[int, Any], kind: Any, n: int) -> Any:
+    """A decoder of ``kind`` holding its top-level length to ``n`` before it allocates."""
+    decoder = cache.get(n)
+    if decoder is None:
+        decoder = msgspec.msgpack.Decoder(Annotated[kind, msgspec.Meta(max_length=n)])
+        if len(cache) < 64:
+            cache[n] = decoder
+    return decoder
+
+
+def _value(chunk: bytes, where: str, limits: DecodeLimits, depth: int) -> object:
+    try:
+        return _untyped(chunk, limits, depth)
+    except _TooCostly:
+        raise LimitError(
+            f"{where}: more than {OBJECT_BUDGET} arrays, maps, strings or numbers where a "
+            "KV event has a few"
+        ) from None
+
+
+def _is_map(lead: int) -> bool:
+    return 0x80 <= lead <= 0x8F or lead in (0xDE, 0xDF)
+
+
+def _staged_event(chunk: bytes, where: str, limits: DecodeLimits) -> object:
+    """An event too costly to decode untyped at once, decoded one level at a time: its known
+    fields each on its own (unknown ones are never built), a long token or hash list typed."""
+    size = len(chunk)
+    if _is_map(chunk[0]):
+        cap = min(size, limits.max_fields)
+        try:
+            items: dict[Any, msgspec.Raw] = _capped(_RAW_MAPS, dict[Any, msgspec.Raw], cap).decode(
+                chunk
+            )
+        except msgspec.ValidationError:
+            raise LimitError(f"{where}: a map of more than {cap} fields") from None
+        kinds = set(map(type, items))
+        if not kinds <= _KEYS:
+            raise _Refused(f"{where}: map keys must be strings or bins")
+        try:
+            _check_strings(
+                items, kinds, min(size, limits.max_str_len), min(size, limits.max_bin_len)
+            )
+        except DecodeError as exc:
+            raise _Refused(str(exc)) from None
+        kind = items.get("type")
+        name = None if kind is None else _value(bytes(kind), f"{where}.type", limits, 4)
+        known = _KNOWN_FIELDS.get(name) if type(name) is str else None
+        if known is None:
+            return {"type": name}  # no type, or one this decoder skips: nothing more to read
+        return {
+            k: _field(bytes(v), f"{where}.{k}", k, limits) for k, v in items.items() if k in known
+        }
+    if _array_length(chunk) is None:  # one scalar: it costs no more objects than its bytes
+        return _UNTYPED.decode(chunk)
+    cap = min(size, max(limits.max_events, limits.max_tokens_per_event))
+    try:
+        elements: list[msgspec.Raw] = _capped(_RAW_LISTS, list[msgspec.Raw], cap).decode(chunk)
+    except msgspec.ValidationError:
+        raise LimitError(f"{where}: an array of more than {cap} elements") from None
+    if not elements:
+        return []
+    name = _value(bytes(elements[0]), f"{where}[0]", limits, 4)
+    names = POSITIONAL_FIELDS.get(name, ()) if type(name) is str else ()
+    return [name] + [
+        _field(bytes(v), f"{where}[{i + 1}]", f, limits)
+        for i, (v, f) in enumerate(zip(elements[1:], names, strict=False))
+    ]
+
+
+def _field(chunk: bytes, where: str, name: str, limits: DecodeLimits) -> object:
+    """One field of a costly event: untyped when within the budget, else typed as what the
+    field holds (token ids, bigram pages, block hashes); anything else is beyond the limits."""
+    try:
+        return _untyped(chunk, limits, 4)
+    except _TooCostly:
+        pass
+    n = _array_length(chunk)
+    if name == "token_ids" and n is not None:
+        if n > limits.max_tokens_per_event:
+            raise LimitError(
+                f"{where}: {n} tokens exceed DecodeLimits.max_tokens_per_event "
+                f"({limits.max_tokens_per_event})"
+            )
+        try:
+            return _capped(_INT_LISTS, list[int], n).decode(chunk)
+        except msgspec.ValidationError:
+            pass
+        try:
+            return _capped(_PAIR_LISTS, list[_Pair], n).decode(chunk)
+        except msgspec.ValidationError:
+            raise DecodeError(
+                f"{where}: token ids must be ints (or SGLang's [token, next token] pairs)"
+            ) from None
+    if name == "block_hashes" and n is not None:
+        if n > limits.max_blocks_per_event:
+            raise LimitError(
+                f"{where}: {n} block hashes exceed DecodeLimits.max_blocks_per_event "
+                f"({limits.max_blocks_per_event})"
+            )
+        try:
+            hashes: list[int | bytes] = _capped(_HASH_LISTS, list[int | bytes], n).decode(chunk)
+        except msgspec.ValidationError:
+            raise DecodeError(f"{where}: block hashes must be ints or bins") from None
+        try:
+            _check_tree(hashes, limits, len(chunk), 4)
+        except DecodeError as exc:
+            raise _Refused(str(exc)) from None
+        return hashes
+    return _value(chunk, where, limits, 4)
+
+
+def _event_value(chunk: bytes, index: int, limits: DecodeLimits) -> object:
+    try:
+        return _untyped(chunk, limits, 3)
+    except _TooCostly:
+        return _staged_event(chunk, f"events[{index}]", limits)
+
+
 def decode_general(
     payload: bytes | bytearray | memoryview, limits: DecodeLimits | None = None
 ) -> DecodedBatch:
     """:func:`decode_batch` without the typed path: every field checked one by one (what
-    decodes a payload the typed structs do not accept, and their reference in tests)."""
+    decodes a payload the typed structs do not accept, and their reference in tests).
+
+    Memory stays bounded whatever the payload holds: the envelope and the event list are split
+    undecoded (their lengths checked before anything is built), and each event is decoded,
+    checked and turned into model objects before the next: untyped when it holds few costly
+    objects (:data:`OBJECT_BUDGET`), else field by field."""
     lim = DEFAULT_LIMITS if limits is None else limits
-    top = _unpack(payload, lim)
+    parts = _unpack(payload, lim)
     try:
-        if type(top) is not list or len(top) not in (2, 3):
-            shape = f"{len(top)} elements" if type(top) is list else type(top).__name__
-            raise DecodeError(
-                f"payload must be an array [ts, events] or [ts, events, dp_rank], got {shape}"
-            )
-        ts = top[0]
+        ts: Any = _value(bytes(parts[0]), "payload[0] (ts)", lim, 2)
         if type(ts) not in (float, int) or not math.isfinite(ts):
             raise DecodeError(f"payload[0] (ts): expected a finite number, got {ts!r:.40}")
-        events = expect_list(top[1], "payload[1] (events)")
-        if len(events) > lim.max_events:
-            raise DecodeError(
-                f"{len(events)} events exceed DecodeLimits.max_events ({lim.max_events})"
-            )
+        n = _array_length(memoryview(parts[1]))
+        if n is None:
+            events_value = _value(bytes(parts[1]), "payload[1] (events)", lim, 2)
+            expect_list(events_value, "payload[1] (events)")
+            raise AssertionError("unreachable: a non-array is not a list")  # pragma: no cover
+        if n > lim.max_events:
+            raise DecodeError(f"{n} events exceed DecodeLimits.max_events ({lim.max_events})")
+        events: list[msgspec.Raw] = _capped(_RAW_LISTS, list[msgspec.Raw], n).decode(parts[1])
         dp_rank = (
-            expect_optional_int(top[2], "payload[2] (dp_rank)", 0, TOKEN_LIMIT)
-            if len(top) == 3
+            expect_optional_int(
+                _value(bytes(parts[2]), "payload[2] (dp_rank)", lim, 2),
+                "payload[2] (dp_rank)",
+                0,
+                TOKEN_LIMIT,
+            )
+            if len(parts) == 3
             else None
         )
         decoded: list[KVCacheEvent] = []
         malformed: list[str] = []
-        for i, raw in enumerate(events):
+        for i, chunk in enumerate(events):
             # One malformed event costs that event: the rest of the batch stands, and the
             # batch says what was left out.
             try:
-                event = _event(raw, i, dp_rank, lim)
-            except LimitError:
+                event = _event(_event_value(bytes(chunk), i, lim), i, dp_rank, lim)
+            except (LimitError, _Refused):
                 raise
             except DecodeError as exc:
                 malformed.append(str(exc))
@@ -472,6 +715,8 @@ def decode_general(
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as exc:
         # Every field is checked above; this keeps the promise of one error type regardless.
         raise DecodeError(f"malformed payload: {type(exc).__name__}: {exc}") from None
+    except (msgspec.MsgspecError, RecursionError) as exc:
+        raise DecodeError(f"not a valid msgpack payload: {exc}") from None
 
 
 __all__ = ["DEFAULT_LIMITS", "DecodeError", "DecodeLimits", "decode_batch", "decode_general"]
