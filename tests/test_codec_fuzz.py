@@ -63,13 +63,16 @@ FUZZ = settings(
 )
 
 
-@pytest.fixture(autouse=True, params=["typed", "general"])
+@pytest.fixture(autouse=True, params=["typed", "general", "staged"])
 def decoder_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every test runs with the typed path first (native records) and on the general path
-    alone (pure-Python records)."""
-    if request.param == "general":
+    """Every test runs with the typed path first (native records), on the general path alone
+    (pure-Python records), and on the general path with no costly-object budget (every event
+    read field by field, as one past the budget is)."""
+    if request.param in ("general", "staged"):
         monkeypatch.setattr(wire_decode, "decode_typed", lambda payload: None)
         monkeypatch.setattr(wire_values, "stored_blocks", _records.stored_blocks_py)
+    if request.param == "staged":
+        monkeypatch.setattr(wire_decode, "OBJECT_BUDGET", 0)
     elif not _records.NATIVE:
         pytest.skip("native extension not built")
     return str(request.param)

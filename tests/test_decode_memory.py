@@ -11,11 +11,14 @@ from __future__ import annotations
 import struct
 import tracemalloc
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgpack
 import pytest
 
+from events.tools.capture import read_capture
+from events.wire import decode as wire_decode
 from events.wire.codec import DecodeError, decode_batch
 from events.wire.decode import OBJECT_BUDGET, decode_general
 
@@ -151,3 +154,29 @@ def test_bigram_pages_past_the_budget_are_read_as_pairs() -> None:
     assert got.malformed == []
     flat = [t for b in got.events[0].data.blocks for t in b.tokens]
     assert flat == tokens
+
+
+def _real_payloads() -> list[bytes]:
+    """Every engine's captured payloads (live and replayed) and the golden wire vectors."""
+    engines = Path(__file__).parent / "data" / "engines"
+    payloads = [p.read_bytes() for p in sorted((engines.parent / "wire").glob("*.msgpack"))]
+    for stream in sorted(engines.glob("*/*.jsonl")):
+        for message in read_capture(stream).messages:
+            frame = message.frames[-1]
+            if frame and message.frames[-2:-1] != (b"\xff" * 8,):
+                payloads.append(frame)
+    return payloads
+
+
+def test_reading_field_by_field_gives_what_reading_at_once_gives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With no budget, every event is read field by field: on every real payload the batches
+    (malformed lists included) are those of the one-shot read."""
+    payloads = _real_payloads()
+    assert len(payloads) > 50
+    at_once = [decode_general(p) for p in payloads]
+    monkeypatch.setattr(wire_decode, "OBJECT_BUDGET", 0)
+    staged = [decode_general(p) for p in payloads]
+    assert staged == at_once
+    assert sum(len(b.events) for b in staged) > 100

@@ -230,8 +230,12 @@ def _costly(chunk: bytes) -> int:
 def _untyped(chunk: bytes, limits: DecodeLimits, depth: int) -> object:
     """``chunk`` (one well-framed msgpack value at nesting ``depth``) decoded untyped and held to
     ``limits``; raises :class:`_TooCostly` rather than build past :data:`OBJECT_BUDGET`."""
-    if _costly(chunk) > OBJECT_BUDGET:
-        raise _TooCostly
+    if _costly(chunk) > OBJECT_BUDGET and _is_container(chunk[0]):
+        raise _TooCostly  # (a scalar costs no more objects than its bytes: one)
+    return _decode_checked(chunk, limits, depth)
+
+
+def _decode_checked(chunk: bytes, limits: DecodeLimits, depth: int) -> object:
     try:
         value = _UNTYPED.decode(chunk)
     except RecursionError:  # msgspec's guard: nesting deeper than the interpreter's stack
@@ -563,6 +567,10 @@ def _is_map(lead: int) -> bool:
     return 0x80 <= lead <= 0x8F or lead in (0xDE, 0xDF)
 
 
+def _is_container(lead: int) -> bool:
+    return 0x80 <= lead <= 0x9F or 0xDC <= lead <= 0xDF
+
+
 def _staged_event(chunk: bytes, where: str, limits: DecodeLimits) -> object:
     """An event too costly to decode untyped at once, decoded one level at a time: its known
     fields each on its own (unknown ones are never built), a long token or hash list typed."""
@@ -648,7 +656,15 @@ def _field(chunk: bytes, where: str, name: str, limits: DecodeLimits) -> object:
         except DecodeError as exc:
             raise _Refused(str(exc)) from None
         return hashes
-    return _value(chunk, where, limits, 4)
+    # any other field (extra_keys above all: per block a list of a few strings) may cost a few
+    # objects per block, and no more
+    cap = 4 * limits.max_blocks_per_event + OBJECT_BUDGET
+    if _costly(chunk) > cap:
+        raise LimitError(
+            f"{where}: more than {cap} arrays, maps, strings or numbers, beyond what a KV "
+            "event's field holds"
+        )
+    return _decode_checked(chunk, limits, 4)
 
 
 def _event_value(chunk: bytes, index: int, limits: DecodeLimits) -> object:
