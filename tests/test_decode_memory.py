@@ -70,11 +70,12 @@ def test_sixteen_megabytes_of_empty_maps_as_events_build_nothing() -> None:
 
 
 def test_many_small_events_are_decoded_one_at_a_time() -> None:
-    # 500 events of an unknown type, each with 200 empty maps: ~100 kB that would build
-    # 100k dicts (~64 bytes each) at once; each event is built, skipped and dropped before
-    # the next
+    # 700 events of an unknown type, each with 200 empty maps: ~140 kB that would build
+    # 140k dicts (~64 bytes each, past the budget) at once; each event is built, skipped and
+    # dropped before the next
     junk = msgpack.packb({"type": "FutureEvent", "junk": [{}] * 200})
-    payload = _envelope(_array32(500, junk))
+    payload = _envelope(_array32(700, junk))
+    assert OBJECT_BUDGET < 700 * 200
     peak, result = _peak(lambda: decode_general(payload))
     assert not isinstance(result, DecodeError), result
     assert result.events == [] and result.malformed == []

@@ -222,15 +222,25 @@ class _TooCostly(Exception):
     """A chunk whose costly objects may exceed :data:`OBJECT_BUDGET` (decoded level by level)."""
 
 
-def _costly(chunk: bytes) -> int:
-    """A bound on the costly objects ``chunk`` decodes to (see ``_COSTLY_LEADS``)."""
-    return len(chunk) - len(chunk.translate(None, _COSTLY_LEADS))
+def _costly_exceeds(chunk: bytes, budget: int) -> bool:
+    """Whether ``chunk`` may decode to more than ``budget`` costly objects (see
+    ``_COSTLY_LEADS``); counted a window at a time, so a long chunk is never copied whole."""
+    if len(chunk) <= budget:
+        return False
+    count, window = 0, 1 << 20
+    with memoryview(chunk) as view:
+        for start in range(0, len(chunk), window):
+            part = view[start : start + window].tobytes()
+            count += len(part) - len(part.translate(None, _COSTLY_LEADS))
+            if count > budget:
+                return True
+    return False
 
 
 def _untyped(chunk: bytes, limits: DecodeLimits, depth: int) -> object:
     """``chunk`` (one well-framed msgpack value at nesting ``depth``) decoded untyped and held to
     ``limits``; raises :class:`_TooCostly` rather than build past :data:`OBJECT_BUDGET`."""
-    if _costly(chunk) > OBJECT_BUDGET and _is_container(chunk[0]):
+    if _is_container(chunk[0]) and _costly_exceeds(chunk, OBJECT_BUDGET):
         raise _TooCostly  # (a scalar costs no more objects than its bytes: one)
     return _decode_checked(chunk, limits, depth)
 
@@ -659,7 +669,7 @@ def _field(chunk: bytes, where: str, name: str, limits: DecodeLimits) -> object:
     # any other field (extra_keys above all: per block a list of a few strings) may cost a few
     # objects per block, and no more
     cap = 4 * limits.max_blocks_per_event + OBJECT_BUDGET
-    if _costly(chunk) > cap:
+    if _costly_exceeds(chunk, cap):
         raise LimitError(
             f"{where}: more than {cap} arrays, maps, strings or numbers, beyond what a KV "
             "event's field holds"
@@ -674,39 +684,57 @@ def _event_value(chunk: bytes, index: int, limits: DecodeLimits) -> object:
         return _staged_event(chunk, f"events[{index}]", limits)
 
 
+_NO_RANK: Final = object()  # a 2-element envelope
+
+
+def _top(payload: bytes | bytearray | memoryview, lim: DecodeLimits) -> tuple[Any, Any, Any, bool]:
+    """(ts, the events, the dp_rank or ``_NO_RANK``, whether the events are left undecoded).
+
+    A payload whose costly objects are within :data:`OBJECT_BUDGET` is decoded in one go; any
+    other is split undecoded, and its events are decoded one at a time by the caller."""
+    _check_size(payload, lim)
+    data = bytes(payload)
+    if _array_length(data) in (2, 3) and not _costly_exceeds(data, OBJECT_BUDGET):
+        top: Any = _decode_checked(data, lim, 1)
+        events = expect_list(top[1], "payload[1] (events)")
+        if len(events) > lim.max_events:
+            raise DecodeError(
+                f"{len(events)} events exceed DecodeLimits.max_events ({lim.max_events})"
+            )
+        return top[0], events, top[2] if len(top) == 3 else _NO_RANK, False
+    parts = _unpack(data, lim)
+    ts = _value(bytes(parts[0]), "payload[0] (ts)", lim, 2)
+    n = _array_length(memoryview(parts[1]))
+    if n is None:
+        expect_list(_value(bytes(parts[1]), "payload[1] (events)", lim, 2), "payload[1] (events)")
+        raise AssertionError("unreachable: a non-array is not a list")  # pragma: no cover
+    if n > lim.max_events:
+        raise DecodeError(f"{n} events exceed DecodeLimits.max_events ({lim.max_events})")
+    chunks: list[msgspec.Raw] = _capped(_RAW_LISTS, list[msgspec.Raw], n).decode(parts[1])
+    rank = _value(bytes(parts[2]), "payload[2] (dp_rank)", lim, 2) if len(parts) == 3 else _NO_RANK
+    return ts, chunks, rank, True
+
+
 def decode_general(
     payload: bytes | bytearray | memoryview, limits: DecodeLimits | None = None
 ) -> DecodedBatch:
     """:func:`decode_batch` without the typed path: every field checked one by one (what
     decodes a payload the typed structs do not accept, and their reference in tests).
 
-    Memory stays bounded whatever the payload holds: the envelope and the event list are split
-    undecoded (their lengths checked before anything is built), and each event is decoded,
-    checked and turned into model objects before the next: untyped when it holds few costly
-    objects (:data:`OBJECT_BUDGET`), else field by field."""
+    Memory stays bounded whatever the payload holds: a payload of few costly objects
+    (:data:`OBJECT_BUDGET`) is decoded at once; in any other the envelope and the event list are
+    split undecoded (their lengths checked before anything is built), and each event is
+    decoded, checked and turned into model objects before the next: untyped when it holds few
+    costly objects, else field by field."""
     lim = DEFAULT_LIMITS if limits is None else limits
-    parts = _unpack(payload, lim)
     try:
-        ts: Any = _value(bytes(parts[0]), "payload[0] (ts)", lim, 2)
+        ts, events, dp_value, staged = _top(payload, lim)
         if type(ts) not in (float, int) or not math.isfinite(ts):
             raise DecodeError(f"payload[0] (ts): expected a finite number, got {ts!r:.40}")
-        n = _array_length(memoryview(parts[1]))
-        if n is None:
-            events_value = _value(bytes(parts[1]), "payload[1] (events)", lim, 2)
-            expect_list(events_value, "payload[1] (events)")
-            raise AssertionError("unreachable: a non-array is not a list")  # pragma: no cover
-        if n > lim.max_events:
-            raise DecodeError(f"{n} events exceed DecodeLimits.max_events ({lim.max_events})")
-        events: list[msgspec.Raw] = _capped(_RAW_LISTS, list[msgspec.Raw], n).decode(parts[1])
         dp_rank = (
-            expect_optional_int(
-                _value(bytes(parts[2]), "payload[2] (dp_rank)", lim, 2),
-                "payload[2] (dp_rank)",
-                0,
-                TOKEN_LIMIT,
-            )
-            if len(parts) == 3
-            else None
+            None
+            if dp_value is _NO_RANK
+            else expect_optional_int(dp_value, "payload[2] (dp_rank)", 0, TOKEN_LIMIT)
         )
         decoded: list[KVCacheEvent] = []
         malformed: list[str] = []
@@ -714,7 +742,8 @@ def decode_general(
             # One malformed event costs that event: the rest of the batch stands, and the
             # batch says what was left out.
             try:
-                event = _event(_event_value(bytes(chunk), i, lim), i, dp_rank, lim)
+                raw = _event_value(bytes(chunk), i, lim) if staged else chunk
+                event = _event(raw, i, dp_rank, lim)
             except (LimitError, _Refused):
                 raise
             except DecodeError as exc:

@@ -273,7 +273,7 @@ def _stored(e: MapStored | PosStored, where: str) -> EventData | None:
     )
     if type(e) is MapStored:
         return with_group_spec(stored, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window, tokens)
-    return stored
+    return with_group_spec(stored, None, None, tokens)  # a masked store keeps its token ids
 
 
 def _data(e: MapEvent | PosEvent, where: str) -> EventData | None:
