@@ -78,18 +78,34 @@ class RouteRequest(NamedTuple):
     cache_salt: str | None
 
 
+_PromptIds = Annotated[
+    list[Annotated[int, msgspec.Meta(ge=0, lt=2**31)]],
+    msgspec.Meta(min_length=1, max_length=MAX_PROMPT_TOKENS),
+]
+
+
+class _RouteJsonTyped(RouteJson, frozen=True):
+    """:class:`RouteJson` with its prompt read in the same pass: what a well-formed body takes
+    (one parse of the ids instead of a skip and a parse, ~40% of a JSON decision's CPU)."""
+
+    prompt: _PromptIds  # type: ignore[assignment]
+
+
+_ROUTE_TYPED: Final = msgspec.json.Decoder(_RouteJsonTyped)
 _ROUTE_DECODER: Final = msgspec.json.Decoder(RouteJson)
-_PROMPT: Final = msgspec.json.Decoder(
-    Annotated[
-        list[Annotated[int, msgspec.Meta(ge=0, lt=2**31)]],
-        msgspec.Meta(min_length=1, max_length=MAX_PROMPT_TOKENS),
-    ]
-)
+_PROMPT: Final = msgspec.json.Decoder(_PromptIds)
 
 
 def parse_route_body(body: bytes) -> RouteRequest:
     """A JSON ``POST /route`` body (what :class:`RouteBody` accepts; :class:`BadRequest`
     with a short message otherwise)."""
+    try:
+        typed = _ROUTE_TYPED.decode(body)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        pass  # read again in two steps, which say what is wrong (or take a repeated prompt)
+    else:
+        if typed.lora_id is None or typed.lora_id < 2**64:
+            return RouteRequest(typed.prompt, typed.lora_id, typed.lora_name, typed.cache_salt)
     try:
         got = _ROUTE_DECODER.decode(body)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
