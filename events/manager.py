@@ -28,9 +28,11 @@ import threading
 from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import dataclass
 from functools import partial
 from typing import Final, Literal
+
+import msgspec
 
 from events.hashing import KEY_HASHES, HashAlgo, v1_block_hash
 from events.loss import loss_marker
@@ -151,10 +153,10 @@ def _build_events_py(
 
 
 def _defaults_after(cls: type, count: int) -> tuple[object, ...]:
-    """The default values of a dataclass's fields after its first ``count`` (what the native
+    """The default values of a record's fields after its first ``count`` (what the native
     builder stores in the fields an event's constructor call leaves out)."""
-    tail = fields(cls)[count:]
-    assert all(f.default is not MISSING for f in tail)
+    tail = msgspec.structs.fields(cls)[count:]
+    assert all(f.default is not msgspec.NODEFAULT for f in tail)
     return tuple(f.default for f in tail)
 
 

@@ -6,7 +6,6 @@ DecodeError, and one bad event costs only that event."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -165,7 +164,7 @@ def stored_event(draw: st.DrawFn, positional: bool) -> tuple[Any, Stored | None]
             salt,
         )
         if spec is not None:  # the group's spec, decoded (these stores are never masked)
-            expected = dataclasses.replace(expected, group_kind=spec[0], sliding_window=spec[1])
+            expected = msgspec.structs.replace(expected, group_kind=spec[0], sliding_window=spec[1])
     if positional:
         names = POSITIONAL_FIELDS["BlockStored"]
         cut = draw(st.integers(4, len(names)))  # trailing fields may be left out

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable
-from dataclasses import fields
 from functools import partial
 from typing import Any, Final, Protocol
 
@@ -46,22 +45,14 @@ _FIELDS: Final = ("block_hash", "tokens", "lora_id", "cache_level", "priority", 
 
 
 def record_setters(cls: type) -> tuple[Any, ...]:
-    """The slot descriptors of a slotted dataclass, in field order (what the native builders
-    store a record's fields through)."""
-    return tuple(vars(cls)[f.name] for f in fields(cls))
+    """The field descriptors of a model record (a msgspec Struct), in field order (what the
+    native builders store a record's fields through)."""
+    names: tuple[str, ...] = cls.__struct_fields__  # type: ignore[attr-defined]
+    return tuple(vars(cls)[name] for name in names)
 
 
 _DESCRIPTORS: Final[tuple[Any, ...]] = record_setters(StoredBlock)
-assert tuple(f.name for f in fields(StoredBlock)) == _FIELDS
-_new_object = object.__new__
-
-
-def _setter(descriptor: Any) -> Callable[[object, object], None]:
-    setter: Callable[[object, object], None] = descriptor.__set__
-    return setter
-
-
-_set_hash, _set_tokens, _set_lora, _set_level, _set_priority, _set_salt = map(_setter, _DESCRIPTORS)
+assert StoredBlock.__struct_fields__ == _FIELDS
 
 
 def stored_block(
@@ -72,16 +63,8 @@ def stored_block(
     priority: int,
     cache_salt_id: int | None,
 ) -> StoredBlock:
-    """``StoredBlock(...)`` without the frozen-dataclass construction overhead (no checks:
-    the callers pass values they produced or validated)."""
-    sb: StoredBlock = _new_object(StoredBlock)
-    _set_hash(sb, block_hash)
-    _set_tokens(sb, tokens)
-    _set_lora(sb, lora_id)
-    _set_level(sb, cache_level)
-    _set_priority(sb, priority)
-    _set_salt(sb, cache_salt_id)
-    return sb
+    """``StoredBlock(...)`` (no checks: the callers pass values they produced or validated)."""
+    return StoredBlock(block_hash, tokens, lora_id, cache_level, priority, cache_salt_id)
 
 
 def stored_blocks_py(

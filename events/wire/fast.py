@@ -45,7 +45,6 @@ from __future__ import annotations
 import math
 from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Annotated, Final, TypeAlias, Union, cast
 
 import msgspec
@@ -240,7 +239,7 @@ def with_group_spec(
     sliding-window group's blocks can be keyed: their tokens are the trailing ones)."""
     if stored is None or (kind is None and window is None and not stored.masked):
         return stored
-    return replace(
+    return msgspec.structs.replace(
         stored,
         group_kind=kind,
         sliding_window=window,

@@ -62,7 +62,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Final
 
 import msgspec
@@ -233,15 +233,19 @@ class Dialect:
             data = ev.data
             if isinstance(data, Stored):
                 blocks = [
-                    replace(b, block_hash=name(b.block_hash), cache_level=level(b.cache_level) or 0)
+                    msgspec.structs.replace(
+                        b, block_hash=name(b.block_hash), cache_level=level(b.cache_level) or 0
+                    )
                     for b in data.blocks
                 ]
                 parent = None if data.parent_hash is None else name(data.parent_hash)
-                data = replace(data, parent_hash=parent, blocks=blocks)
+                data = msgspec.structs.replace(data, parent_hash=parent, blocks=blocks)
             elif isinstance(data, Removed):
                 hashes = [name(h) for h in data.block_hashes]
-                data = replace(data, block_hashes=hashes, cache_level=level(data.cache_level))
-            out.append(replace(ev, data=data))
+                data = msgspec.structs.replace(
+                    data, block_hashes=hashes, cache_level=level(data.cache_level)
+                )
+            out.append(msgspec.structs.replace(ev, data=data))
         return out
 
     def encode(self, batch: Sequence[KVCacheEvent], ts: float, snapshot: bool = False) -> bytes:
