@@ -177,6 +177,20 @@ def v1_block_hash(
     return v1_block_hash_py(packed, parent_hash, lora_id, salt_id)
 
 
+def _v1_hash_packed_py(
+    tokens: array[int], parent_hash: int, lora_id: int | None, salt_id: int | None
+) -> int:
+    return v1_block_hash(tokens, parent_hash, lora_id, salt_id)
+
+
+v1_hash_packed: Callable[[array[int], int, int | None, int | None], int] = (
+    _native.block_hash if _native is not None else _v1_hash_packed_py
+)
+"""``v1_block_hash(tokens, parent_hash, lora_id, salt_id)`` of an ``array('i')``, positional
+and with the same checks and errors, in one native call (the per-block path of the event
+manager's records)."""
+
+
 def v1_chain(tokens: Tokens, tokens_per_block: int, scope: ReuseScope | None = None) -> list[int]:
     """V1 hashes of the full blocks of ``tokens`` under ``scope`` (a trailing partial block
     has no hash). ``tokens`` may be a list of ids or packed int32s (see :data:`Tokens`); one

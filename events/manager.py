@@ -27,17 +27,13 @@ from __future__ import annotations
 import threading
 from array import array
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Final, Literal
-
-import msgspec
 
 from events.hashing import KEY_HASHES, HashAlgo, v1_block_hash
 from events.loss import loss_marker
-from events.wire._records import record_setters, v1_stored_block, v1_stored_chain
-from events.wire._records import stored_block as _stored_block
+from events.wire._records import v1_stored_block, v1_stored_chain
 from events.wire.model import (
     AllBlocksCleared,
     BlockHash,
@@ -56,11 +52,6 @@ from kvcache.keys import BlockKey
 from kvcache.scope import ReuseScope
 from kvcache.sink import BlockView
 from kvcache.tree import Block
-
-try:  # the optional extension (see events.hashing); absent, _build_events_py does the work
-    from events import _v1hash as _native
-except ImportError:  # pragma: no cover - depends on the install
-    _native = None  # type: ignore[assignment]
 
 MovesAs = Literal["updated", "removed_stored"]
 _MOVES_AS: Final[tuple[str, ...]] = ("updated", "removed_stored")
@@ -124,7 +115,7 @@ class _PendingRemoved:
 _Pending = _PendingStored | _PendingRemoved | EventData
 
 
-def _build_events_py(
+def _build_events(
     pending: list[_Pending],
     first_id: int,
     block_size: int | None,
@@ -134,9 +125,7 @@ def _build_events_py(
 ) -> list[KVCacheEvent]:
     """An iteration's pending items as events numbered from ``first_id``: an open Stored
     becomes a ``Stored`` of its chain, an open Removed a ``Removed``, anything else is the
-    event's data as it is. The readable reference of the native ``build_events``, which builds
-    each record through its slots (two frozen-dataclass constructors cost more than a
-    microsecond per event, once per step)."""
+    event's data as it is."""
     ready: list[KVCacheEvent] = []
     event_id = first_id
     for item in pending:
@@ -150,39 +139,6 @@ def _build_events_py(
         ready.append(KVCacheEvent(event_id, data, window_size, hash_algo, dp_rank))
         event_id += 1
     return ready
-
-
-def _defaults_after(cls: type, count: int) -> tuple[object, ...]:
-    """The default values of a record's fields after its first ``count`` (what the native
-    builder stores in the fields an event's constructor call leaves out)."""
-    tail = msgspec.structs.fields(cls)[count:]
-    assert all(f.default is not msgspec.NODEFAULT for f in tail)
-    return tuple(f.default for f in tail)
-
-
-_BuildEvents = Callable[[list[_Pending], int, int | None, int, str, int | None], list[KVCacheEvent]]
-NATIVE_EVENTS: Final[bool] = _native is not None and hasattr(_native, "build_events")
-"""True when the native event builder is loaded."""
-
-_build_events: _BuildEvents = (
-    partial(
-        _native.build_events,
-        (
-            _PendingStored,
-            _PendingRemoved,
-            Stored,
-            record_setters(Stored),
-            _defaults_after(Stored, 3),
-            Removed,
-            record_setters(Removed),
-            _defaults_after(Removed, 2),
-            KVCacheEvent,
-            record_setters(KVCacheEvent),
-        ),
-    )
-    if NATIVE_EVENTS
-    else _build_events_py
-)
 
 
 def _chain_link(
@@ -312,7 +268,7 @@ class KVCacheEventManager:
                 tokens, parent, scope.lora_id, scope.salt, block.tier, block.priority
             )
         h = self._hash_block(block, parent_hash)
-        return _stored_block(
+        return StoredBlock(
             h, _token_ids(tokens), scope.lora_id, block.tier, block.priority, scope.salt
         )
 
@@ -482,7 +438,7 @@ class KVCacheEventManager:
                 self._append_removed(h, old_tier, pending)
             for block, h in _parents_first(moved):
                 scope = block.scope
-                sb = _stored_block(
+                sb = StoredBlock(
                     h,
                     _token_ids(block.tokens),
                     scope.lora_id,
@@ -637,7 +593,7 @@ class KVCacheEventManager:
                     parent_hash = self._parent_hash(block)
                 scope = block.scope
                 # the block's hash is known and its packed tokens are shared, not converted
-                sb = _stored_block(
+                sb = StoredBlock(
                     h,
                     _token_ids(block.tokens),
                     scope.lora_id,

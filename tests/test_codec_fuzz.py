@@ -14,9 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from events.wire import _records
 from events.wire import decode as wire_decode
-from events.wire import values as wire_values
+from events.wire import fast as wire_fast
 from events.wire.codec import DecodeError, DecodeLimits, decode_batch, encode_batch
 from events.wire.model import (
     AllBlocksCleared,
@@ -65,15 +64,14 @@ FUZZ = settings(
 
 @pytest.fixture(autouse=True, params=["typed", "general", "staged"])
 def decoder_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every test runs with the typed path first (native records), on the general path alone
-    (pure-Python records), and on the general path with no costly-object budget (every event
-    read field by field, as one past the budget is)."""
+    """Every test runs with the typed path first (the native batch reader), on the general path
+    alone, and on the general path with no costly-object budget (every event read field by
+    field, as one past the budget is)."""
     if request.param in ("general", "staged"):
         monkeypatch.setattr(wire_decode, "decode_typed", lambda payload: None)
-        monkeypatch.setattr(wire_values, "stored_blocks", _records.stored_blocks_py)
     if request.param == "staged":
         monkeypatch.setattr(wire_decode, "OBJECT_BUDGET", 0)
-    elif not _records.NATIVE:
+    elif request.param == "typed" and not wire_fast.NATIVE_BATCH:
         pytest.skip("native extension not built")
     return str(request.param)
 
@@ -99,13 +97,10 @@ _HUGE_LIMITS_CHECK = """
 import resource, sys
 from pathlib import Path
 resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))  # a runaway allocation fails fast
-from events.wire import _records
 from events.wire import decode as wire_decode
-from events.wire import values as wire_values
 from events.wire.codec import DecodeLimits, decode_batch
 if sys.argv[1] == "general":
     wire_decode.decode_typed = lambda payload: None
-    wire_values.stored_blocks = _records.stored_blocks_py
 for path in sys.argv[2:]:
     payload = Path(path).read_bytes()
     for big in (1 << 31, 1 << 32, 1 << 40, 1 << 63, 1 << 64):

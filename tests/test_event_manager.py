@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 
 from events.hashing import hash_from_key
-from events.manager import KVCacheEventManager, _stored_block
+from events.manager import KVCacheEventManager
 from events.wire.model import (
     AllBlocksCleared,
     BlockHash,
@@ -458,14 +458,6 @@ def test_concurrent_producer_and_consumer_lose_nothing() -> None:
 
 
 # --------------------------------------------------------------------------- plumbing
-
-
-def test_fast_stored_block_equals_the_constructor() -> None:
-    fast = _stored_block(5, [1, 2], 7, 1, 80, 11)
-    assert fast == StoredBlock(5, [1, 2], 7, 1, 80, 11)
-    assert type(fast) is StoredBlock
-    with pytest.raises(AttributeError):
-        fast.priority = 3  # type: ignore[misc]
 
 
 @pytest.mark.parametrize(

@@ -1,11 +1,10 @@
-"""The event manager's native event builder (``build_events``) against its reference.
+"""The event manager's event builder (``_build_events``) and ``end_step``.
 
-At the end of an iteration ``KVCacheEventManager`` turns its pending items into numbered events
-in one native call. The native form must agree with ``events.manager._build_events_py`` on
+At the end of an iteration ``KVCacheEventManager`` turns its pending items into numbered events:
 every mix of pending Stored and Removed chains and other event data, for any first id (past
-the 64-bit range too), block size, window, hash algorithm and rank, and refuse hostile input
-with typed errors. ``end_step``, which hands the events out without the buffer when nothing is
-buffered or overflows, must give exactly what flush, take_dropped and a drain give.
+the 64-bit range too), block size, window, hash algorithm and rank, gives the events spelled
+out here. ``end_step``, which hands the events out without the buffer when nothing is buffered
+or overflows, must give exactly what flush, take_dropped and a drain give.
 """
 
 from __future__ import annotations
@@ -19,9 +18,7 @@ from hypothesis import strategies as st
 
 import events.manager as manager_module
 from events.manager import (
-    NATIVE_EVENTS,
     KVCacheEventManager,
-    _build_events_py,
     _PendingRemoved,
     _PendingStored,
 )
@@ -35,9 +32,6 @@ from events.wire.model import (
     Updated,
 )
 from kvcache.scope import ReuseScope
-
-native = pytest.importorskip("events._v1hash") if NATIVE_EVENTS else None
-needs_native = pytest.mark.skipif(not NATIVE_EVENTS, reason="events._v1hash is not built")
 
 SCOPES = [ReuseScope(), ReuseScope(lora_id=3), ReuseScope(salt=7), ReuseScope(lora_id=1, salt=2)]
 
@@ -90,7 +84,6 @@ def _pending_item(kind: int, n: int) -> Any:
     return Updated(n, cache_level=EventDiff(0, 1))
 
 
-@needs_native
 @settings(max_examples=100, deadline=None)
 @given(
     st.lists(st.tuples(st.integers(0, 4), st.integers(0, 50)), max_size=8),
@@ -100,7 +93,7 @@ def _pending_item(kind: int, n: int) -> Any:
     st.sampled_from(["v1_block_key", "v2_sha256"]),
     st.sampled_from([None, 0, 3]),
 )
-def test_the_native_event_builder_equals_its_reference(
+def test_the_event_builder_numbers_and_wraps_each_pending_item(
     items: list[tuple[int, int]],
     first_id: int,
     block_size: int | None,
@@ -111,10 +104,10 @@ def test_the_native_event_builder_equals_its_reference(
     pending = [_pending_item(kind, n) for kind, n in items]
     args = (first_id, block_size, window, algo, dp_rank)
     got = manager_module._build_events(list(pending), *args)
-    want = _build_events_py(list(pending), *args)
-    assert got == want
-    assert [type(e.data) for e in got] == [type(e.data) for e in want]
     assert [e.event_id for e in got] == list(range(first_id, first_id + len(pending)))
+    assert all(
+        (e.window_size, e.hash_algo, e.attention_dp_rank) == (window, algo, dp_rank) for e in got
+    )
     for e, item in zip(got, pending, strict=True):
         if isinstance(item, _PendingStored):
             assert e.data.blocks is item.blocks  # type: ignore[union-attr]
@@ -123,49 +116,6 @@ def test_the_native_event_builder_equals_its_reference(
             assert e.data == Removed(item.block_hashes, item.cache_level)
         else:
             assert e.data is item
-
-
-@needs_native
-def test_the_native_event_builder_rejects_hostile_input() -> None:
-    assert native is not None
-    build: Any = manager_module._build_events
-    spec = build.args[0]
-    with pytest.raises(TypeError, match="7 arguments"):
-        native.build_events(spec, [], 0)
-    with pytest.raises(TypeError, match="list of pending"):
-        build((), 0, None, 0, "v1_block_key", None)
-    with pytest.raises(TypeError, match="first_id"):
-        build([], "0", None, 0, "v1_block_key", None)
-    with pytest.raises(TypeError, match="spec"):
-        native.build_events(spec[:9], [], 0, None, 0, "a", None)
-    bad = list(spec)
-    bad[3] = bad[3][:2]  # Stored's setters do not cover its fields
-    with pytest.raises(TypeError, match="Stored setters"):
-        native.build_events(tuple(bad), [], 0, None, 0, "a", None)
-    bad = list(spec)
-    bad[2] = 5
-    with pytest.raises(TypeError, match="spec item 2"):
-        native.build_events(tuple(bad), [], 0, None, 0, "a", None)
-    bad = list(spec)
-    bad[4] = (None,) * 20
-    with pytest.raises((TypeError, ValueError)):
-        native.build_events(tuple(bad), [], 0, None, 0, "a", None)
-
-    class Hostile:
-        """A pending item whose isinstance check empties the pending list."""
-
-        def __init__(self, pending: list[Any]) -> None:
-            self.pending = pending
-
-        @property  # type: ignore[misc]
-        def __class__(self) -> type:
-            self.pending.clear()
-            return Hostile
-
-    pending: list[Any] = []
-    pending += [Hostile(pending), AllBlocksCleared()]
-    with pytest.raises(RuntimeError, match="changed"):
-        build(pending, 0, None, 0, "v1_block_key", None)
 
 
 def _twin_events(mgr: KVCacheEventManager, step: int) -> None:

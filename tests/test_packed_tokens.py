@@ -146,7 +146,6 @@ def test_packed_and_listed_stores_encode_to_the_same_bytes(
 
     mp = pytest.MonkeyPatch()
     if pure:
-        mp.setattr(codec, "_stored_runs", codec._stored_runs_py)
         mp.setattr(codec, "_pack_tokens", codec.pack_tokens_py)
     try:
         assert payload(packed) == payload(listed)
@@ -158,15 +157,12 @@ def test_runs_of_packed_blocks_join_into_one_array() -> None:
     a = StoredBlock(1, array("i", [1, 2]))
     b = StoredBlock(2, array("i", [3]))
     c = StoredBlock(3, [4, 5])
-    runners = [codec._stored_runs_py]
-    if native is not None:
-        runners.append(native.stored_runs)
-    for runs in runners:
-        ((end, token_ids, hashes),) = runs([a, b], 2)
-        assert (end, hashes) == (2, [1, 2])
-        assert type(token_ids) is array and token_ids == array("i", [1, 2, 3])
-        ((_, mixed, _),) = runs([c, a], 2)  # a run holding a list: a list
-        assert type(mixed) is list and mixed == [4, 5, 1, 2]
+    runs = codec._stored_runs
+    ((end, token_ids, hashes),) = runs([a, b], 2)
+    assert (end, hashes) == (2, [1, 2])
+    assert type(token_ids) is array and token_ids == array("i", [1, 2, 3])
+    ((_, mixed, _),) = runs([c, a], 2)  # a run holding a list: a list
+    assert type(mixed) is list and mixed == [4, 5, 1, 2]
 
 
 # --- decoding: straight into an array, or left to the general path -------------------------
@@ -470,7 +466,6 @@ def test_native_functions_release_buffers_and_references() -> None:
     assert [sys.getrefcount(t) for t in big] == counts
 
 
-@needs_native
 def test_records_share_arrays_and_give_them_back() -> None:
     tokens = array("i", [5, 6, 7])
     before = sys.getrefcount(tokens)
@@ -496,29 +491,11 @@ def test_records_share_arrays_and_give_them_back() -> None:
     assert refs == [2, 2, 2]  # held by its record alone (and getrefcount's argument)
 
 
-@needs_native
-def test_stored_runs_release_what_they_read() -> None:
-    parts = [array("i", [1, 2]), array("i", [3, 4]), array("i", [5])]
-    blocks = [StoredBlock(i, t) for i, t in enumerate(parts)]
-    before = [sys.getrefcount(t) for t in parts]
-    for _ in range(3):
-        runs = native.stored_runs(blocks, 2)
-        assert [list(r[1]) for r in runs] == [[1, 2, 3, 4, 5]]
-        with pytest.raises(ValueError, match="tokens"):
-            native.stored_runs([*blocks, StoredBlock(9, array("i"))], 2)
-    del runs
-    assert [sys.getrefcount(t) for t in parts] == before
-    for t in parts:
-        t.append(0)  # no buffer left exported
-
-
-@needs_native
 def test_packed_records_are_left_out_of_the_cycle_collector() -> None:
     record = _records.v1_stored_block(array("i", [5, 6]), 0, None, None, 0, 35)
     decoded = _records.stored_blocks([1, 2], array("i", [7, 8, 9]), 2, None, 0, 35, None)
     for r in (record, *decoded):
-        assert not gc.is_tracked(r.tokens)  # an array holds no reference but its type's
-        assert not gc.is_tracked(r)
+        assert not gc.is_tracked(r)  # a gc=False struct (its array is the caller's)
     typed = decode_typed(_pack([0.0, [_store([1, 2, 3, 4, 5], 2)]]))
     assert typed is not None
     for b in typed.events[0].data.blocks:  # type: ignore[union-attr]

@@ -411,7 +411,7 @@ static PyObject *pack_tokens(PyObject *self, PyObject *obj) {
  * The simulator's event round trip, one call each way: encode_events writes a batch of this
  * project's events as the bytes events.wire.codec's msgspec path writes, and decode_events reads
  * the common batch straight into the records events.wire.fast's msgspec structs give (the
- * record types and their slot descriptors are passed in, as for stored_blocks). Each takes a
+ * record types and their field descriptors are passed in). Each takes a
  * strict subset of what its Python path takes and answers None for everything else, which the
  * caller then hands to that path (which names errors): nothing here raises on the data. */
 

@@ -85,11 +85,7 @@ from events.wire.model import (
 )
 from kvcache.scope import U64_LIMIT
 
-try:  # one C pass splits a Stored event's blocks into wire events when the extension is built
-    from events._v1hash import stored_runs as _native_stored_runs
-except ImportError:  # pragma: no cover - depends on the install
-    _native_stored_runs = None  # type: ignore[assignment]
-try:  # and writes packed token ids as a msgpack array
+try:  # one C pass writes packed token ids as a msgpack array, when the extension is built
     from events.wire._wire import pack_tokens as _native_pack_tokens
 except ImportError:  # pragma: no cover - depends on the install
     _native_pack_tokens = None  # type: ignore[assignment]
@@ -158,11 +154,11 @@ def _joined(parts: list[TokenIds]) -> TokenIds:
     return [t for part in parts for t in part]
 
 
-def _stored_runs_py(blocks: list[StoredBlock], block_size: int) -> list[_Run]:
+def _stored_runs(blocks: list[StoredBlock], block_size: int) -> list[_Run]:
     """The wire events of a Stored event's blocks as ``(end, token_ids, hashes)`` runs: blocks
     ``[previous end, end)`` share one lora/medium/priority/salt, only a run's last block may be
     short, and the run's token ids (packed when every block's are) and hashes are concatenated
-    in order (the readable reference of the native ``stored_runs``)."""
+    in order."""
     runs: list[_Run] = []
     parts: list[TokenIds] = []
     hashes: list[BlockHash] = []
@@ -181,11 +177,6 @@ def _stored_runs_py(blocks: list[StoredBlock], block_size: int) -> list[_Run]:
             runs.append((i + 1, _joined(parts), hashes))
             parts, hashes = [], []
     return runs
-
-
-_stored_runs: Callable[[list[StoredBlock], int], list[_Run]] = (
-    _native_stored_runs if _native_stored_runs is not None else _stored_runs_py
-)
 
 
 def pack_tokens_py(tokens: TokenIds) -> bytes | None:
