@@ -191,6 +191,26 @@ and with the same checks and errors, in one native call (the per-block path of t
 manager's records)."""
 
 
+def _v1_chain_blocks_py(
+    blocks: list[array[int]], parent_hash: int, lora_id: int | None, salt_id: int | None
+) -> list[int]:
+    out: list[int] = []
+    for tokens in blocks:
+        if not len(tokens):
+            break
+        parent_hash = v1_block_hash(tokens, parent_hash, lora_id, salt_id)
+        out.append(parent_hash)
+    return out
+
+
+v1_chain_blocks: Callable[[list[array[int]], int, int | None, int | None], list[int]] = (
+    _native.chain_lists if _native is not None else _v1_chain_blocks_py
+)
+"""The V1 hash of each ``array('i')`` block in turn, each chained to the one before (the first
+to ``parent_hash``), in one native call; stops before the first empty block (the result is
+then shorter). Checks and errors as :func:`v1_block_hash`'s."""
+
+
 def v1_chain(tokens: Tokens, tokens_per_block: int, scope: ReuseScope | None = None) -> list[int]:
     """V1 hashes of the full blocks of ``tokens`` under ``scope`` (a trailing partial block
     has no hash). ``tokens`` may be a list of ids or packed int32s (see :data:`Tokens`); one

@@ -269,3 +269,18 @@ def test_other_algorithms_hash_for_themselves() -> None:
     _serve(_manager(plain), prompt, ReuseScope(), None)
     _serve(_manager(ahead), prompt, ReuseScope(), [11, 12])
     assert _drain(ahead) == _drain(plain)
+
+
+@pytest.mark.parametrize("known", [None, [], [11], [11, 12, 13, 14]])
+def test_an_empty_block_inside_a_chain_is_hashed_on_its_own(known: list[int] | None) -> None:
+    """The one native call over the chain stops before an empty block; the blocks from there
+    on are hashed one by one, so the chain is whole and as the reference gives it."""
+    blocks = [[1, 2], [], [3], [4, 5]]
+    arrays = [array("i", b) for b in blocks]
+    records = v1_stored_chain(arrays, 7, 3, 9, 0, 35, known)
+    k = len(known or [])
+    start = (known or [])[k - 1] if k else 7
+    reference = _reference_chain(blocks[k:], start, 3, 9, 0, 35)
+    assert records[k:] == reference[: len(blocks) - k]
+    assert [r.block_hash for r in records[:k]] == (known or [])[:k]
+    assert len(records) == len(blocks)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from array import array
 from typing import Any, Final
 
-from events.hashing import v1_hash_packed
+from events.hashing import v1_chain_blocks, v1_hash_packed
 from events.wire.model import BlockHash, StoredBlock, TokenIds
 
 _FIELDS: Final = ("block_hash", "tokens", "lora_id", "cache_level", "priority", "cache_salt_id")
@@ -106,19 +106,28 @@ def v1_stored_chain(
     one. Errors as :func:`v1_stored_block`'s."""
     if type(token_arrays) is not list:
         raise TypeError(f"token_arrays must be a list, got {type(token_arrays).__name__}")
-    records: list[StoredBlock] = []
-    n_known = 0 if known is None else len(known)
-    for i, tokens in enumerate(token_arrays):
-        tokens = _packed(tokens)
-        if i < n_known:
-            assert known is not None
-            h = known[i]
+    arrays = [_packed(t) for t in token_arrays]
+    n = len(arrays)
+    hashes: list[int] = []
+    if known is not None:
+        for h in known[:n]:
             if type(h) is not int:
                 raise TypeError("v1_stored_chain: known hashes must be ints")
             if not 0 <= h < _U64_LIMIT:
                 raise OverflowError("v1_stored_chain: known hashes must be in [0, 2**64)")
-        else:
-            h = v1_hash_packed(tokens, parent_hash, lora_id, salt_id)
-        records.append(StoredBlock(h, tokens, lora_id, cache_level, priority, salt_id))
-        parent_hash = h
-    return records
+            hashes.append(h)
+        if hashes:
+            parent_hash = hashes[-1]
+    if len(hashes) < n:
+        # the rest in one native call, which stops before an empty block: any block past
+        # that one is hashed on its own
+        hashes += v1_chain_blocks(arrays[len(hashes) :], parent_hash, lora_id, salt_id)
+        while len(hashes) < n:
+            parent_hash = v1_hash_packed(
+                arrays[len(hashes)], hashes[-1] if hashes else parent_hash, lora_id, salt_id
+            )
+            hashes.append(parent_hash)
+    return [
+        StoredBlock(h, tokens, lora_id, cache_level, priority, salt_id)
+        for h, tokens in zip(hashes, arrays, strict=True)
+    ]
