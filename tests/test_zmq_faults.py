@@ -240,7 +240,10 @@ def test_expired_replay_buffer_forces_a_resync(ctx: Ctx) -> None:
         assert len(model.resyncs[W]) == 1
         assert "no longer buffers" in model.resyncs[W][0]
         after = model.seqs[W][model.delivered_before_resync[0] :]
-        assert after == list(range(after[0], last + 1)) and after[0] >= 13
+        # after the resync: contiguous to the end, from no earlier than the oldest batch a
+        # 4-step ring can still hold once seq 13 (the first after the loss) was published
+        # (how far the ring has moved on by then depends on the machine's speed)
+        assert after == list(range(after[0], last + 1)) and after[0] >= 13 - 4 + 1
         _recover_with_clear(work, pub, sub, model)
 
 
