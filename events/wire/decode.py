@@ -252,11 +252,16 @@ def _decode_checked(chunk: bytes, limits: DecodeLimits, depth: int) -> object:
         raise DecodeError("arrays/maps nested too deep for a KV event payload") from None
     except msgspec.DecodeError as exc:
         raise _Refused(str(_msgpack_error(exc))) from None
+    _hold(value, limits, len(chunk), depth)
+    return value
+
+
+def _hold(value: object, limits: DecodeLimits, size: int, depth: int) -> None:
+    """:func:`_check_tree` of a value inside an event, whose failure refuses the payload."""
     try:
-        _check_tree(value, limits, len(chunk), depth)
+        _check_tree(value, limits, size, depth)
     except DecodeError as exc:
         raise _Refused(str(exc)) from None
-    return value
 
 
 def _whole(payload: bytes | bytearray | memoryview, limits: DecodeLimits) -> object:
@@ -276,11 +281,10 @@ def _array_length(chunk: bytes | memoryview) -> int | None:
     return None
 
 
-def _unpack(payload: bytes | bytearray | memoryview, limits: DecodeLimits) -> list[msgspec.Raw]:
-    """The payload's envelope, its elements undecoded; any other top-level value raises the
-    envelope's DecodeError (after the same checks of framing and limits as any payload)."""
-    _check_size(payload, limits)
-    data = bytes(payload)
+def _unpack(data: bytes, limits: DecodeLimits) -> list[msgspec.Raw]:
+    """The envelope of a payload (its size already checked), its elements undecoded; any other
+    top-level value raises the envelope's DecodeError (after the same checks of framing and
+    limits as any payload)."""
     try:
         parts = _ENVELOPE.decode(data)
     except msgspec.ValidationError:
@@ -410,14 +414,16 @@ def _bigram_tokens(items: list[Any], where: str) -> list[int]:
     return firsts
 
 
+def _too_many_tokens(where: str, n: int, limit: int) -> LimitError:
+    return LimitError(f"{where}: {n} tokens exceed DecodeLimits.max_tokens_per_event ({limit})")
+
+
 def _tokens(value: object, where: str, limit: int) -> list[int]:
     items = expect_list(value, where)
     if items and type(items[0]) is list:
         items = _bigram_tokens(items, where)
     if len(items) > limit:
-        raise LimitError(
-            f"{where}: {len(items)} tokens exceed DecodeLimits.max_tokens_per_event ({limit})"
-        )
+        raise _too_many_tokens(where, len(items), limit)
     bad = _first_bad_token(items)
     if bad >= 0:
         item = items[bad]
@@ -637,10 +643,7 @@ def _field(chunk: bytes, where: str, name: str, limits: DecodeLimits) -> object:
     n = _array_length(chunk)
     if name == "token_ids" and n is not None:
         if n > limits.max_tokens_per_event:
-            raise LimitError(
-                f"{where}: {n} tokens exceed DecodeLimits.max_tokens_per_event "
-                f"({limits.max_tokens_per_event})"
-            )
+            raise _too_many_tokens(where, n, limits.max_tokens_per_event)
         try:
             return _capped(_INT_LISTS, list[int], n).decode(chunk)
         except msgspec.ValidationError:
@@ -661,10 +664,7 @@ def _field(chunk: bytes, where: str, name: str, limits: DecodeLimits) -> object:
             hashes: list[int | bytes] = _capped(_HASH_LISTS, list[int | bytes], n).decode(chunk)
         except msgspec.ValidationError:
             raise DecodeError(f"{where}: block hashes must be ints or bins") from None
-        try:
-            _check_tree(hashes, limits, len(chunk), 4)
-        except DecodeError as exc:
-            raise _Refused(str(exc)) from None
+        _hold(hashes, limits, len(chunk), 4)
         return hashes
     # any other field (extra_keys above all: per block a list of a few strings) may cost a few
     # objects per block, and no more
