@@ -296,7 +296,7 @@ class _EngineDialect(Dialect):
                 self._stored(data, out, snapshot)
             elif isinstance(data, Removed):
                 if data.block_hashes:
-                    out.append(self._removed(data))
+                    out.extend(self._removals(data))
             elif isinstance(data, AllBlocksCleared):
                 out.append({"type": "AllBlocksCleared"})
             # Created and Updated: engines announce neither (moves come as Removed + Stored)
@@ -308,6 +308,10 @@ class _EngineDialect(Dialect):
             "block_hashes": [self.engine_hash(h) for h in data.block_hashes],
             "medium": self._medium(data.cache_level),
         }
+
+    def _removals(self, data: Removed) -> list[dict[str, Any]]:
+        """The engine's removal events for one removal (one, unless the engine splits it)."""
+        return [self._removed(data)]
 
     def _runs(self, blocks: list[StoredBlock]) -> list[list[StoredBlock]]:
         """Blocks as the engine's stores: one scope and tier each, a partial block alone."""
@@ -380,34 +384,13 @@ class VllmDialect(_EngineDialect):
     def engine_hash(self, h: BlockHash) -> int:
         return int.from_bytes(hashlib.sha256(self._seed + _hash_bytes(h)).digest()[-8:], "big")
 
-    def _removed(self, data: Removed) -> dict[str, Any]:
-        wire = super()._removed(data)
-        if not data.cache_level:
-            wire["group_idx"] = 0  # the GPU KV-cache group; offload tiers send none
-        return wire
+    def _removals(self, data: Removed) -> list[dict[str, Any]]:
+        wire = self._removed(data)
+        if data.cache_level:
+            return [wire]  # an offload tier: no group
+        return [{**wire, "group_idx": idx} for idx, _ in self._specs]  # a GPU removal, per group
 
-    def encode(self, batch: Sequence[KVCacheEvent], ts: float, snapshot: bool = False) -> bytes:
-        if len(self._specs) == 1:
-            return super().encode(batch, ts, snapshot)
-        out: list[dict[str, Any]] = []
-        for event in batch:
-            data = event.data
-            if isinstance(data, Stored):
-                self._stored_groups(data, out, snapshot)
-            elif isinstance(data, Removed):
-                if not data.block_hashes:
-                    continue
-                wire = super()._removed(data)
-                if data.cache_level:
-                    out.append(wire)  # an offload tier: no group
-                    continue
-                for idx, _ in self._specs:  # a GPU removal: once per group
-                    out.append({**wire, "group_idx": idx})
-            elif isinstance(data, AllBlocksCleared):
-                out.append({"type": "AllBlocksCleared"})
-        return _ENCODER.encode([float(ts), out, _DP_RANK])
-
-    def _stored_groups(self, data: Stored, out: list[dict[str, Any]], snapshot: bool) -> None:
+    def _stored(self, data: Stored, out: list[dict[str, Any]], snapshot: bool) -> None:
         """A store once per group (vLLM caches a request's blocks group by group); the host
         tier's runs, which name no group, once."""
         runs = self._runs(data.blocks)
