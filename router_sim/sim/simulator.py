@@ -365,6 +365,16 @@ class Simulation:
         if not publisher.wait_for_subscribers(1, timeout_s=self.config.drain_timeout_s):
             raise SimulationError(f"worker {w.worker_id}: subscriber never attached")
         self._delivered[w.worker_id] = -1
+        # the subscriber asked the replay for the worker's history when it joined; its answer
+        # (nothing yet) comes before the first batch, so that batch always arrives live and a
+        # run's counters do not depend on which of the two came first
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while self.subscriber.status(w.worker_id).replaying:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SimulationError(f"worker {w.worker_id}: its replay never answered the join")
+            for msg in self.subscriber.poll(timeout_ms=max(1, min(200, math.ceil(left * 1000)))):
+                self._enqueue(msg)
         w.announce()
 
     def _drain(self) -> None:
