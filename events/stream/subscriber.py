@@ -389,9 +389,11 @@ class ZmqEventSubscriber:
 
     # ----------------------------------------------------------------- socket reading
 
-    def _read_live(self, w: _Worker, out: list[SubscriberMessage]) -> None:
+    def _read_live(
+        self, w: _Worker, out: list[SubscriberMessage], burst: int = _READ_BURST
+    ) -> None:
         with contextlib.suppress(zmq.Again):
-            for _ in range(_READ_BURST):
+            for _ in range(burst):
                 frames = w.sub.recv_multipart(zmq.NOBLOCK)
                 if len(frames) != 3 or len(frames[1]) != 8:
                     w.seq.decode_errors += 1
@@ -413,7 +415,14 @@ class ZmqEventSubscriber:
             for _ in range(_READ_BURST):
                 if w.dealer is not sock:
                     return  # the dealer was replaced: replies to an abandoned request
-                self._on_replay(w, sock.recv_multipart(zmq.NOBLOCK), out)
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+                # the live frames already queued come first (at most the socket's high-water
+                # mark): a reply that finds the ring moved on must not call lost what the live
+                # socket holds, nor ask again for it
+                self._read_live(w, out, self._rcvhwm or _READ_BURST * 1024)
+                if self._workers.get(w.worker) is not w or w.dealer is not sock:
+                    return
+                self._on_replay(w, frames, out)
 
     def _on_replay(self, w: _Worker, frames: list[bytes], out: list[SubscriberMessage]) -> None:
         """One reply on the replay socket, in any layout of WIRE.md 5 and 7."""
