@@ -27,9 +27,13 @@ matching loop (``find_matches_py``) is the reference and the fallback: without t
 extension, and for requests naming keys the table does not hold (strings, ints outside
 [0, 2**64)).
 
-Updates are Python loops over ``_held`` (compiled by mypyc) that hand the table each event's
-keys in one call (``device_bit``, ``sync``): a native store and eviction loop was measured to
-gain at most 1.17x on a busy stream, not enough to keep a second copy of those rules.
+The same extension runs the two per-block loops that dominate a busy stream, one call per
+event: storing blocks on the device tier (``MaskTable.store``: held, device mask and table)
+and evicting blocks held on the device tier only (``MaskTable.evict``: the engine hash ->
+key map too). Each stops at the first block that needs anything else (a slower tier, a copy
+kept elsewhere, an unknown block), which the Python code below handles before handing the
+rest back, so both paths apply a stream identically (the pure one is what runs without the
+extension or with ``native=False``).
 
 Matching exploits that a prefix-AND of worker bitmasks is numerically non-increasing (a
 subset of a set of bits is never a larger integer): ``accumulate(masks, and_)`` gives, at
@@ -596,6 +600,13 @@ class KvIndexer:
             except (TypeError, ValueError, OverflowError):
                 computed = []
         n = len(computed)
+        t = self._table
+        if n == len(blocks) and not gmask and t is not None and type(blocks) is list:
+            # the common case below, natively
+            counts[0] += n
+            if t.remember(blocks, computed, keys):  # the worker hashes as the router does
+                counts[2] += n
+            return computed  # type: ignore[return-value]
         if n == len(blocks):  # the common case: every block keyed from its tokens at once
             hashes = [b.block_hash for b in blocks]
             counts[0] += n
@@ -724,29 +735,55 @@ class KvIndexer:
     ) -> None:
         """Store ``blocks`` under ``keys`` (None: their own hashes); ``counting``: repeated
         announcements on a slower tier are counted (keyed streams: vLLM's offload chunks)."""
-        held_add = held.setdefault
-        fresh: list[IndexKey] = []  # keys new on this worker's device tier
-        deeper: list[IndexKey] = []
+        t = self._table
+        if t is None:
+            self._store_py(worker, bit, held, blocks, keys, counting)
+            return
+        # the native loop stores device-tier blocks and stops at any other; that one goes
+        # through _store_deeper here, mirrored, and the loop resumes after it
+        if type(blocks) is not list:
+            blocks = list(blocks)
+        b = bit.bit_length() - 1
+        device = self._device
+        n = len(blocks)
+        i = t.store(blocks, keys, 0, b, bit, held, device)
+        while i < n:
+            block = blocks[i]
+            h = block.block_hash if keys is None else keys[i]
+            self._store_deeper(worker, bit, held, block.cache_level, h, counting)
+            t.sync([h], b, held)
+            i = t.store(blocks, keys, i + 1, b, bit, held, device)
+
+    def _store_py(
+        self,
+        worker: int,
+        bit: int,
+        held: dict[IndexKey, int],
+        blocks: Sequence[StoredBlock],
+        keys: list[IndexKey] | None,
+        counting: bool,
+    ) -> None:
+        """The pure-Python store loop (what the native ``MaskTable.store`` runs)."""
+        device = self._device
+        held_add, device_add = held.setdefault, device.setdefault
         for block, h in zip(
             blocks, map(_BLOCK_HASH, blocks) if keys is None else keys, strict=True
         ):
-            if not block.cache_level:
-                # the common case, kept to one lookup for a block new to the worker (at 1M
-                # entries the lookups are cache misses)
+            level = block.cache_level
+            if not level:
+                # the common case, kept to one lookup per map for a block new to the worker
+                # and to the fleet (at 1M entries the lookups are cache misses)
                 size = len(held)
                 old = held_add(h, 1)
                 if len(held) == size:  # the worker knew the block
                     if old & 1:
                         continue
                     held[h] = old | 1
-                fresh.append(h)
+                m = device_add(h, bit)
+                if m != bit:
+                    device[h] = m | bit
                 continue
-            self._store_deeper(worker, bit, held, block.cache_level, h, counting)
-            deeper.append(h)
-        if fresh:
-            self._device_bit(fresh, bit, True)  # the table's any-tier bit with it
-        if deeper:
-            self._mirror(deeper, bit, held)
+            self._store_deeper(worker, bit, held, level, h, counting)
 
     def _store_deeper(
         self,
@@ -842,14 +879,50 @@ class KvIndexer:
             return
         hashes = data.block_hashes
         group = data.group if keyed else None
-        if keyed:
-            unknown = self._remove_keys(worker, bit, held, hashes, level, group)
+        if self._table is None or group or not (level is None or level <= 0):
+            # the Python loops: no native table, a KV-cache group, or a slower tier only
+            remove_py = self._remove_keys_py if keyed else self._remove_hashes_py
+            unknown = remove_py(worker, bit, held, hashes, level, group)
         else:
-            unknown = self._remove_hashes(worker, bit, held, hashes, level)
+            unknown = self._evict(worker, bit, held, hashes, level, keyed)
         if unknown:
             self._anomaly(worker, UNKNOWN_REMOVAL, unknown)
 
-    def _remove_keys(
+    def _evict(
+        self,
+        worker: int,
+        bit: int,
+        held: dict[IndexKey, int],
+        hashes: Sequence[BlockHash],
+        level: int | None,
+        keyed: bool,
+    ) -> int:
+        """A removal covering the device tier, natively: ``MaskTable.evict`` drops each block
+        held on the device tier only and stops at any other, which the Python loop handles
+        before the native one resumes. Returns the count of unknown blocks."""
+        t = self._table
+        assert t is not None
+        if type(hashes) is not list:
+            hashes = list(hashes)
+        b = bit.bit_length() - 1
+        device = self._device
+        keys = self._keys[worker] if keyed else None
+        recent = self._recent[worker] if keyed else None
+        limit = 2 * RECENT_KEYS
+        remove_py = self._remove_keys_py if keyed else self._remove_hashes_py
+        unknown = 0
+        n = len(hashes)
+        i = 0
+        while i < n:
+            i = t.evict(hashes, i, b, bit, held, device, keys, recent, limit)
+            if recent is not None and len(recent) > limit:
+                self._trim(recent)  # the native loop stopped right after the insertion
+            elif i < n:
+                unknown += remove_py(worker, bit, held, hashes[i : i + 1], level, None)
+                i += 1
+        return unknown
+
+    def _remove_keys_py(
         self,
         worker: int,
         bit: int,
@@ -864,11 +937,14 @@ class KvIndexer:
         unknown = 0
         keys = self._keys[worker]
         refs = self._refs[worker]
+        device = self._device
+        t = self._table
+        b = bit.bit_length() - 1
+        keep = ~bit
         kpop = keys.pop
         recent = self._recent[worker]
         size = len(held)
         touched: list[IndexKey] = []
-        dropped: list[IndexKey] = []  # the device tier held their only copy
         for eh in hashes:
             ek: IndexKey = eh if not group else (eh, group)
             h: IndexKey = kpop(ek, ek)  # taken out of the map; put back below if still held
@@ -877,7 +953,12 @@ class KvIndexer:
             if old == 1 and mask & 1:
                 # the common eviction: the only copy was on the device tier
                 del held[h]
-                dropped.append(h)
+                if t is None:
+                    m = device.pop(h) & keep
+                    if m:
+                        device[h] = m
+                else:
+                    t.device_bit([h], b, False)
                 if ek is not h:
                     self._retire(recent, ek, h)  # type: ignore[arg-type]
                 continue
@@ -900,30 +981,39 @@ class KvIndexer:
             if ek is not h and h not in held:
                 del keys[ek]
                 self._retire(recent, ek, h)  # type: ignore[arg-type]
-        if dropped:
-            self._device_bit(dropped, bit, False)
         self._mirror(touched, bit, False if size - len(held) == len(touched) else held)
         return unknown
 
-    def _remove_hashes(
+    def _remove_hashes_py(
         self,
         worker: int,
         bit: int,
         held: dict[IndexKey, int],
         hashes: Sequence[BlockHash],
         level: int | None,
+        group: int | None,
     ) -> int:
         """The removal loop of a worker whose hashes are the keys (mirrored); returns the
         count of unknown blocks."""
         mask = -1 if level is None else 1 << max(0, level)
         unknown = 0
-        held_pop = held.pop
+        device = self._device
+        t = self._table
+        b = bit.bit_length() - 1
+        keep = ~bit
+        held_pop, device_pop = held.pop, device.pop
         size = len(held)
-        dropped: list[IndexKey] = []  # the device tier held their only copy
         for h in hashes:
             old = held_pop(h, 0)
             if old == 1 and mask & 1:
-                dropped.append(h)  # the common eviction (one lookup in held)
+                # the common eviction: the only copy was on the device tier (one lookup per map
+                # when no other worker holds the block)
+                if t is None:
+                    m = device_pop(h) & keep
+                    if m:
+                        device[h] = m
+                else:
+                    t.device_bit([h], b, False)
                 continue
             if old:
                 held[h] = old  # put back: _drop_levels works on the held entry
@@ -932,8 +1022,6 @@ class KvIndexer:
                 unknown += 1
                 continue
             self._drop_levels(bit, held, h, old, gone)
-        if dropped:
-            self._device_bit(dropped, bit, False)
         # as many entries gone as keys named: each key was dropped (a removal adds none)
         gone_all = size - len(held) == len(hashes)
         self._mirror(hashes, bit, False if gone_all else held)
