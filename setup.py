@@ -1,9 +1,13 @@
-"""Builds the optional native extensions; each has a pure-Python (or msgspec) fallback.
+"""Builds the native extensions, of two kinds.
 
-Two kinds: hand-written C extensions (one C file each), and the simulator's hot pure-Python
-modules compiled with mypyc (:data:`COMPILED`). A compiled module shadows its ``.py`` file when
-both are there; the source stays the reference and runs wherever the compile is skipped
-(``SCOPED_KV_PURE=1`` in the environment at install time) or fails.
+- The hand-written C extensions (one C file each) are required: the package has no other
+  implementation of what they do, so a failed compile fails the build, naming the extension.
+  They need a C compiler (gcc) and the Python development headers; ``router_sim.sim._prefetch``
+  also OpenSSL's libcrypto and its headers.
+- The simulator's hot pure-Python modules compiled with mypyc (:data:`COMPILED`) are optional.
+  A compiled module shadows its ``.py`` file when both are there; the source stays the
+  reference and runs wherever the compile is skipped (``SCOPED_KV_PURE=1`` in the environment
+  at install time) or fails, and under ``scripts/pure_python.py``.
 """
 
 import hashlib
@@ -15,6 +19,7 @@ from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.errors import BaseError
 
 # The simulator's hot modules, compiled by mypyc as one group (calls between them are native);
 # the list lives in router_sim/build_info.py, which reports at run time what is compiled.
@@ -26,13 +31,28 @@ COMPILED = [
 ]
 
 
-class OptionalBuildExt(build_ext):
-    """A failed compile must not fail the install: events.hashing falls back to pure Python.
+class NativeBuildError(BaseError):
+    """A required C extension did not build (setup reports it as ``error: ...`` and fails)."""
 
-    An extension that fails is dropped from the build (so an in-place build still copies the
-    others). The mypyc group is all or nothing: its modules load the group's shared library,
-    so when any of them fails, the whole group is dropped and all of them run as Python.
+
+def _required_error(name: str, exc: BaseException) -> NativeBuildError:
+    return NativeBuildError(
+        f"the C extension {name} could not be built ({str(exc).rstrip('.')}). The C extensions "
+        "are required: install gcc and the Python development headers (Python.h: the "
+        "python3-dev or python3-devel package; router_sim.sim._prefetch also needs OpenSSL's "
+        "libcrypto headers, libssl-dev or openssl-devel), then build again"
+    )
+
+
+class NativeBuildExt(build_ext):
+    """The C extensions must build; the mypyc group may fail.
+
+    A C extension that fails to compile fails the build (:class:`NativeBuildError`). The mypyc
+    group is all or nothing: its modules load the group's shared library, so when any of them
+    fails, the whole group is dropped and all of them run as Python.
     """
+
+    c_built = False
 
     def finalize_options(self) -> None:
         # made here, not at import: only a build compiles (metadata steps also run this file)
@@ -45,8 +65,13 @@ class OptionalBuildExt(build_ext):
         inplace = self.inplace  # setuptools builds in build_lib, then copies when in place
         try:
             super().run()
+        except NativeBuildError:
+            raise
         except Exception as exc:
-            print(f"warning: native extensions not built ({exc}); using pure Python")
+            if not self.c_built:  # it failed before (or while) the C extensions were built
+                names = ", ".join(e.name for e in self.extensions if not _is_mypyc(e))
+                raise _required_error(names, exc) from exc
+            print(f"warning: the mypyc group not built ({exc}); the simulator stays pure Python")
             self.extensions = [e for e in self.extensions if not _is_mypyc(e)]
         if not any(_is_mypyc(e) for e in self.extensions):
             if inplace:
@@ -62,13 +87,13 @@ class OptionalBuildExt(build_ext):
         (out / "router_sim" / MANIFEST).write_text(json.dumps(sources, indent=1) + "\n")
 
     def build_extensions(self) -> None:
-        failed: list[Extension] = []
         for ext in [e for e in self.extensions if not _is_mypyc(e)]:
             try:
                 self.build_extension(ext)
             except Exception as exc:
-                print(f"warning: {ext.name} not built ({exc}); using pure Python")
-                failed.append(ext)
+                raise _required_error(ext.name, exc) from exc
+        self.c_built = True
+        failed: list[Extension] = []
         for ext in [e for e in self.extensions if _is_mypyc(e)]:
             try:
                 self.build_extension(ext)
@@ -152,7 +177,7 @@ def native(
     depends: tuple[str, ...] = (),
     libraries: tuple[str, ...] = (),
 ) -> Extension:
-    """The optional extension ``name`` built from its one C file at -O3; ``shared``: it
+    """The required extension ``name`` built from its one C file at -O3; ``shared``: it
     includes :data:`COMMON`; ``depends``: other headers it includes; ``libraries``: what it
     links."""
     path = name.replace(".", "/") + ".c"
@@ -162,25 +187,21 @@ def native(
         depends=[*(COMMON if shared else []), *depends],
         libraries=list(libraries),
         extra_compile_args=["-O3"],
-        optional=True,
     )
 
 
 setup(
     ext_modules=[
         # events.hashing / events.wire._records / events.wire.codec's V1 hashes, records and runs
-        # (pure-Python fallback)
         native("events._v1hash", shared=True, depends=(V1CORE,)),
-        # events.wire.codec / events.wire.fast's msgpack codec of the event path (pure-Python
-        # fallback)
+        # events.wire.codec / events.wire.fast's msgpack codec of the event path
         native("events.wire._wire", shared=True),
         # router_sim.router.indexer's match loop over a mirror of its masks, and the simulator's
-        # trace
-        # prompts and answers (pure-Python fallback)
+        # trace prompts and answers
         native("router_sim.router._match"),
         # the simulator's prompts and their V1 hashes, made ahead on a native thread
-        # (router_sim.sim.prefetch; made inline without it)
+        # (router_sim.sim.prefetch)
         native("router_sim.sim._prefetch", libraries=("crypto",)),
     ],
-    cmdclass={"build_ext": OptionalBuildExt},
+    cmdclass={"build_ext": NativeBuildExt},
 )

@@ -4,9 +4,8 @@ Three algorithms (:class:`HashAlgo`):
 
 - ``v1_block_key`` (default): TensorRT-LLM's V1 ``BlockKeyHasher``, a 64-bit chained hash of a
   block's tokens, its parent's hash and the scope (salt on the first block only, LoRA id on
-  every block). The readable pure-Python reference is :func:`v1_block_hash_py` /
-  :func:`v1_chain_py`; the optional native extension ``events._v1hash`` computes the same
-  values about a hundred times faster and is used when it imports (:data:`NATIVE`).
+  every block). The native extension ``events._v1hash`` computes it (its constants and mixing
+  steps are given in WIRE.md 3; the tests check it against a pure-Python reference of them).
 - ``v2_sha256``: the 32-byte block key of ``kvcache.keys`` as 64 lowercase hex characters.
 - ``v2_sha256_64``: the first 8 bytes of that key as a big-endian unsigned integer.
 
@@ -23,29 +22,14 @@ from typing import Final, TypeAlias
 
 import xxhash
 
+from events import _v1hash as _native
 from events.wire.model import BlockHash
 from kvcache.keys import blockchain_keys, token_array, tokens_to_bytes
 from kvcache.scope import DEFAULT_SCOPE, U64_LIMIT, ReuseScope
 
-try:  # the extension is optional: a failed compile at install leaves the pure reference
-    from events import _v1hash as _native
-except ImportError:  # pragma: no cover - depends on the install
-    _native = None  # type: ignore[assignment]
-
-NATIVE: Final[bool] = _native is not None
-"""True when the native V1 hash extension is loaded."""
-
 Tokens: TypeAlias = Sequence[int] | memoryview
 """Token ids: a sequence of ints, or packed native-endian int32s (``array('i')``, or the
 ``bytes`` / ``memoryview`` of ``kvcache.keys.token_array(...)``)."""
-
-# Constants of TensorRT-LLM's BlockKeyHasher (kvCacheManager.cpp), also given in WIRE.md 3.
-_M1: Final = 0xBF58476D1CE4E5B9
-_M2: Final = 0x94D049BB133111EB
-_C32: Final = 0x45D9F3B
-_G: Final = 0x9E3779B9
-_MASK32: Final = 0xFFFFFFFF
-_MASK64: Final = 0xFFFFFFFFFFFFFFFF
 
 
 class HashAlgo(str, Enum):
@@ -74,55 +58,6 @@ def _check_u64(name: str, value: object, *, optional: bool) -> None:
         raise ValueError(f"{name} must be in [0, 2**64), got {value}")
 
 
-# --- pure reference ---------------------------------------------------------------------------
-
-
-def _mix32(a: int, seed: int) -> int:
-    a &= _MASK32
-    a = (((a >> 16) ^ a) * _C32) & _MASK32
-    a = (((a >> 16) ^ a) * _C32) & _MASK32
-    a = (a >> 16) ^ a
-    # a + G wraps at 32 bits before it is widened; the seed terms wrap at 64 bits.
-    return (seed ^ (((a + _G) & _MASK32) + (seed << 6) + (seed >> 2))) & _MASK64
-
-
-def _mix64(b: int, seed: int) -> int:
-    b = ((b ^ (b >> 30)) * _M1) & _MASK64
-    b = ((b ^ (b >> 27)) * _M2) & _MASK64
-    b = b ^ (b >> 31)
-    return (seed ^ (b + _G + (seed << 6) + (seed >> 2))) & _MASK64
-
-
-def v1_block_hash_py(
-    tokens: Sequence[int],
-    parent_hash: int = 0,
-    lora_id: int | None = None,
-    salt_id: int | None = None,
-) -> int:
-    """Pure-Python V1 hash of one block (the reference the native code is tested against)."""
-    seed = (len(tokens) ^ (parent_hash * _M1)) & _MASK64
-    # TensorRT-LLM mixes the salt whenever the parent hash is 0, which is the first block.
-    if parent_hash == 0 and salt_id is not None:
-        seed = _mix64(salt_id, seed)
-    for tok in tokens:
-        seed = _mix32(tok, seed)
-    if lora_id is not None:
-        seed = _mix64(lora_id, seed)
-    return seed
-
-
-def v1_chain_py(tokens: Sequence[int], tokens_per_block: int, scope: ReuseScope) -> list[int]:
-    """Pure-Python V1 hashes of the full blocks of ``tokens`` under ``scope``."""
-    hashes: list[int] = []
-    parent = 0
-    for start in range(0, len(tokens) - tokens_per_block + 1, tokens_per_block):
-        parent = v1_block_hash_py(
-            tokens[start : start + tokens_per_block], parent, scope.lora_id, scope.salt
-        )
-        hashes.append(parent)
-    return hashes
-
-
 # --- public API -------------------------------------------------------------------------------
 
 
@@ -144,11 +79,11 @@ def _as_array(tokens: Tokens) -> array[int]:
 def _int32s(tokens: Tokens) -> Tokens:
     """Tokens in a form the hash functions take.
 
-    With the native extension, a list, an ``array('i')`` or a bytes-like object goes through
-    as is: the native code validates a list's ids while packing them, checks a buffer's length
-    and rejects negative ids itself, which spares Python-level passes over a long prompt.
+    A list, an ``array('i')`` or a bytes-like object goes through as is: the native code
+    validates a list's ids while packing them, checks a buffer's length and rejects negative
+    ids itself, which spares Python-level passes over a long prompt.
     """
-    if _native is not None and (
+    if (
         type(tokens) is list
         or isinstance(tokens, _PACKED_TYPES)
         or (isinstance(tokens, array) and tokens.typecode == "i")
@@ -171,40 +106,17 @@ def v1_block_hash(
     _check_u64("parent_hash", parent_hash, optional=False)
     _check_u64("lora_id", lora_id, optional=True)
     _check_u64("salt_id", salt_id, optional=True)
-    packed = _int32s(tokens)
-    if _native is not None:
-        return int(_native.block_hash(packed, parent_hash, lora_id, salt_id))
-    return v1_block_hash_py(packed, parent_hash, lora_id, salt_id)
+    return int(_native.block_hash(_int32s(tokens), parent_hash, lora_id, salt_id))
 
 
-def _v1_hash_packed_py(
-    tokens: array[int], parent_hash: int, lora_id: int | None, salt_id: int | None
-) -> int:
-    return v1_block_hash(tokens, parent_hash, lora_id, salt_id)
-
-
-v1_hash_packed: Callable[[array[int], int, int | None, int | None], int] = (
-    _native.block_hash if _native is not None else _v1_hash_packed_py
-)
+v1_hash_packed: Callable[[array[int], int, int | None, int | None], int] = _native.block_hash
 """``v1_block_hash(tokens, parent_hash, lora_id, salt_id)`` of an ``array('i')``, positional
 and with the same checks and errors, in one native call (the per-block path of the event
 manager's records)."""
 
 
-def _v1_chain_blocks_py(
-    blocks: list[array[int]], parent_hash: int, lora_id: int | None, salt_id: int | None
-) -> list[int]:
-    out: list[int] = []
-    for tokens in blocks:
-        if not len(tokens):
-            break
-        parent_hash = v1_block_hash(tokens, parent_hash, lora_id, salt_id)
-        out.append(parent_hash)
-    return out
-
-
 v1_chain_blocks: Callable[[list[array[int]], int, int | None, int | None], list[int]] = (
-    _native.chain_lists if _native is not None else _v1_chain_blocks_py
+    _native.chain_lists
 )
 """The V1 hash of each ``array('i')`` block in turn, each chained to the one before (the first
 to ``parent_hash``), in one native call; stops before the first empty block (the result is
@@ -220,11 +132,15 @@ def v1_chain(tokens: Tokens, tokens_per_block: int, scope: ReuseScope | None = N
     if tokens_per_block < 1:
         raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
     scope = DEFAULT_SCOPE if scope is None else scope
-    packed = _int32s(tokens)
-    if _native is not None:
-        chain: list[int] = _native.chain(packed, tokens_per_block, scope.lora_id, scope.salt)
-        return chain  # a new list: the caller may keep it
-    return v1_chain_py(packed, tokens_per_block, scope)
+    chain: list[int] = _native.chain(_int32s(tokens), tokens_per_block, scope.lora_id, scope.salt)
+    return chain  # a new list: the caller may keep it
+
+
+v1_chain_ints: Callable[[array[int], int, int | None, int | None], list[int]] = _native.chain
+"""The V1 hashes of the full blocks of an ``array('i')`` of ``tokens_per_block``-token blocks
+under a LoRA id and salt (``v1_chain_ints(tokens, tokens_per_block, lora_id, salt)``), in one
+native call without :func:`v1_chain`'s Python-level checks of ``tokens_per_block``: for a
+caller that has checked them (the router's hot path)."""
 
 
 #: The key-derived algorithms, unchecked: for hot paths whose keys come from the radix tree.
@@ -287,14 +203,11 @@ def xxh3_content_hash(tokens: Tokens, seed: int = XXH3_SEED) -> int:
 
 
 __all__ = [
-    "NATIVE",
     "XXH3_SEED",
     "HashAlgo",
     "chain_hashes",
     "hash_from_key",
     "v1_block_hash",
-    "v1_block_hash_py",
     "v1_chain",
-    "v1_chain_py",
     "xxh3_content_hash",
 ]

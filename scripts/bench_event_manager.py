@@ -17,7 +17,7 @@ import argparse
 import time
 from collections.abc import Sequence
 
-from events.hashing import NATIVE, HashAlgo
+from events.hashing import HashAlgo
 from events.manager import KVCacheEventManager
 from events.wire.codec import encode_batch
 from kvcache.config import KVCacheManagerConfig, TierConfig
@@ -98,7 +98,7 @@ def main() -> None:
     _, kept = commit_all(prompts)
     blocks = sum(len(c) for c in kept.calls)
     per_prompt = len(kept.calls[0])
-    print(f"native V1 hash: {NATIVE}; {blocks} blocks of {TOKENS_PER_BLOCK} tokens, "
+    print(f"{blocks} blocks of {TOKENS_PER_BLOCK} tokens, "
           f"{len(kept.calls)} iterations; best of {args.repeat}")  # fmt: skip
     print(f"{'step':<52}{'us/block':>10}")
     for algo in HashAlgo:

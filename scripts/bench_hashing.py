@@ -6,7 +6,7 @@ case: salt on the first block, LoRA on every block) and prints, side by side:
 - native ``v1_chain`` on packed tokens (``kvcache.keys.token_array``, as a router holds them);
 - native ``v1_chain`` on a list of ints (includes validating and packing the list);
 - native ``chain_hashes`` (the router-facing call) on packed tokens;
-- the pure reference ``v1_chain_py``;
+- the pure-Python reference of the tests (``tests/_reference.py``'s ``v1_chain``);
 - tokens/s for each and the native/reference ratio, against the targets (>= 100M tokens/s,
   >= 50x).
 
@@ -20,10 +20,14 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
-from events.hashing import NATIVE, chain_hashes, v1_chain, v1_chain_py
+from events.hashing import chain_hashes, v1_chain
 from kvcache.keys import token_array
 from kvcache.scope import ReuseScope
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from _reference import v1_chain as v1_chain_ref  # the tests' pure reference
 
 
 def per_call(fn: Callable[[], object], seconds: float) -> float:
@@ -53,7 +57,7 @@ def main() -> int:
     tokens = [(i * 2654435761) % (1 << 31) for i in range(args.tokens)]
     packed = token_array(tokens)
     scope = ReuseScope(lora_id=7, salt=2**64 - 11)
-    reference = v1_chain_py(tokens, args.tpb, scope)
+    reference = v1_chain_ref(tokens, args.tpb, scope)
     if v1_chain(packed, args.tpb, scope) != reference:
         print("error: native and reference hashes differ", file=sys.stderr)
         return 1
@@ -62,13 +66,12 @@ def main() -> int:
         ("v1_chain, packed tokens", lambda: v1_chain(packed, args.tpb, scope)),
         ("v1_chain, list of ints", lambda: v1_chain(tokens, args.tpb, scope)),
         ("chain_hashes, packed", lambda: chain_hashes(packed, args.tpb, scope)),
-        ("v1_chain_py (reference)", lambda: v1_chain_py(tokens, args.tpb, scope)),
+        ("v1_chain_ref (reference)", lambda: v1_chain_ref(tokens, args.tpb, scope)),
     ]
-    print(f"native extension loaded: {NATIVE}")
     print(f"{args.tokens} tokens, {args.tpb} tokens/block, scope {scope}")
     print(f"{'variant':<26}{'us/call':>12}{'Mtokens/s':>12}{'x reference':>13}")
     times = {name: per_call(fn, args.seconds) for name, fn in variants}
-    ref = times["v1_chain_py (reference)"]
+    ref = times["v1_chain_ref (reference)"]
     for name, t in times.items():
         print(f"{name:<26}{t * 1e6:>12.2f}{args.tokens / t / 1e6:>12.1f}{ref / t:>13.1f}")
     fast = times["v1_chain, packed tokens"]

@@ -16,7 +16,7 @@ from array import array
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 
-from events.hashing import NATIVE, chain_hashes
+from events.hashing import chain_hashes
 from events.wire.codec import decode_batch, encode_batch
 from events.wire.model import DecodedBatch, KVCacheEvent, Removed, Stored, StoredBlock
 from kvcache.scope import DEFAULT_SCOPE
@@ -193,7 +193,7 @@ def bench_lookups(rng: random.Random, n: int, rows: list[tuple[str, str, str]]) 
             )
         )
     p50, _ = percentile_us(lambda: chain_hashes(packed, TPB, DEFAULT_SCOPE), 2000)
-    rows.append((f"  of which chain_hashes (native={NATIVE})", f"p50 {p50:.1f} us", "-"))
+    rows.append(("  of which chain_hashes", f"p50 {p50:.1f} us", "-"))
 
 
 def bench_wide_lookups(

@@ -15,7 +15,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from events.wire import decode as wire_decode
-from events.wire import fast as wire_fast
 from events.wire.codec import DecodeError, DecodeLimits, decode_batch, encode_batch
 from events.wire.model import (
     AllBlocksCleared,
@@ -71,8 +70,6 @@ def decoder_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
         monkeypatch.setattr(wire_decode, "decode_typed", lambda payload: None)
     if request.param == "staged":
         monkeypatch.setattr(wire_decode, "OBJECT_BUDGET", 0)
-    elif request.param == "typed" and not wire_fast.NATIVE_BATCH:
-        pytest.skip("native extension not built")
     return str(request.param)
 
 

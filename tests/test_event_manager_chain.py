@@ -12,10 +12,11 @@ from array import array
 from collections.abc import Sequence
 
 import pytest
+from _reference import v1_block_hash as v1_block_hash_ref
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events.hashing import v1_block_hash, v1_block_hash_py
+from events.hashing import v1_block_hash
 from events.manager import KVCacheEventManager, MovesAs
 from events.wire._records import v1_stored_chain
 from events.wire.model import KVCacheEvent, StoredBlock
@@ -161,7 +162,7 @@ def _reference_chain(
     """The records of a chain, from the readable V1 hash, block by block."""
     out = []
     for b in blocks:
-        parent = v1_block_hash_py(b, parent, lora, salt)
+        parent = v1_block_hash_ref(b, parent, lora, salt)
         out.append(StoredBlock(parent, b, lora, level, priority, salt))
     return out
 

@@ -8,18 +8,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _reference import v1_block_hash as v1_block_hash_ref
+from _reference import v1_chain as v1_chain_ref
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events import hashing
 from events.hashing import (
     HashAlgo,
     chain_hashes,
     hash_from_key,
     v1_block_hash,
-    v1_block_hash_py,
     v1_chain,
-    v1_chain_py,
     xxh3_content_hash,
 )
 from kvcache.keys import blockchain_keys, token_array
@@ -28,8 +27,6 @@ from kvcache.scope import ReuseScope
 VECTORS: dict[str, Any] = json.loads(
     (Path(__file__).parent / "data" / "v1_hash_vectors.json").read_text()
 )
-
-needs_native = pytest.mark.skipif(not hashing.NATIVE, reason="native extension not built")
 
 U64_MAX = 2**64 - 1
 TOKEN_MAX = 2**31 - 1
@@ -47,7 +44,7 @@ def _scope(d: dict[str, int | None]) -> ReuseScope:
 # --- golden vectors ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fn", [v1_block_hash, v1_block_hash_py], ids=["public", "reference"])
+@pytest.mark.parametrize("fn", [v1_block_hash, v1_block_hash_ref], ids=["public", "reference"])
 @pytest.mark.parametrize("vec", VECTORS["v1_block"], ids=lambda v: str(v["hash"]))
 def test_v1_block_vectors(fn: Any, vec: dict[str, Any]) -> None:
     got = fn(vec["tokens"], vec["parent_hash"], vec["lora_id"], vec["salt_id"])
@@ -58,7 +55,7 @@ def test_v1_block_vectors(fn: Any, vec: dict[str, Any]) -> None:
 def test_v1_chain_vectors(vec: dict[str, Any]) -> None:
     scope = _scope(vec["scope"])
     assert v1_chain(vec["tokens"], vec["tokens_per_block"], scope) == vec["hashes"]
-    assert v1_chain_py(vec["tokens"], vec["tokens_per_block"], scope) == vec["hashes"]
+    assert v1_chain_ref(vec["tokens"], vec["tokens_per_block"], scope) == vec["hashes"]
     assert chain_hashes(vec["tokens"], vec["tokens_per_block"], scope) == vec["hashes"]
 
 
@@ -105,7 +102,7 @@ def test_presence_differs_from_value_zero() -> None:
 def test_the_32_bit_wrap_of_mix32_matters() -> None:
     # Token 0xFFFFFFFF-ish values push a + G over 2**32; widening before the add would differ.
     toks = [TOKEN_MAX, TOKEN_MAX - 1]
-    ref = v1_block_hash_py(toks)
+    ref = v1_block_hash_ref(toks)
     seed = len(toks)
     for tok in toks:
         a = tok
@@ -125,18 +122,16 @@ def test_partial_tail_has_no_hash() -> None:
 # --- native agrees with the reference ----------------------------------------------------------
 
 
-@needs_native
 @settings(max_examples=300, deadline=None)
 @given(tokens=tokens_st, parent=u64_st, lora=opt_u64_st, salt=opt_u64_st)
 def test_native_block_hash_matches_reference(
     tokens: list[int], parent: int, lora: int | None, salt: int | None
 ) -> None:
-    want = v1_block_hash_py(tokens, parent, lora, salt)
+    want = v1_block_hash_ref(tokens, parent, lora, salt)
     assert v1_block_hash(tokens, parent, lora, salt) == want
     assert v1_block_hash(token_array(tokens).tobytes(), parent, lora, salt) == want
 
 
-@needs_native
 @settings(max_examples=200, deadline=None)
 @given(
     tokens=st.lists(st.integers(0, TOKEN_MAX), max_size=300),
@@ -148,18 +143,17 @@ def test_native_chain_matches_reference(
     tokens: list[int], tpb: int, lora: int | None, salt: int | None
 ) -> None:
     scope = ReuseScope(lora, salt)
-    want = v1_chain_py(tokens, tpb, scope)
+    want = v1_chain_ref(tokens, tpb, scope)
     arr = token_array(tokens)
     assert v1_chain(tokens, tpb, scope) == want
     assert v1_chain(arr, tpb, scope) == want
     assert v1_chain(memoryview(arr.tobytes()), tpb, scope) == want
 
 
-@needs_native
 def test_native_chain_of_a_long_prompt_without_the_gil() -> None:
     tokens = [(i * 2654435761) % (TOKEN_MAX + 1) for i in range(70_000)]  # above the GIL cutoff
     scope = ReuseScope(3, 2**64 - 5)
-    assert v1_chain(token_array(tokens), 64, scope) == v1_chain_py(tokens, 64, scope)
+    assert v1_chain(token_array(tokens), 64, scope) == v1_chain_ref(tokens, 64, scope)
 
 
 # --- validation -------------------------------------------------------------------------------
@@ -214,24 +208,8 @@ def test_hash_from_key_matches_block_keys() -> None:
     assert HashAlgo("v1_block_key") is HashAlgo.V1_BLOCK_KEY == "v1_block_key"
 
 
-def test_public_functions_fall_back_to_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(hashing, "_native", None)
-    vec = VECTORS["v1_chain"][1]
-    arr = token_array(vec["tokens"])
-    for tokens in (vec["tokens"], arr, arr.tobytes()):
-        assert v1_chain(tokens, 4, _scope(vec["scope"])) == vec["hashes"]
-    assert v1_block_hash(array("i", [1, 2, 3, 4]).tobytes()) == 924206229973855
-    with pytest.raises(ValueError, match=r"\[0, 2\*\*31\)"):
-        v1_chain(array("i", [1, -1]), 1)
-
-
-@pytest.mark.parametrize("native", [True, False])
-def test_a_bool_is_not_a_token_id_on_either_path(native: bool, monkeypatch: Any) -> None:
-    """``True`` packs as 1, but it is not a token id: both paths refuse it, as kvcache does."""
-    if native and not hashing.NATIVE:
-        pytest.skip("native extension not built")
-    if not native:
-        monkeypatch.setattr(hashing, "_native", None)
+def test_a_bool_is_not_a_token_id() -> None:
+    """``True`` packs as 1, but it is not a token id: the hashing refuses it, as kvcache does."""
     for tokens in ([1, True, 3], [False]):
         with pytest.raises(TypeError, match=r"bool|ints"):
             v1_block_hash(tokens)

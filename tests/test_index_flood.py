@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import random
 
-import pytest
-
 from events.wire.model import DecodedBatch, KVCacheEvent, Stored, StoredBlock
+from router_sim.router import _match
 from router_sim.router.indexer import KvIndexer
-
-_match = pytest.importorskip("router_sim.router._match")
 
 N = 40_000
 M64 = (1 << 64) - 1

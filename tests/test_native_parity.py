@@ -9,7 +9,8 @@ Two C functions read bytes that come off the network: ``events.wire._wire.decode
   (``decode_general``, field by field); what the native reader takes must equal both, and
   ``decode_batch`` with the native reader must give what it gives without it, the same batch
   or the same ``DecodeError``;
-- the token reader: ``packed_tokens_py`` (msgspec), the same array or the same refusal (None).
+- the token reader: ``tests/_reference.packed_tokens`` (msgspec), the same array or the same
+  refusal (None).
 
 The bytes: the payloads vLLM 0.11 / 0.25 / 0.26 / 0.33 and SGLang 0.5 sent in the recorded
 captures (``tests/data/engines/*/stream.jsonl``), the golden payloads of ``tests/data/wire``, and
@@ -35,13 +36,15 @@ from typing import Any
 
 import msgpack
 import pytest
+from _reference import packed_tokens as packed_tokens_ref
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from events.wire import _wire as native_wire
 from events.wire import fast as wire_fast
-from events.wire.codec import DecodeError, decode_batch, encode_batch_py
+from events.wire.codec import DecodeError, decode_batch, encode_batch_msgspec
 from events.wire.decode import decode_general
-from events.wire.fast import MAX_TOKENS, decode_native, decode_structs, packed_tokens_py
+from events.wire.fast import MAX_TOKENS, decode_native, decode_structs
 from events.wire.model import (
     AllBlocksCleared,
     DecodedBatch,
@@ -49,15 +52,6 @@ from events.wire.model import (
     Removed,
     Stored,
     StoredBlock,
-)
-
-try:
-    from events.wire import _wire as native_wire
-except ImportError:  # pragma: no cover - depends on the install
-    native_wire = None  # type: ignore[assignment]
-
-pytestmark = pytest.mark.skipif(
-    native_wire is None or not wire_fast.NATIVE_BATCH, reason="native wire codec not built"
 )
 
 DATA = Path(__file__).parent / "data"
@@ -81,7 +75,7 @@ def _captured() -> dict[str, list[bytes]]:
 
 CAPTURED = _captured()
 OWN = [
-    encode_batch_py(
+    encode_batch_msgspec(
         [
             KVCacheEvent(
                 2**63,
@@ -93,7 +87,7 @@ OWN = [
         1.25,
         3,
     ),
-    encode_batch_py([KVCacheEvent(0, Stored(None, [StoredBlock(9, [1] * 70)], 70))], 0.0),
+    encode_batch_msgspec([KVCacheEvent(0, Stored(None, [StoredBlock(9, [1] * 70)], 70))], 0.0),
 ]
 SEEDS = [p for ps in CAPTURED.values() for p in ps]
 SEEDS += [p.read_bytes() for p in sorted((DATA / "wire").glob("*.msgpack"))] + OWN
@@ -327,7 +321,7 @@ def check_batch_parity(payload: bytes) -> bool:
         assert got == decode_general(payload)  # its records hold lists, equal by their ids
     with_native = _outcome(payload)
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(wire_fast, "_native_decode_events", None)
+        m.setattr(wire_fast, "decode_native", lambda payload: None)
         without = _outcome(payload)
     assert with_native == without
     return got is not None
@@ -400,7 +394,7 @@ TOKEN_SEEDS = [t for p in SEEDS for t in _token_lists(_tree(p))] + [[], [0], [2*
 
 
 def check_token_parity(data: bytes, limit: int) -> None:
-    want = packed_tokens_py(data)
+    want = packed_tokens_ref(data)
     got = native_wire.tokens_from_msgpack(_exact(data), MAX_TOKENS)
     assert got == want
     if got is not None:

@@ -14,30 +14,23 @@ from typing import Any
 import msgpack
 import msgspec
 import pytest
+from _reference import pack_tokens as pack_tokens_ref
+from _reference import packed_tokens as packed_tokens_ref
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from events import _v1hash as native
 from events.manager import KVCacheEventManager
 from events.wire import _records, codec
+from events.wire import _wire as native_wire
 from events.wire import fast as wire_fast
 from events.wire.codec import DecodeError, decode_batch, encode_batch
 from events.wire.decode import decode_general
-from events.wire.fast import MAX_TOKENS, decode_typed, packed_tokens_py
+from events.wire.fast import MAX_TOKENS, decode_typed
 from events.wire.model import KVCacheEvent, Removed, Stored, StoredBlock
 from kvcache.config import KVCacheManagerConfig, TierConfig
 from kvcache.manager import KVCacheManager
 
-try:
-    from events import _v1hash as native
-except ImportError:  # pragma: no cover - depends on the install
-    native = None  # type: ignore[assignment]
-try:
-    from events.wire import _wire as native_wire
-except ImportError:  # pragma: no cover - depends on the install
-    native_wire = None  # type: ignore[assignment]
-
-needs_native = pytest.mark.skipif(native is None, reason="native extension not built")
-needs_wire = pytest.mark.skipif(native_wire is None, reason="native wire codec not built")
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 TOKEN_EDGES = [0, 1, 127, 128, 255, 256, 65535, 65536, 2**31 - 1]
@@ -72,23 +65,20 @@ def _pack(obj: object) -> bytes:
 # --- encoding: the bytes msgspec writes for the list ---------------------------------------
 
 
-@needs_wire
 @SETTINGS
 @given(tokens=st.lists(wide_int, max_size=40))
 def test_native_packer_writes_what_msgspec_writes_for_the_list(tokens: list[int]) -> None:
     assert native_wire.pack_tokens(tokens) == msgspec.msgpack.encode(tokens)
 
 
-@needs_wire
 @SETTINGS
 @given(tokens=st.lists(st.integers(-(2**31), 2**31 - 1), max_size=40))
 def test_native_packer_writes_int32_arrays_as_their_lists(tokens: list[int]) -> None:
     packed = array("i", tokens)
     expected = msgspec.msgpack.encode(tokens)
-    assert native_wire.pack_tokens(packed) == expected == codec.pack_tokens_py(packed)
+    assert native_wire.pack_tokens(packed) == expected == pack_tokens_ref(packed)
 
 
-@needs_wire
 @settings(max_examples=14, deadline=None)
 @given(n=length, fill=token)
 def test_native_packer_writes_each_array_header_as_msgspec_does(n: int, fill: int) -> None:
@@ -98,7 +88,6 @@ def test_native_packer_writes_each_array_header_as_msgspec_does(n: int, fill: in
     assert native_wire.pack_tokens(tokens) == expected
 
 
-@needs_wire
 def test_native_packer_leaves_what_it_cannot_write_to_msgspec() -> None:
     for odd in (
         [1, True],
@@ -146,7 +135,7 @@ def test_packed_and_listed_stores_encode_to_the_same_bytes(
 
     mp = pytest.MonkeyPatch()
     if pure:
-        mp.setattr(codec, "_pack_tokens", codec.pack_tokens_py)
+        mp.setattr(codec, "pack_tokens", pack_tokens_ref)
     try:
         assert payload(packed) == payload(listed)
     finally:
@@ -174,7 +163,7 @@ def test_parser_round_trips_token_lists(tokens: list[int]) -> None:
     data = msgspec.msgpack.encode(tokens)
     parsed = wire_fast.packed_tokens(data)
     assert type(parsed) is array and parsed.typecode == "i" and parsed.tolist() == tokens
-    assert packed_tokens_py(data) == parsed
+    assert packed_tokens_ref(data) == parsed
 
 
 def _forms(value: int) -> list[bytes]:
@@ -195,7 +184,7 @@ def test_parser_reads_every_int_form_of_a_token() -> None:
             for header in (b"\x91", b"\xdc\x00\x01", b"\xdd\x00\x00\x00\x01"):
                 data = header + form
                 assert wire_fast.packed_tokens(data) == array("i", [value]), data
-                assert packed_tokens_py(data) == array("i", [value]), data
+                assert packed_tokens_ref(data) == array("i", [value]), data
 
 
 REFUSED = [
@@ -231,16 +220,15 @@ REFUSED = [
 def test_parser_refuses_everything_but_a_flat_array_of_tokens() -> None:
     for data in REFUSED:
         assert wire_fast.packed_tokens(data) is None, data
-        assert packed_tokens_py(data) is None, data
+        assert packed_tokens_ref(data) is None, data
 
 
-@needs_wire
 def test_parser_refuses_more_items_than_the_limit() -> None:
     data = msgspec.msgpack.encode([1, 2, 3])
     assert native_wire.tokens_from_msgpack(data, 3) == array("i", [1, 2, 3])
     assert native_wire.tokens_from_msgpack(data, 2) is None
     over = msgspec.msgpack.encode([0] * (MAX_TOKENS + 1))
-    assert wire_fast.packed_tokens(over) is None and packed_tokens_py(over) is None
+    assert wire_fast.packed_tokens(over) is None and packed_tokens_ref(over) is None
 
 
 @SETTINGS
@@ -249,7 +237,7 @@ def test_truncated_token_arrays_are_refused(tokens: list[int], cut: int) -> None
     data = msgspec.msgpack.encode(tokens)
     part = data[: cut % len(data)]
     assert wire_fast.packed_tokens(part) is None
-    assert packed_tokens_py(part) is None
+    assert packed_tokens_ref(part) is None
 
 
 def _store(token_ids: Any, hashes: int = 1, block_size: int = 4) -> dict[str, Any]:
@@ -364,7 +352,7 @@ def test_the_pure_parser_decodes_as_the_native_one(monkeypatch: pytest.MonkeyPat
         _pack([0.0, [["BlockStored", [1], None, [65536, 2**31 - 1], 2]]]),
     ]
     fast = [decode_typed(p) for p in payloads]
-    monkeypatch.setattr(wire_fast, "packed_tokens", packed_tokens_py)
+    monkeypatch.setattr(wire_fast, "packed_tokens", packed_tokens_ref)
     assert [decode_typed(p) for p in payloads] == fast
     assert all(f is not None for f in fast)
 
@@ -425,7 +413,6 @@ def test_manager_records_hold_packed_ids_and_encode_as_lists_would() -> None:
     assert decode_batch(encode_batch(events, 3.0, 0)).events == as_lists
 
 
-@needs_native
 def test_chain_lists_reads_arrays_as_lists_and_stops_at_an_empty_one() -> None:
     lists = [[1, 2, 3], [4, 5, 6], [7]]
     arrays = [array("i", t) for t in lists]
@@ -441,7 +428,6 @@ def test_chain_lists_reads_arrays_as_lists_and_stops_at_an_empty_one() -> None:
 # --- references, buffers and the collector ---------------------------------------------------
 
 
-@needs_wire
 def test_native_functions_release_buffers_and_references() -> None:
     # a bytearray or array with a buffer still exported cannot be resized: each call below
     # must have released its own

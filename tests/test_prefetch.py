@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import hashlib
-import subprocess
-import sys
 from array import array
 from typing import Any
 
@@ -18,8 +16,6 @@ from router_sim.sim import prefetch
 from router_sim.sim.simulator import SimConfig, simulate
 from router_sim.sim.trace import load_trace
 from router_sim.sim.workloads import Request
-
-pytestmark = pytest.mark.skipif(not prefetch.NATIVE, reason="router_sim.sim._prefetch not built")
 
 TPB = 64
 
@@ -166,26 +162,3 @@ def test_disabled_or_nothing_to_make_gives_no_thread(monkeypatch: pytest.MonkeyP
     reqs = _requests()[:3]
     monkeypatch.setattr(prefetch, "ENABLED", False)
     assert prefetch.prompt_source(reqs, [r.scope for r in reqs], TPB, True) is None
-
-
-# ------------------------------------------------------------ create_kv_cache(block_keys=...)
-
-
-def test_without_the_v1_extension_the_thread_is_left_out_not_a_crash() -> None:
-    """The thread hashes through events._v1hash's C API: where that extension is missing, the
-    import of router_sim.sim.prefetch still works and makes prompts inline."""
-    code = (
-        "import sys\n"
-        "class Hide:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'events._v1hash':\n"
-        "            raise ImportError('hidden')\n"
-        "sys.meta_path.insert(0, Hide())\n"
-        "import router_sim.sim.prefetch as p\n"
-        "print(p.NATIVE)\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "False"

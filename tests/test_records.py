@@ -9,10 +9,10 @@ from array import array
 
 import msgpack
 import pytest
+from _reference import v1_block_hash as v1_block_hash_ref
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events.hashing import v1_block_hash_py
 from events.manager import KVCacheEventManager
 from events.wire import _records, codec
 from events.wire.codec import decode_batch, encode_batch
@@ -64,7 +64,7 @@ def test_hash_and_record_of_one_block(
     packed = array("i", tokens)
     record = _records.v1_stored_block(packed, parent, lora, salt, level, priority)
     assert record == StoredBlock(
-        v1_block_hash_py(tokens, parent, lora, salt), tokens, lora, level, priority, salt
+        v1_block_hash_ref(tokens, parent, lora, salt), tokens, lora, level, priority, salt
     )
     assert record.tokens is packed  # the block's array, shared
 
@@ -111,7 +111,7 @@ def test_a_cache_run_round_trips_through_the_wire() -> None:
             parent = event.data.parent_hash or 0
             for b in event.data.blocks:
                 assert isinstance(parent, int)
-                assert b.block_hash == v1_block_hash_py(
+                assert b.block_hash == v1_block_hash_ref(
                     list(b.tokens), parent, b.lora_id, b.cache_salt_id
                 )
                 parent = int(b.block_hash)

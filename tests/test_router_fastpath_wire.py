@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events.wire.codec import decode_batch, encode_batch, encode_batch_py
+from events.wire import _wire
+from events.wire.codec import decode_batch, encode_batch, encode_batch_msgspec
 from events.wire.decode import decode_general
 from events.wire.model import KVCacheEvent, Stored, StoredBlock
 
-_wire = pytest.importorskip("events.wire._wire")
 MODES = [False, True]
 
 
@@ -117,7 +117,7 @@ def test_trace_batches_round_trip_as_the_general_paths_do(
     _wire.simd(on)
     events = _trace_batch(blocks, first_id)
     payload = encode_batch(events, 1.5, None)
-    assert payload == encode_batch_py(events, 1.5, None)
+    assert payload == encode_batch_msgspec(events, 1.5, None)
     got = decode_batch(payload)
     assert got == decode_general(payload)
     assert got.events == events

@@ -1,6 +1,6 @@
 """The native whole-batch codec (``events.wire._wire.encode_events`` / ``decode_events``) agrees
 with the msgspec paths it stands in front of: the writer gives, byte for byte, what
-``encode_batch_py`` (msgspec) writes, and the reader gives batches equal to those of the typed
+``encode_batch_msgspec`` (msgspec) writes, and the reader gives batches equal to those of the typed
 structs (``decode_structs``) and the general path, on this project's payloads and on payloads
 written by an independent encoder (msgpack) in shapes this project never sends. What either
 does not take it answers None for (the msgspec path then writes, reads or names it); on
@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from events.wire import _records, codec
 from events.wire import fast as wire_fast
-from events.wire.codec import DecodeError, decode_batch, encode_batch, encode_batch_py
+from events.wire.codec import DecodeError, decode_batch, encode_batch, encode_batch_msgspec
 from events.wire.decode import decode_general
 from events.wire.fast import decode_native, decode_structs, decode_typed
 from events.wire.model import (
@@ -39,8 +39,6 @@ from events.wire.model import (
 
 U64 = 2**64
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-needs_decoder = pytest.mark.skipif(not wire_fast.NATIVE_BATCH, reason="extension not built")
-needs_encoder = pytest.mark.skipif(not codec.NATIVE_ENCODE, reason="extension not built")
 
 
 def _pack(obj: object) -> bytes:
@@ -48,7 +46,7 @@ def _pack(obj: object) -> bytes:
 
 
 def _native_encode(events: list[KVCacheEvent], ts: float, dp_rank: int | None) -> bytes | None:
-    out: bytes | None = codec._native_encode_events(codec._NATIVE_KINDS, events, ts, dp_rank)
+    out: bytes | None = codec.encode_events(codec._NATIVE_KINDS, events, ts, dp_rank)
     return out
 
 
@@ -104,25 +102,23 @@ TS = st.floats(allow_nan=False, allow_infinity=False)
 DP_RANK = st.sampled_from([None, 0, 2])
 
 
-@needs_encoder
 @SETTINGS
 @given(events=BATCH, ts=TS, dp_rank=DP_RANK)
 def test_native_writer_gives_msgspec_bytes(
     events: list[KVCacheEvent], ts: float, dp_rank: int | None
 ) -> None:
-    want = encode_batch_py(events, ts, dp_rank)
+    want = encode_batch_msgspec(events, ts, dp_rank)
     assert _native_encode(events, ts, dp_rank) == want  # taken, not left to msgspec
     assert encode_batch(events, ts, dp_rank) == want
     assert encode_batch(iter(events), ts, dp_rank) == want  # any iterable
 
 
-@needs_decoder
 @SETTINGS
 @given(events=BATCH, ts=TS, dp_rank=DP_RANK)
 def test_native_reader_gives_the_structs_batch(
     events: list[KVCacheEvent], ts: float, dp_rank: int | None
 ) -> None:
-    payload = encode_batch_py(events, ts, dp_rank)
+    payload = encode_batch_msgspec(events, ts, dp_rank)
     got = decode_native(payload)
     assert got is not None  # taken, not left to the structs
     want = decode_structs(payload)
@@ -162,7 +158,7 @@ def test_hand_derived_payload() -> None:
         + b"\xc0"  # ], None]
     )
     assert encode_batch([event], 1.5) == want
-    assert encode_batch_py([event], 1.5) == want
+    assert encode_batch_msgspec([event], 1.5) == want
     batch = decode_batch(want)
     blocks = event.data.blocks  # type: ignore[union-attr]
     assert batch.events == [KVCacheEvent(5, Stored(None, blocks, 2))]  # the size travels
@@ -189,12 +185,11 @@ LEFT_TO_MSGSPEC = {
 }
 
 
-@needs_encoder
 @pytest.mark.parametrize("name", sorted(LEFT_TO_MSGSPEC))
 def test_writer_leaves_other_batches_to_msgspec(name: str) -> None:
     events = LEFT_TO_MSGSPEC[name]
     assert _native_encode(events, 1.0, None) is None
-    assert encode_batch(events, 1.0) == encode_batch_py(events, 1.0)
+    assert encode_batch(events, 1.0) == encode_batch_msgspec(events, 1.0)
 
 
 def _raised(fn: Any) -> tuple[str, str]:
@@ -205,7 +200,6 @@ def _raised(fn: Any) -> tuple[str, str]:
     raise AssertionError("did not raise")
 
 
-@needs_encoder
 @pytest.mark.parametrize(
     "events",
     [
@@ -221,11 +215,10 @@ def _raised(fn: Any) -> tuple[str, str]:
 def test_writer_errors_are_msgspecs(events: list[KVCacheEvent]) -> None:
     assert _native_encode(events, 0.0, None) is None
     assert _raised(lambda: encode_batch(events, 0.0)) == _raised(
-        lambda: encode_batch_py(events, 0.0)
+        lambda: encode_batch_msgspec(events, 0.0)
     )
 
 
-@needs_encoder
 def test_writer_leaves_objects_that_are_not_records_to_msgspec() -> None:
     class Bare:
         pass
@@ -234,20 +227,19 @@ def test_writer_leaves_objects_that_are_not_records_to_msgspec() -> None:
     for events in batches:
         assert _native_encode(events, 0.0, None) is None
         got = _raised(lambda e=events: encode_batch(e, 0.0))
-        assert got == _raised(lambda e=events: encode_batch_py(e, 0.0))
+        assert got == _raised(lambda e=events: encode_batch_msgspec(e, 0.0))
 
 
-@needs_encoder
 def test_writer_counts_wire_events_past_a_fixarray() -> None:
     """Sixteen and more wire events take a 3-byte array header (the writer moves what it
     wrote after the one byte it kept)."""
     for n in (15, 16, 40):
         events = [KVCacheEvent(i, Removed([i])) for i in range(n)]
-        assert _native_encode(events, 2.0, 1) == encode_batch_py(events, 2.0, 1)
+        assert _native_encode(events, 2.0, 1) == encode_batch_msgspec(events, 2.0, 1)
     # one Stored event splitting into 20 wire events (a short block ends each run)
     blocks = [_block(h=i, tokens=array("i", [i])) for i in range(20)]
     events = [KVCacheEvent(0, Stored(None, blocks, block_size=2))]
-    assert _native_encode(events, 2.0, None) == encode_batch_py(events, 2.0)
+    assert _native_encode(events, 2.0, None) == encode_batch_msgspec(events, 2.0)
 
 
 # --- the reader on shapes this project's writer never sends ----------------------------------
@@ -302,7 +294,6 @@ def foreign_event(draw: st.DrawFn) -> dict[str, Any]:
     return dict(items[i] for i in order)  # fields in any order, "type" anywhere
 
 
-@needs_decoder
 @SETTINGS
 @given(
     events=st.lists(foreign_event(), max_size=6),
@@ -319,7 +310,6 @@ def test_reader_agrees_on_foreign_payloads(
     assert got == decode_structs(payload) == decode_general(payload)
 
 
-@needs_decoder
 def test_reader_gives_unranked_events_the_batch_rank() -> None:
     payload = _pack(
         [
@@ -383,7 +373,6 @@ REFUSED["repeated key"] = (
 )
 
 
-@needs_decoder
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_reader_leaves_other_payloads_to_the_structs(
     name: str, monkeypatch: pytest.MonkeyPatch
@@ -391,7 +380,7 @@ def test_reader_leaves_other_payloads_to_the_structs(
     payload = REFUSED[name]
     assert decode_native(payload) is None
     got = _outcome(payload)
-    monkeypatch.setattr(wire_fast, "_native_decode_events", None)
+    monkeypatch.setattr(wire_fast, "decode_native", lambda payload: None)
     assert _outcome(payload) == got  # the same batch or error as without the reader
 
 
@@ -402,9 +391,8 @@ def _outcome(payload: bytes) -> Any:
         return str(exc)
 
 
-@needs_decoder
 def test_reader_takes_other_buffers() -> None:
-    payload = encode_batch_py([KVCacheEvent(1, Removed([1, 2]))], 3.0)
+    payload = encode_batch_msgspec([KVCacheEvent(1, Removed([1, 2]))], 3.0)
     want = decode_structs(payload)
     assert decode_native(bytearray(payload)) == want
     assert decode_native(memoryview(payload)) == want
@@ -413,13 +401,12 @@ def test_reader_takes_other_buffers() -> None:
     assert decode_native("text") is None  # type: ignore[arg-type]
 
 
-@needs_decoder
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(events=BATCH, data=st.data())
 def test_reader_on_mutated_bytes(events: list[KVCacheEvent], data: st.DataObject) -> None:
     """Flipped, cut and inserted bytes: the reader raises nothing, and what it takes the
     structs read the same."""
-    payload = bytearray(encode_batch_py(events, 1.0, None))
+    payload = bytearray(encode_batch_msgspec(events, 1.0, None))
     for _ in range(data.draw(st.integers(1, 4))):
         op = data.draw(st.sampled_from(["flip", "cut", "insert"]))
         at = data.draw(st.integers(0, len(payload)))
@@ -435,7 +422,6 @@ def test_reader_on_mutated_bytes(events: list[KVCacheEvent], data: st.DataObject
         assert got == decode_structs(raw)
 
 
-@needs_decoder
 def test_reader_refuses_hostile_lengths_without_allocating_them() -> None:
     """Declared lengths far beyond the bytes present are refused before anything is built."""
     huge_events = b"\x93\xcb" + bytes(8) + b"\xdd\x00\x00\xff\xff" + b"\xc0"
@@ -453,17 +439,15 @@ def test_reader_refuses_hostile_lengths_without_allocating_them() -> None:
         assert decode_structs(payload) is None
 
 
-# --- both paths run without the extension ---------------------------------------------------
+# --- the msgspec paths alone (what every batch the native code leaves takes) -----------------
 
 
 @pytest.fixture(params=["native", "pure"])
 def path(request: pytest.FixtureRequest) -> Iterator[str]:
-    if request.param == "native" and not (codec.NATIVE_ENCODE and wire_fast.NATIVE_BATCH):
-        pytest.skip("extension not built")
     with pytest.MonkeyPatch.context() as m:
-        if request.param == "pure":
-            m.setattr(codec, "_native_encode_events", None)
-            m.setattr(wire_fast, "_native_decode_events", None)
+        if request.param == "pure":  # the native writer and reader leave every batch
+            m.setattr(codec, "encode_events", lambda *args: None)
+            m.setattr(wire_fast, "decode_native", lambda payload: None)
         yield request.param
 
 
@@ -478,10 +462,10 @@ def test_round_trip_on_either_path(path: str) -> None:
         KVCacheEvent(3, AllBlocksCleared(), 0, "v2_sha256_64", 1),
     ]
     payload = encode_batch(events, 4.0, 0)
-    assert payload == encode_batch_py(events, 4.0, 0)
+    assert payload == encode_batch_msgspec(events, 4.0, 0)
     batch = decode_typed(payload)
     assert batch == DecodedBatch(4.0, events, 0, []) == decode_general(payload)
-    assert (decode_native(payload) is None) == (path == "pure")
+    assert (wire_fast.decode_native(payload) is None) == (path == "pure")
 
 
 def test_record_setters_follow_the_fields() -> None:
@@ -498,14 +482,12 @@ def test_record_setters_follow_the_fields() -> None:
 # --- references, buffers and token runs -------------------------------------------------------
 
 
-@needs_encoder
-@needs_decoder
 def test_native_codec_releases_buffers_and_references() -> None:
     tokens = [array("i", [70000 + i for i in range(9)]), array("i", [1, 2**20])]
     blocks = [StoredBlock(2**40 + i, t) for i, t in enumerate(tokens)]  # uncached ints
     events = [KVCacheEvent(2**41, Stored(2**42, blocks, 9)), KVCacheEvent(3, Removed([2**43]))]
     counts = [sys.getrefcount(x) for x in (*tokens, *blocks, *events)]
-    payload = bytearray(encode_batch_py(events, 1.0))
+    payload = bytearray(encode_batch_msgspec(events, 1.0))
     for _ in range(3):
         assert _native_encode(events, 1.0, None) == bytes(payload)
         assert _native_encode([*events, KVCacheEvent(0, Created([1]))], 1.0, None) is None
@@ -517,20 +499,17 @@ def test_native_codec_releases_buffers_and_references() -> None:
     payload.append(0)
 
 
-@needs_decoder
 def test_decoded_records_are_left_out_of_the_cycle_collector() -> None:
-    payload = encode_batch_py([KVCacheEvent(0, Stored(None, [_block(), _block(2)], 2))], 0.0)
+    payload = encode_batch_msgspec([KVCacheEvent(0, Stored(None, [_block(), _block(2)], 2))], 0.0)
     batch = decode_native(payload)
     assert batch is not None
     for b in batch.events[0].data.blocks:  # type: ignore[union-attr]
         assert not gc.is_tracked(b.tokens) and not gc.is_tracked(b)
     # a lone block holds the store's whole array (no slice of it is made)
-    one = decode_native(encode_batch_py([KVCacheEvent(0, Stored(None, [_block()], 4))], 0.0))
+    one = decode_native(encode_batch_msgspec([KVCacheEvent(0, Stored(None, [_block()], 4))], 0.0))
     assert one is not None and list(one.events[0].data.blocks[0].tokens) == [1, 2]  # type: ignore[union-attr]
 
 
-@needs_encoder
-@needs_decoder
 @given(
     runs=st.lists(
         st.tuples(st.integers(1, 9), st.sampled_from([5, 200, 60000, 70000, 2**31 - 1])),
@@ -544,7 +523,7 @@ def test_token_runs_of_every_width(runs: list[tuple[int, int]]) -> None:
     time elsewhere: runs of each width at every alignment."""
     ids = array("i", [v - k % 3 for n, v in runs for k in range(n)])
     event = KVCacheEvent(0, Stored(None, [StoredBlock(1, ids)], len(ids)))
-    payload = encode_batch_py([event], 0.0)
+    payload = encode_batch_msgspec([event], 0.0)
     assert _native_encode([event], 0.0, None) == payload
     batch = decode_native(payload)
     assert batch is not None and batch == decode_structs(payload)

@@ -7,6 +7,7 @@ from array import array
 from collections.abc import Callable
 
 import pytest
+from _reference import expand_hash_ids as expand_hash_ids_ref
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,7 +18,6 @@ from router_sim.sim.workloads import (
     Request,
     SyntheticSpec,
     expand_hash_ids,
-    expand_hash_ids_py,
     identical_prompts_for_tenants,
     synthetic_workload,
 )
@@ -120,16 +120,7 @@ def test_unknown_workload_is_rejected_with_the_choices() -> None:
         synthetic_workload("nope")
 
 
-def _expand_numpy(ids: tuple[int, ...], length: int, n: int) -> array[int]:
-    """expand_hash_ids without the native loop (its numpy form)."""
-    native, workloads._expand_ids = workloads._expand_ids, None
-    try:
-        return expand_hash_ids(ids, length, n)
-    finally:
-        workloads._expand_ids = native
-
-
-@pytest.mark.parametrize("expand", [expand_hash_ids, _expand_numpy, expand_hash_ids_py])
+@pytest.mark.parametrize("expand", [expand_hash_ids, expand_hash_ids_ref])
 @settings(max_examples=60, deadline=None)
 @given(
     st.sampled_from([1, 2, 16, 100, 512, 4096]),
@@ -152,9 +143,7 @@ def test_expansion_matches_the_per_token_formula(
 
 
 def test_native_expansion_refuses_what_it_cannot_write() -> None:
-    if workloads._expand_ids is None:
-        pytest.skip("native extension not built")
-    expand = workloads._expand_ids
+    expand = workloads.expand_array
     assert bytes(expand((), 0, 512, 22, 2**22 - 1)) == b""
     # a block size near the int limit: the ids-needed count must not overflow
     assert expand((5,), 2, 2**63 - 1, 22, 2**22 - 1) == array("i", [5, 1 << 22 | 5])
@@ -170,23 +159,16 @@ def test_native_expansion_refuses_what_it_cannot_write() -> None:
         expand([1], 1, 4, 22, 2**22 - 1)
 
 
-def test_expansion_and_answers_without_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
-    ids = (5, 2**23 + 7, 2**40 + 1)
-    with_numpy = expand_hash_ids(ids, 1300)
-    req = Request(7, 0.0, 1300, 90, hash_ids=ids)
-    answer = req.output_tokens()
-    monkeypatch.setattr(workloads, "_numpy", lambda: None)
-    monkeypatch.setattr(workloads, "_expand_ids", None)
-    assert expand_hash_ids(ids, 1300) == with_numpy
-    assert req.output_tokens() == answer
-    with pytest.raises(ValueError, match="hash ids"):
-        expand_hash_ids(ids, 3 * 512 + 1)
+def test_expansion_is_the_reference_and_too_few_ids_are_refused() -> None:
+    ids = (5, 2**23 + 7, 2**40 + 1, -3)
+    for length in (1, 511, 512, 1300, 4 * 512):
+        assert expand_hash_ids(ids, length) == expand_hash_ids_ref(ids, length, 512)
+    for expand in (expand_hash_ids, lambda i, n: expand_hash_ids_ref(i, n, 512)):
+        with pytest.raises(ValueError, match="hash ids"):
+            expand(ids, 4 * 512 + 1)
 
 
-@pytest.mark.parametrize("numpy", [True, False])
-def test_answers_are_a_run_of_consecutive_ids(monkeypatch: pytest.MonkeyPatch, numpy: bool) -> None:
-    if not numpy:
-        monkeypatch.setattr(workloads, "_numpy", lambda: None)
+def test_answers_are_a_run_of_consecutive_ids() -> None:
     for rid, length in ((0, 1), (3, 40), (2**40 + 5, 700), (12345, 2**16 + 3)):
         out = Request(rid, 0.0, 1, length, prompt=array("i", [1])).output_tokens()
         base = 2**30 + (rid * 4099) % (2**30 - length)  # the formula, by hand

@@ -11,10 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router_sim.sim import workloads
+from router_sim.router import _match
 from router_sim.sim.workloads import Request
-
-_match = pytest.importorskip("router_sim.router._match")
 
 
 @settings(max_examples=80, deadline=None)
@@ -58,17 +56,12 @@ def test_id_run_refuses_ids_past_int32() -> None:
 
 
 @pytest.mark.parametrize("rid, length", [(0, 1), (7, 90), (123456, 4000), (2**40, 17)])
-def test_answers_are_the_same_with_and_without_the_native_run(
-    monkeypatch: pytest.MonkeyPatch, rid: int, length: int
-) -> None:
-    req = Request(rid, 0.0, 10, length, hash_ids=(1,))
-    native = req.output_tokens()
-    monkeypatch.setattr(workloads, "_id_run", None)
-    with_numpy = req.output_tokens()
-    monkeypatch.setattr(workloads, "_numpy", lambda: None)
-    plain = req.output_tokens()
-    assert native == with_numpy == plain
-    assert len(native) == length and min(native) >= 2**30
+def test_answers_are_a_run_of_ids_above_the_prompts(rid: int, length: int) -> None:
+    out = Request(rid, 0.0, 10, length, hash_ids=(1,)).output_tokens()
+    assert type(out) is array and out.typecode == "i"
+    assert out == array("i", range(out[0], out[0] + length))
+    assert min(out) >= 2**30
+    assert Request(rid, 5.0, 3, length, hash_ids=(2,)).output_tokens() == out  # the id's run
 
 
 def test_match_details_made_through_their_slots_are_plain_match_details() -> None:

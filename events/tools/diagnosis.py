@@ -28,13 +28,8 @@ from dataclasses import dataclass, field
 from hashlib import sha256
 from typing import Final, Literal
 
-# the V1 reference's mixing steps, reused to build the drifted variants below
 from events.hashing import (
-    _M1,
-    _MASK64,
     HashAlgo,
-    _mix32,
-    _mix64,
     chain_hashes,
     hash_from_key,
     v1_block_hash,
@@ -56,11 +51,37 @@ UNEXPLAINED: Final = (
     "unexplained: none of the known drifts (output sign or byte order, salt or LoRA mixing or "
     "derivation, the seed's token count, block size, partial blocks, parent chaining, another "
     "scope or algorithm) reproduces it; compare the engine's hash function with "
-    "events.hashing.v1_block_hash_py (WIRE.md 3)"
+    "the V1 hash of WIRE.md 3 (events.hashing.v1_block_hash)"
 )
 
-_V1_REF: Final = "events.hashing.v1_block_hash_py, WIRE.md 3"
+_V1_REF: Final = "WIRE.md 3, events.hashing.v1_block_hash"
 _SALT_REF: Final = "kvcache.scope.cache_salt_id, WIRE.md 1"
+
+
+# The V1 hash's constants and mixing steps (WIRE.md 3; TensorRT-LLM's BlockKeyHasher), from
+# which the drifted variants below are built (the hash itself is events._v1hash's).
+_M1: Final = 0xBF58476D1CE4E5B9
+_M2: Final = 0x94D049BB133111EB
+_C32: Final = 0x45D9F3B
+_G: Final = 0x9E3779B9
+_MASK32: Final = 0xFFFFFFFF
+_MASK64: Final = 0xFFFFFFFFFFFFFFFF
+
+
+def _mix32(a: int, seed: int) -> int:
+    a &= _MASK32
+    a = (((a >> 16) ^ a) * _C32) & _MASK32
+    a = (((a >> 16) ^ a) * _C32) & _MASK32
+    a = (a >> 16) ^ a
+    # a + G wraps at 32 bits before it is widened; the seed terms wrap at 64 bits.
+    return (seed ^ (((a + _G) & _MASK32) + (seed << 6) + (seed >> 2))) & _MASK64
+
+
+def _mix64(b: int, seed: int) -> int:
+    b = ((b ^ (b >> 30)) * _M1) & _MASK64
+    b = ((b ^ (b >> 27)) * _M2) & _MASK64
+    b = b ^ (b >> 31)
+    return (seed ^ (b + _G + (seed << 6) + (seed >> 2))) & _MASK64
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@
  *     events/codec.py);
  *   decode_events(kit, payload), encode_events(kinds, events, ts, dp_rank): the whole common
  *     batch read and written in one pass each way (beside events.wire.fast.decode_structs and
- *     events.wire.codec.encode_batch_py).
+ *     events.wire.codec.encode_batch_msgspec).
  *
  * Token ids, most of a payload's bytes, go four at a time through SSSE3 byte shuffles where
  * the CPU has them (simd() says so and turns them off, for tests), else through portable loops

@@ -18,7 +18,7 @@ def decode_events(kit: tuple[Any, ...], payload: Any) -> Any:
 def encode_events(
     kinds: tuple[type[Any], type[Any], type[Any]], events: list[Any], ts: float, dp_rank: int | None
 ) -> bytes | None:
-    """The map-form payload ``events.wire.codec.encode_batch_py`` writes for a list of Stored /
+    """The map-form payload ``events.wire.codec.encode_batch_msgspec`` writes for a list of Stored /
     Removed / AllBlocksCleared events (``kinds``: those classes); None for anything else."""
 
 def simd(on: bool | None = None, /) -> bool:

@@ -35,15 +35,14 @@ unknown fields and every field they require is present (``lora_id``, ``lora_name
 ``medium``); tests check it against the structs recorded from their releases
 (``tests/data/engines/decoder_rules.json``).
 
-The payload is written by msgspec (:func:`encode_batch_py`); with the optional extension, one C
-pass splits a Stored event's blocks into wire events (the pure form stays as the reference and
-the fallback), and token ids that come packed (``array('i')``, as the event manager's records
-hold them) are written as a msgpack array straight from the int32s, byte for byte what msgspec
-writes for the same ints as a list, and handed to msgspec as ``msgspec.Raw``: no Python int per
+The payload is written by msgspec (:func:`encode_batch_msgspec`); the native extension
+``events.wire._wire`` writes token ids that come packed (``array('i')``, as the event manager's
+records hold them) as a msgpack array straight from the int32s, byte for byte what msgspec
+writes for the same ints as a list, handed to msgspec as ``msgspec.Raw``: no Python int per
 token. The common batch (``Stored`` with uint64 hashes, packed token ids and tiers 0-2,
 ``Removed``, ``AllBlocksCleared``; the map form without extension events) is written by the
 extension's ``encode_events`` in one pass, without the wire dicts, runs and Raw arrays: the
-same bytes (tested against :func:`encode_batch_py`), and None for any other batch, which
+same bytes (tested against :func:`encode_batch_msgspec`), and None for any other batch, which
 msgspec then writes (or refuses, naming the error).
 
 Hashes travel as uint64. A ``v2_sha256`` hash (64 hex characters) travels as a 32-byte msgpack
@@ -58,12 +57,13 @@ event types skipped) and strict about everything else: any malformed payload rai
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, Final, cast
 
 import msgspec
 
 from events.wire.decode import DEFAULT_LIMITS, POSITIONAL_FIELDS, DecodeLimits, decode_batch
+from events.wire.fast import encode_events, pack_tokens
 from events.wire.json_codec import (
     DecodeError,
     from_json,
@@ -84,15 +84,6 @@ from events.wire.model import (
     one_wire_event,
 )
 from kvcache.scope import U64_LIMIT
-
-try:  # one C pass writes packed token ids as a msgpack array, when the extension is built
-    from events.wire._wire import pack_tokens as _native_pack_tokens
-except ImportError:  # pragma: no cover - depends on the install
-    _native_pack_tokens = None  # type: ignore[assignment]
-try:  # and writes a whole batch of the common events (an extension built before it lacks it)
-    from events.wire._wire import encode_events as _native_encode_events
-except ImportError:  # pragma: no cover - depends on the install
-    _native_encode_events = None  # type: ignore[assignment]
 
 # msgspec writes the payload (the library vLLM and SGLang encode these events with): maps in
 # insertion order, each int in its smallest form, floats as float64, bytes as bin.
@@ -179,25 +170,13 @@ def _stored_runs(blocks: list[StoredBlock], block_size: int) -> list[_Run]:
     return runs
 
 
-def pack_tokens_py(tokens: TokenIds) -> bytes | None:
-    """The msgpack array of an ``array('i')`` of token ids, as msgspec writes the same ints as
-    a list; None for any other container (the reference form of the native ``pack_tokens``,
-    which also packs a list of ints)."""
-    return _ENCODER.encode(tokens.tolist()) if type(tokens) is array else None
-
-
-_pack_tokens: Callable[[TokenIds], bytes | None] = (
-    _native_pack_tokens if _native_pack_tokens is not None else pack_tokens_py
-)
-
-
 def wire_tokens(tokens: TokenIds) -> TokenIds | msgspec.Raw:
     """Token ids as msgspec should write them: packed ones (``array('i')``) already written as
     their msgpack array (``msgspec.Raw``, the same bytes the ints as a list give), anything
     else as it is."""
     if type(tokens) is not array:
         return tokens
-    packed = _pack_tokens(tokens)
+    packed: bytes | None = pack_tokens(tokens)
     return tokens.tolist() if packed is None else msgspec.Raw(packed)
 
 
@@ -319,8 +298,6 @@ def _positional(wire: list[dict[str, Any]]) -> list[list[Any]]:
 
 
 _NATIVE_KINDS: Final = (Stored, Removed, AllBlocksCleared)
-NATIVE_ENCODE: Final[bool] = _native_encode_events is not None
-"""True when the native batch writer is loaded."""
 
 
 def encode_batch(
@@ -342,22 +319,22 @@ def encode_batch(
     block with no tokens or more than ``block_size``, an unknown ``form``, or an extension
     event in the positional form.
 
-    With the extension, the map form of a batch of ``Stored`` (uint64 hashes, packed token
+    The map form of a batch of ``Stored`` (uint64 hashes, packed token
     ids, tiers 0-2), ``Removed`` and ``AllBlocksCleared`` events is written in one native pass
     (``encode_events``: no wire dicts, runs or Raw token arrays), byte for byte what
-    :func:`encode_batch_py` writes (tested); any other batch is written by msgspec.
+    :func:`encode_batch_msgspec` writes (tested); any other batch is written by msgspec.
     """
-    # any other form is refused by encode_batch_py below
-    if form == "map" and not extensions and _native_encode_events is not None:
+    # any other form is refused by encode_batch_msgspec below
+    if form == "map" and not extensions:
         if type(events) is not list:
             events = list(events)
-        payload: bytes | None = _native_encode_events(_NATIVE_KINDS, events, ts, dp_rank)
+        payload: bytes | None = encode_events(_NATIVE_KINDS, events, ts, dp_rank)
         if payload is not None:
             return payload
-    return encode_batch_py(events, ts, dp_rank, form=form, extensions=extensions)
+    return encode_batch_msgspec(events, ts, dp_rank, form=form, extensions=extensions)
 
 
-def encode_batch_py(
+def encode_batch_msgspec(
     events: Iterable[KVCacheEvent],
     ts: float,
     dp_rank: int | None = None,
@@ -365,8 +342,8 @@ def encode_batch_py(
     form: str = "map",
     extensions: bool = False,
 ) -> bytes:
-    """:func:`encode_batch` written by msgspec alone (the reference of the native writer, and
-    what writes every batch it leaves)."""
+    """:func:`encode_batch` written by msgspec alone: what writes every batch the native
+    writer leaves (any form, extension events, hashes other than uint64, ...)."""
     if form not in ("map", "positional"):
         raise ValueError(f"form must be 'map' or 'positional', got {form!r}")
     wire: list[dict[str, Any]] = []

@@ -17,12 +17,11 @@ first by the native reader ``events.wire._wire.decode_events`` (:func:`decode_na
 pass over the payload straight into the records :func:`decode_structs` builds: msgspec's
 structs cost a pass that skips every token id before the ids are read, and a Python frame per
 event builds the records. It takes a strict subset of what the structs take (anything else
-returns None and goes to :func:`decode_structs`), and its batches equal theirs (tested); without
-the extension :func:`decode_typed` is :func:`decode_structs`.
+returns None and goes to :func:`decode_structs`), and its batches equal theirs (tested).
 
 A store's token ids are not built as Python ints: msgspec hands them over undecoded
 (``msgspec.Raw``, a view of the payload's bytes) and :func:`packed_tokens` reads them straight
-into an ``array('i')`` (natively, when the extension is built), which the blocks then share as
+into an ``array('i')`` natively, which the blocks then share as
 array slices. What it does not accept (anything but a msgpack array of at most
 :data:`MAX_TOKENS` ints in ``[0, 2**31)``) sends the payload to the general path like any other
 refusal.
@@ -45,11 +44,13 @@ from __future__ import annotations
 import math
 from array import array
 from collections.abc import Callable, Sequence
-from typing import Annotated, Final, TypeAlias, Union, cast
+from typing import Annotated, Any, Final, TypeAlias, Union, cast
 
 import msgspec
 from msgspec import UNSET, Meta, Raw, Struct, UnsetType
 
+# the one import of the native codec: its writers are events.wire.codec's (see below)
+from events.wire import _wire
 from events.wire._records import record_setters
 from events.wire.json_codec import DecodeError
 from events.wire.model import (
@@ -68,15 +69,6 @@ from events.wire.model import (
 from events.wire.values import build_stored, salt_from_extra_keys, wire_hash, wire_hashes
 from kvcache.keys import TOKEN_LIMIT
 
-try:  # the native parser of packed token ids, when the extension is built
-    from events.wire._wire import tokens_from_msgpack as _native_tokens
-except ImportError:  # pragma: no cover - depends on the install
-    _native_tokens = None  # type: ignore[assignment]
-try:  # and the native reader of a whole common batch (an extension built before it lacks it)
-    from events.wire._wire import decode_events as _native_decode_events
-except ImportError:  # pragma: no cover - depends on the install
-    _native_decode_events = None  # type: ignore[assignment]
-
 #: the default DecodeLimits, restated (wire_decode checks they agree)
 MAX_EVENTS: Final = 1 << 16
 MAX_TOKENS: Final = 1 << 20
@@ -89,13 +81,11 @@ FAST_DEPTH: Final = 6
 _DEFAULT_ALGO: Final = "v1_block_key"
 _DEFAULT_PRIORITY: Final = 35
 
-Token = Annotated[int, Meta(ge=0, lt=TOKEN_LIMIT)]
 U64 = Annotated[int, Meta(ge=0)]
 Small = Annotated[int, Meta(ge=0, lt=TOKEN_LIMIT)]
 Str = Annotated[str, Meta(max_length=MAX_STR // 4)]
 Hash: TypeAlias = Union[int, Annotated[bytes, Meta(min_length=1, max_length=64)]]  # noqa: UP007
 Hashes = Annotated[list[Hash], Meta(max_length=MAX_BLOCKS)]
-Tokens = Annotated[list[Token], Meta(max_length=MAX_TOKENS)]
 Diff = Union[tuple[U64, U64], None]  # noqa: UP007
 # vLLM's extra_keys: per block, None or a list of str (LoRA name, cache salt) and (mm hash,
 # offset) tuples; no deeper. A union holds one str-like type, so a store whose extra_keys
@@ -204,28 +194,22 @@ class PosBatch(Struct, **_ARRAY):
 
 _MAP_DECODER: Final = msgspec.msgpack.Decoder(MapBatch)
 _POS_DECODER: Final = msgspec.msgpack.Decoder(PosBatch)
-_TOKENS_DECODER: Final = msgspec.msgpack.Decoder(Tokens)
 
 
-def packed_tokens_py(data: Raw | bytes) -> array[int] | None:
+def packed_tokens(data: Raw | bytes) -> array[int] | None:
     """The token ids of ``data``, one msgpack array of at most :data:`MAX_TOKENS` ints in
-    ``[0, 2**31)``, as an ``array('i')``; None for anything else (the reference form of the
-    native ``tokens_from_msgpack``)."""
-    try:
-        return array("i", _TOKENS_DECODER.decode(data))
-    except (msgspec.MsgspecError, RecursionError):
-        return None
-
-
-def _packed_tokens_native(data: Raw | bytes) -> array[int] | None:
-    tokens: array[int] | None = _native_tokens(data, MAX_TOKENS)
+    ``[0, 2**31)``, as an ``array('i')``; None for anything else."""
+    tokens: array[int] | None = _wire.tokens_from_msgpack(data, MAX_TOKENS)
     return tokens
 
 
-packed_tokens: Callable[[Raw | bytes], array[int] | None] = (
-    _packed_tokens_native if _native_tokens is not None else packed_tokens_py
-)
-"""A store's undecoded token ids as an ``array('i')``, or None (see :func:`packed_tokens_py`)."""
+pack_tokens: Callable[[object], bytes | None] = _wire.pack_tokens
+"""The msgpack array of an ``array('i')`` or a list of ints, byte for byte what msgspec writes
+for the same ints as a list; None for anything else (``events.wire.codec.wire_tokens``)."""
+
+_Kinds: TypeAlias = tuple[type[Any], type[Any], type[Any]]
+encode_events: Callable[[_Kinds, list[Any], float, int | None], bytes | None] = _wire.encode_events
+"""The native writer of a common map-form batch (``events.wire.codec.encode_batch``)."""
 
 
 def _diff(value: tuple[int, int] | None) -> EventDiff | None:
@@ -351,24 +335,19 @@ _NATIVE_KIT: Final = (
     record_setters(DecodedBatch),
     cache_level_of,
 )
-NATIVE_BATCH: Final[bool] = _native_decode_events is not None
-"""True when the native batch reader is loaded."""
 
 
 def decode_native(payload: bytes | bytearray | memoryview) -> DecodedBatch | None:
-    """The batch, when the native reader takes all of ``payload``; None otherwise, and always
-    without the extension (see the module docstring)."""
-    if _native_decode_events is None:
-        return None
-    batch: DecodedBatch | None = _native_decode_events(_NATIVE_KIT, payload)
+    """The batch, when the native reader takes all of ``payload``; None otherwise (see the
+    module docstring)."""
+    batch: DecodedBatch | None = _wire.decode_events(_NATIVE_KIT, payload)
     return batch
 
 
 def decode_typed(payload: bytes | bytearray | memoryview) -> DecodedBatch | None:
     """The batch, when the typed path takes all of ``payload``: :func:`decode_native`, else
     :func:`decode_structs`; None when neither does (the general path's)."""
-    if _native_decode_events is not None:
-        batch: DecodedBatch | None = _native_decode_events(_NATIVE_KIT, payload)
-        if batch is not None:
-            return batch
+    batch = decode_native(payload)
+    if batch is not None:
+        return batch
     return decode_structs(payload)

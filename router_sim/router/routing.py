@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Protocol
 
-from events.hashing import NATIVE, HashAlgo, chain_hashes
+from events.hashing import HashAlgo, chain_hashes, v1_chain_ints
 from events.stream.subscriber import BatchDelivery, ResyncRequired, SubscriberMessage
 from events.wire.model import BlockHash, DecodedBatch
 from kvcache.scope import ReuseScope
@@ -39,18 +39,14 @@ from router_sim.router.indexer import KvIndexer, MatchDetail, lora_name_id
 from router_sim.router.load import LoadSource, WorkerLoad
 from router_sim.router.policies import RouteRequest, RoutingPolicy, make_policy
 
-try:  # the native V1 chain (events/_v1hash.c), for hash_request's common case
-    from events._v1hash import chain as _v1_chain
-except ImportError:  # pragma: no cover - depends on the install
-    _v1_chain = None  # type: ignore[assignment]
-
 
 def _packed(tokens: Sequence[int]) -> Sequence[int] | bytes:
-    """Token ids as packed native int32s, the hashing's fast input without the extension.
+    """Token ids as packed native int32s: what :meth:`Router.hash_request` hashes for a
+    sequence other than a list (packed in C by ``struct``), and for a list the hashing
+    refused, so that the error is the documented one.
 
-    Packing a list with ``struct`` runs in C; the pure-Python hashing would otherwise
-    validate it id by id. Packed input (``array('i')``, bytes) passes through. Ids outside
-    int32 raise here; negative ids are rejected by the hashing.
+    Packed input (``array('i')``, bytes) passes through. Ids outside int32 raise here;
+    negative ids are rejected by the hashing.
     """
     if isinstance(tokens, (array, bytes, bytearray, memoryview)):
         return tokens
@@ -242,14 +238,13 @@ class Router:
         or, as engines that send ``lora_name`` know it, by its name."""
         if scope is not None and lora_id is None and cache_salt is None and lora_name is None:
             if (
-                _v1_chain is not None
-                and type(tokens) is array
+                type(tokens) is array
                 and tokens.typecode == "i"
                 and self.hash_algo is HashAlgo.V1_BLOCK_KEY
             ):
                 # the common case in one native call: a packed prompt under a scope (the
                 # extension checks the ids' sign and raises what the general path would)
-                return _v1_chain(  # type: ignore[return-value]  # ints are BlockHashes
+                return v1_chain_ints(  # type: ignore[return-value]  # ints are BlockHashes
                     tokens, self.tokens_per_block, scope.lora_id, scope.salt
                 )
         elif scope is not None:
@@ -263,7 +258,7 @@ class Router:
             lora_id = lora_name_id(lora_name)
         if scope is None:
             scope = ReuseScope.for_request(lora_id=lora_id, cache_salt=cache_salt)
-        if NATIVE and isinstance(tokens, list):
+        if isinstance(tokens, list):
             # the extension validates and hashes a list in one pass (packing it first would
             # double the cost); on bad ids, the packed path below gives the documented error
             try:

@@ -12,8 +12,8 @@ gets is what the inline path makes, value for value (tests compare both, and who
 and without).
 
 Requests the thread does not make (a given prompt, a hash-id width other than the trace's,
-too few hash ids for the length), and every request without the extension or with
-:data:`ENABLED` False, are made inline as before.
+too few hash ids for the length), and every request with :data:`ENABLED` False, are made
+inline as before.
 """
 
 from __future__ import annotations
@@ -23,18 +23,10 @@ from typing import Protocol
 
 from kvcache.keys import BlockKey, root_key
 from kvcache.scope import ReuseScope
+from router_sim.sim._prefetch import KEYS, Prefetch
 from router_sim.sim.workloads import PROMPT_TOKEN_BITS, TOKENS_PER_HASH_ID, Request, _layout
 
-try:
-    from router_sim.sim._prefetch import KEYS, Prefetch
-except ImportError:  # pragma: no cover - depends on the install
-    Prefetch = None  # type: ignore[assignment,misc]
-    KEYS = 0
-
-__all__ = ["AHEAD", "ENABLED", "NATIVE", "Made", "PromptSource", "prompt_source"]
-
-NATIVE = Prefetch is not None
-"""Whether the native thread is available (the extension was built)."""
+__all__ = ["AHEAD", "ENABLED", "Made", "PromptSource", "prompt_source"]
 
 ENABLED = True
 """False: every prompt is made inline on the replay's thread (the reference path)."""
@@ -83,7 +75,7 @@ def prompt_source(
     the keys the workers' caches store them under (``kvcache.keys.blockchain_keys``).
     ``take()`` gives each request's :data:`Made` in turn, or None for a request it did not
     take (made inline); ``close()`` stops the thread."""
-    if Prefetch is None or not ENABLED or not requests:
+    if not ENABLED or not requests:
         return None
     roots: dict[ReuseScope, BlockKey] = {}
     keyed = bool(KEYS)

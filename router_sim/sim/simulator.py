@@ -46,6 +46,7 @@ from events.wire.model import BlockHash
 from kvcache.keys import blockchain_keys
 from router_sim.build_info import warn_if_stale
 from router_sim.errors import SimulationError as SimulationError
+from router_sim.router._match import held_prefixes
 from router_sim.router.load import WorkerLoad
 from router_sim.router.policies import EVENT_FREE, make_policy
 from router_sim.router.routing import Router
@@ -62,11 +63,6 @@ from router_sim.sim.timing import default_step_timing
 from router_sim.sim.timing_model import PolynomialTiming
 from router_sim.sim.worker import TRANSPORTS, SimWorker, WorkerConfig
 from router_sim.sim.workloads import Request
-
-try:  # every worker's true overlap in one native call (router_sim/_match.c)
-    from router_sim.router._match import held_prefixes as _held_prefixes
-except ImportError:  # pragma: no cover - depends on the install
-    _held_prefixes = None  # type: ignore[assignment]
 
 ALL_POLICIES: Final[tuple[str, ...]] = (
     "round_robin",
@@ -576,15 +572,7 @@ class Simulation:
         """Per worker, the leading blocks of ``hashes`` its cache holds right now (what the
         report's best and chosen overlaps are made of): natively, every worker's in one call
         (each worker's held set is read at the call: a restart or snapshot replaces it)."""
-        if _held_prefixes is not None:
-            return _held_prefixes([w.held for w in self.workers], hashes)
-        return self._true_overlaps_py(hashes)
-
-    def _true_overlaps_py(self, hashes: list[BlockHash]) -> list[int]:
-        """:meth:`_true_overlaps` without the extension (and its reference in tests)."""
-        # most workers hold not even the first block: one set lookup each, no call
-        first = hashes[0] if hashes else None
-        return [w.true_overlap(hashes) if first in w.held else 0 for w in self.workers]
+        return held_prefixes([w.held for w in self.workers], hashes)
 
     def _wire_stats(self) -> WireStats:
         stats = WireStats(

@@ -19,26 +19,14 @@ workload exactly.
 
 from __future__ import annotations
 
-import functools
 import random
-import sys
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Final
 
 from kvcache.scope import ReuseScope
-
-
-@functools.cache
-def _numpy() -> Any:
-    """numpy, or None without it (optional: the plot and ray extras bring it); imported on
-    first use, so that runs which build no tokens do not pay for the import."""
-    try:
-        import numpy
-    except ImportError:  # pragma: no cover - depends on the install
-        return None
-    return numpy
+from router_sim.router._match import expand_array, id_run
 
 
 def _hash_ids_needed(hash_ids: tuple[int, ...], input_length: int, n: int) -> int:
@@ -75,14 +63,6 @@ def _layout(tokens_per_hash_id: int) -> tuple[int, int]:
     return pos_bits, (1 << (PROMPT_TOKEN_BITS - pos_bits)) - 1
 
 
-try:  # the native expansion (router_sim/_match.c), when the extension is built
-    from router_sim.router._match import expand_array as _expand_ids
-    from router_sim.router._match import id_run as _id_run
-except ImportError:  # pragma: no cover - depends on the install
-    _expand_ids = None  # type: ignore[assignment]
-    _id_run = None  # type: ignore[assignment]
-
-
 def expand_hash_ids(
     hash_ids: tuple[int, ...], input_length: int, tokens_per_hash_id: int = TOKENS_PER_HASH_ID
 ) -> array[int]:
@@ -93,76 +73,14 @@ def expand_hash_ids(
     ids give equal tokens, distinct ids (below 2**b) give disjoint tokens, so two prompts share
     exactly the token prefix their hash ids share.
     The last block is cut so the prompt has ``input_length`` tokens. The native extension
-    writes the prompt in one pass, into the array it returns; without it, numpy builds it as
-    one vectorised OR of the ids and the positions, and without numpy
-    :func:`expand_hash_ids_py` builds the same tokens.
+    (``router_sim.router._match.expand_array``) writes the prompt in one pass, into the array
+    it returns.
     """
     n = tokens_per_hash_id
-    k = _hash_ids_needed(hash_ids, input_length, n)
-    if _expand_ids is not None:  # the native loop: one pass writing the tokens
-        pos_bits, mask = _layout(n)
-        ids = hash_ids if type(hash_ids) is tuple else tuple(hash_ids)
-        return _expand_ids(ids, input_length, n, PROMPT_TOKEN_BITS - pos_bits, mask)
-    np = _numpy()
-    if np is None:
-        return expand_hash_ids_py(hash_ids, input_length, n)
+    _hash_ids_needed(hash_ids, input_length, n)
     pos_bits, mask = _layout(n)
-    positions = _NP_POSITIONS.get(n)
-    if positions is None:
-        positions = np.arange(n, dtype=np.int32) << (PROMPT_TOKEN_BITS - pos_bits)
-        _NP_POSITIONS[n] = positions
-    ids = np.array([h & mask for h in hash_ids[:k]], dtype=np.int32)
-    grid = (ids[:, None] | positions[None, :]).reshape(-1)
-    out: array[int] = array("i")
-    out.frombytes(grid[:input_length].tobytes())  # int32 in native order, as array("i")
-    return out
-
-
-def expand_hash_ids_py(
-    hash_ids: tuple[int, ...], input_length: int, tokens_per_hash_id: int = TOKENS_PER_HASH_ID
-) -> array[int]:
-    """:func:`expand_hash_ids` without numpy. The id part and the position part of a token
-    occupy disjoint bits, so each byte lane of the little-endian prompt (byte ``i`` of every
-    token) is one block's position lane with the id's byte OR-ed in: a table lookup
-    (``bytes.translate``) per block and lane, and no per-token Python work."""
-    n = tokens_per_hash_id
-    k = _hash_ids_needed(hash_ids, input_length, n)
-    _, mask = _layout(n)
-    ids = [h & mask for h in hash_ids[:k]]
-    raw = bytearray(4 * n * k)
-    for lane, pattern in enumerate(_position_lanes(n)):
-        shift = 8 * lane
-        if any(pattern):
-            raw[lane::4] = b"".join(
-                [pattern.translate(_OR_TABLES[(h >> shift) & 0xFF]) for h in ids]
-            )
-        else:  # this lane holds id bits only
-            raw[lane::4] = b"".join([bytes(((h >> shift) & 0xFF,)) * n for h in ids])
-    out: array[int] = array("i")
-    out.frombytes(raw)
-    if sys.byteorder == "big":
-        out.byteswap()
-    del out[input_length:]
-    return out
-
-
-_NP_POSITIONS: dict[int, Any] = {}
-"""Per tokens-per-hash-id: the position part of each token of a block (numpy int32)."""
-_OR_TABLES: Final = [bytes(x | c for x in range(256)) for c in range(256)]
-"""``_OR_TABLES[c]`` maps a byte ``x`` to ``x | c`` (for ``bytes.translate``)."""
-_LANES: dict[int, list[bytes]] = {}
-
-
-def _position_lanes(tokens_per_hash_id: int) -> list[bytes]:
-    """Byte ``i`` (little-endian) of each token's position part, for i in 0..3 (cached)."""
-    cached = _LANES.get(tokens_per_hash_id)
-    if cached is None:
-        pos_bits, _ = _layout(tokens_per_hash_id)
-        shift = PROMPT_TOKEN_BITS - pos_bits
-        words = b"".join((j << shift).to_bytes(4, "little") for j in range(tokens_per_hash_id))
-        cached = [words[lane::4] for lane in range(4)]
-        _LANES[tokens_per_hash_id] = cached
-    return cached
+    ids = hash_ids if type(hash_ids) is tuple else tuple(hash_ids)
+    return expand_array(ids, input_length, n, PROMPT_TOKEN_BITS - pos_bits, mask)
 
 
 @dataclass(slots=True)
@@ -214,14 +132,7 @@ class Request:
         if self.output is not None:
             return self.output
         base = (1 << 30) + (self.request_id * 4099) % ((1 << 30) - self.output_length)
-        if _id_run is not None:  # written in place natively (no numpy range, no copy)
-            return _id_run(base, self.output_length)
-        np = _numpy()
-        if np is None:
-            return array("i", range(base, base + self.output_length))
-        out: array[int] = array("i")
-        out.frombytes(np.arange(base, base + self.output_length, dtype=np.int32).tobytes())
-        return out
+        return id_run(base, self.output_length)  # written in place natively
 
 
 @dataclass(slots=True)
