@@ -46,3 +46,22 @@ def test_only_eligible_workers_are_offered_and_kv_usage_is_clamped() -> None:
     view.end(t)  # the worker left meanwhile: nothing to give back, no error
     assert sorted(view.workers()) == [2]
     assert view.active(0) == 0
+
+
+def test_a_load_read_again_is_kept_until_one_of_its_figures_changes() -> None:
+    view = InFlightLoad(tokens_per_block=16)
+    view.add(0)
+    first = view.load(0)
+    assert view.load(0) is first  # nothing changed: the same snapshot
+    view.set_kv_usage(0, 0.5)
+    assert view.load(0) == WorkerLoad(kv_usage=0.5)
+    view.set_reported(0, 3)
+    assert view.load(0) == WorkerLoad(active_requests=3, kv_usage=0.5)
+    t = view.begin(0, prompt_tokens=32, cached_tokens=0)
+    assert view.load(0) == WorkerLoad(active_requests=3, pending_prefill_tokens=32, kv_usage=0.5)
+    view.first_token(t)
+    assert view.load(0) == WorkerLoad(active_requests=3, decode_blocks=2, kv_usage=0.5)
+    view.set_reported(0, None)
+    assert view.load(0) == WorkerLoad(active_requests=1, decode_blocks=2, kv_usage=0.5)
+    view.end(t)
+    assert view.load(0) == WorkerLoad(kv_usage=0.5)

@@ -31,6 +31,9 @@ class _Book:
     kv_usage: float = 0.0
     eligible: bool = True
     reported: int | None = None
+    shown: WorkerLoad | None = None
+    """The last load :meth:`InFlightLoad.load` made of this book (kept while the figures are
+    the same: every routing decision reads every candidate's load)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -63,7 +66,16 @@ class InFlightLoad:
         if b is None:
             return WorkerLoad()
         active = b.active if b.reported is None else max(b.active, b.reported)
-        return WorkerLoad(active, b.pending_prefill, b.kv_usage, b.decode_blocks)
+        shown = b.shown
+        if (
+            shown is None
+            or shown.active_requests != active
+            or shown.pending_prefill_tokens != b.pending_prefill
+            or shown.kv_usage != b.kv_usage
+            or shown.decode_blocks != b.decode_blocks
+        ):
+            shown = b.shown = WorkerLoad(active, b.pending_prefill, b.kv_usage, b.decode_blocks)
+        return shown
 
     def only(self, workers: frozenset[int] | None) -> None:
         """Offer only ``workers`` (the ones serving a request's model) until called with
