@@ -3,7 +3,7 @@
 The event manager builds one StoredBlock per announced block and the wire decoder one per
 decoded block. Records are msgspec Structs, which msgspec constructs in C (about a tenth of a
 frozen dataclass's constructor), so the builders here are plain Python: one implementation,
-hashing through the V1 primitive of ``events.hashing`` (the native loop when it is built).
+hashing through the V1 primitive of ``events.hashing`` (one native call per chain).
 
 Token ids stay packed where they come packed: the event manager's records hold the cache's own
 ``array('i')`` of each block (the cache never changes a block's array in place; a record's

@@ -10,8 +10,8 @@
  * lookup is then one slot per block, and the slots of the next keys are prefetched before
  * they are read, so a request's misses overlap instead of following one another (Python dicts
  * cost several dependent misses per block: index slot, entry, key object, value object).
- * indexer.py keeps the pure-Python matching loop as the reference and the fallback; tests
- * check both agree.
+ * indexer.py keeps the Python matching loop for keys the table does not hold and for an index
+ * made with native=False; tests check both agree.
  *
  *   MaskTable()
  *   .sync(keys, bit, held)  for each int key: set bit `bit` if key in dict `held`, else clear

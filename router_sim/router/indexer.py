@@ -6,9 +6,9 @@ Layout (chosen for memory and for a matching loop that runs in C)::
     _slower[h]   -> bitmask of workers holding block h on any slower tier (cache_level >= 1)
     _held[w][h]  -> bitmask of the cache levels at which worker w holds block h
 
-The device masks live in ``_device`` (a dict) without the extension; with it, the native
-table holds those of int keys in [0, 2**64) (every key a worker or the router hashes) and
-``_device`` only the others (hex strings, out-of-range ints, group-scoped pairs).
+The device masks live in the native table for int keys in [0, 2**64) (every key a worker or
+the router hashes), and in ``_device`` (a dict) for the others (hex strings, out-of-range ints,
+group-scoped pairs), or for all keys in an index made with ``native=False``.
 
 ``_held`` is the source of truth (it makes ``reset_worker`` O(that worker's blocks) and lets
 removals and moves be checked); the two global maps are derived from it so that matching a
@@ -16,24 +16,23 @@ request touches one or two dict lookups per block whatever the number of workers
 gets a bit; bits are recycled when a worker is removed.
 
 At a million entries those lookups miss the CPU caches several times each (index slot, entry,
-key object, value object), one after the other. So ``find_matches`` runs natively when the
-optional extension ``router_sim.router._match`` is built: ``_table`` holds, for every int key, the
+key object, value object), one after the other. So ``find_matches`` runs natively, in the
+extension ``router_sim.router._match``: ``_table`` holds, for every int key, the
 mask of workers holding it on any tier (bit w set iff the key is in ``_held`` of the worker
 whose bit is w) and its device mask, one slot per key in an open-addressing table whose
 masks are as many 64-bit words as the fleet's highest bit needs (24 bytes a slot up to 64
 workers, 48 up to 128, ...), and a request's slots are fetched ahead so their misses overlap
-(89 -> 14 us p50 over distinct 256-block requests at 1M entries, bench_router.py). The pure
-matching loop (``find_matches_py``) is the reference and the fallback: without the
-extension, and for requests naming keys the table does not hold (strings, ints outside
-[0, 2**64)).
+(89 -> 14 us p50 over distinct 256-block requests at 1M entries, bench_router.py). The Python
+matching loop (``find_matches_py``) serves requests naming keys the table does not hold
+(strings, ints outside [0, 2**64)) and an index made with ``native=False``.
 
 The same extension runs the two per-block loops that dominate a busy stream, one call per
 event: storing blocks on the device tier (``MaskTable.store``: held, device mask and table)
 and evicting blocks held on the device tier only (``MaskTable.evict``: the engine hash ->
 key map too). Each stops at the first block that needs anything else (a slower tier, a copy
 kept elsewhere, an unknown block), which the Python code below handles before handing the
-rest back, so both paths apply a stream identically (the pure one is what runs without the
-extension or with ``native=False``).
+rest back, so both paths apply a stream identically (the Python one is what runs with
+``native=False``; its measured cost: 1.35-1.5x the native loops' CPU on keyed updates).
 
 Matching exploits that a prefix-AND of worker bitmasks is numerically non-increasing (a
 subset of a set of bits is never a larger integer): ``accumulate(masks, and_)`` gives, at
@@ -67,7 +66,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, islice, repeat, takewhile
 from operator import and_, attrgetter, neg, or_
-from typing import Final, TypeAlias
+from typing import Final, TypeAlias, cast
 
 from events import hashing
 from events.wire.model import (
@@ -82,6 +81,7 @@ from events.wire.model import (
     Updated,
 )
 from kvcache.scope import cache_salt_id
+from router_sim.router._match import MaskTable
 
 log = logging.getLogger(__name__)
 
@@ -160,32 +160,11 @@ def _group_mask(group: int | None) -> int:
     return 0 if not group else (group * _GROUP_MUL) & _MASK64 or 1
 
 
-def _chain_lists_py(
-    token_lists: list[Sequence[int]], parent: int, lora: int | None, salt: int | None
-) -> list[int]:
-    """V1 key of each block's token ids in turn, chained from ``parent``; stops before the
-    first block without tokens (the reference of the native ``chain_lists``)."""
-    keys: list[int] = []
-    for tokens in token_lists:
-        if not tokens:
-            break
-        parent = hashing.v1_block_hash(tokens, parent, lora, salt)
-        keys.append(parent)
-    return keys
-
-
-try:  # one native call keys a whole store, when the extension is built
-    from events._v1hash import chain_lists as _native_chain_lists
-except ImportError:  # pragma: no cover - depends on the install
-    _native_chain_lists = None  # type: ignore[assignment]
-
-try:  # the native match loop (see _match.c), when the extension is built
-    from router_sim.router._match import MaskTable
-except ImportError:  # pragma: no cover - depends on the install
-    MaskTable = None  # type: ignore[assignment,misc]
-
-_chain_lists: Callable[[list[Sequence[int]], int, int | None, int | None], list[int]] = (
-    _native_chain_lists if _native_chain_lists is not None else _chain_lists_py
+# the V1 key of each block's token ids in turn, chained from a parent, in one native call;
+# stops before the first block without tokens (token ids as lists or arrays)
+_chain_lists = cast(
+    "Callable[[list[Sequence[int]], int, int | None, int | None], list[int]]",
+    hashing.v1_chain_blocks,
 )
 
 
@@ -248,7 +227,7 @@ class KvIndexer:
         carries (engine-agnostic; what :class:`~router_sim.router.routing.Router` uses by default);
         False keys them by the hashes the workers announce, which requests must then be
         hashed as (this project's workers, V1-hashing engines). ``native``: match natively
-        when the extension is built (False: the pure loop only, no mirror to keep; the same
+        (False: the Python loops only, no mirror to keep; the same
         answers, for measuring what the mirror costs and saves)."""
         if tokens_per_block <= 0:
             raise ValueError(f"tokens_per_block must be > 0, got {tokens_per_block}")
@@ -278,10 +257,8 @@ class KvIndexer:
         # 0 for a full-attention group)}: the groups that also decide a prefix hit (hybrid)
         self._groups: dict[int, dict[int, tuple[str, int]]] = {}
         # the native table of which workers hold each int key, on any tier and on the device
-        # tier (None: the pure-Python loops, without the extension or with native=False)
-        self._table: MaskTable | None = (
-            MaskTable(self._device) if native and MaskTable is not None else None
-        )
+        # tier (None: the Python loops alone, with native=False)
+        self._table: MaskTable | None = MaskTable(self._device) if native else None
         self.batches_applied = 0
         self.events_applied = 0
 
@@ -881,7 +858,7 @@ class KvIndexer:
         group = data.group if keyed else None
         if self._table is None or group or not (level is None or level <= 0):
             # the Python loops: no native table, a KV-cache group, or a slower tier only
-            remove_py = self._remove_keys_py if keyed else self._remove_hashes_py
+            remove_py = self._remove_keys if keyed else self._remove_hashes
             unknown = remove_py(worker, bit, held, hashes, level, group)
         else:
             unknown = self._evict(worker, bit, held, hashes, level, keyed)
@@ -909,7 +886,7 @@ class KvIndexer:
         keys = self._keys[worker] if keyed else None
         recent = self._recent[worker] if keyed else None
         limit = 2 * RECENT_KEYS
-        remove_py = self._remove_keys_py if keyed else self._remove_hashes_py
+        remove_py = self._remove_keys if keyed else self._remove_hashes
         unknown = 0
         n = len(hashes)
         i = 0
@@ -922,7 +899,7 @@ class KvIndexer:
                 i += 1
         return unknown
 
-    def _remove_keys_py(
+    def _remove_keys(
         self,
         worker: int,
         bit: int,
@@ -984,7 +961,7 @@ class KvIndexer:
         self._mirror(touched, bit, False if size - len(held) == len(touched) else held)
         return unknown
 
-    def _remove_hashes_py(
+    def _remove_hashes(
         self,
         worker: int,
         bit: int,
@@ -1096,8 +1073,8 @@ class KvIndexer:
         return self.find_matches_py(block_hashes)
 
     def find_matches_py(self, block_hashes: Sequence[BlockHash]) -> dict[int, int]:
-        """The readable reference of :meth:`find_matches` (its fallback without the native
-        table, or for a request naming keys the table does not mirror)."""
+        """The readable reference of :meth:`find_matches` (what answers for a
+        request naming keys the table does not mirror, and with ``native=False``)."""
         if not block_hashes:
             return {}
         runs = self._run_lengths(self._prefix_masks(block_hashes, device_only=False))
@@ -1205,7 +1182,7 @@ class KvIndexer:
         return self.find_matches_detailed_py(block_hashes)
 
     def find_matches_detailed_py(self, block_hashes: Sequence[BlockHash]) -> dict[int, MatchDetail]:
-        """The readable reference of :meth:`find_matches_detailed` (its fallback, as
+        """The readable reference of :meth:`find_matches_detailed` (as
         :meth:`find_matches_py` is :meth:`find_matches`')."""
         if not block_hashes:
             return {}
