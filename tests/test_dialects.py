@@ -28,7 +28,7 @@ from router_sim.router.indexer import lora_name_id
 from router_sim.sim.dialects import ENGINES, adapter_name, make_dialect, request_scope
 from router_sim.sim.metrics import RequestRecord
 from router_sim.sim.simulator import Restart, SimConfig, Simulation
-from router_sim.sim.worker import SimWorker, WorkerConfig
+from router_sim.sim.worker import Frame, SimWorker, WorkerConfig
 from router_sim.sim.workloads import Request, SyntheticSpec, synthetic_workload
 
 TPB = 16
@@ -50,8 +50,8 @@ def _requests() -> list[Request]:
     return reqs
 
 
-def _frames(engine: str, worker_id: int = 0) -> list[list[Any]]:
-    """The raw payloads ``[ts, events, dp_rank]`` one simulated worker publishes."""
+def _worker_frames(engine: str, worker_id: int = 0) -> list[Frame]:
+    """The memory-transport frames one simulated worker publishes for :func:`_requests`."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     cfg = WorkerConfig(tokens_per_block=TPB, device_blocks=8, host_blocks=8, engine=engine)
     w = SimWorker(worker_id, cfg, context=ctx)
@@ -61,13 +61,40 @@ def _frames(engine: str, worker_id: int = 0) -> list[list[Any]]:
             record = RequestRecord(req.request_id, worker_id, req.arrival_ms, 0, 0)
             w.enqueue(req, record, req.arrival_ms, req.tokens())
             w.run_until(math.inf)
-        payloads = [p for _, p, _ in w.take_frames()]
+        return w.take_frames()
     finally:
         w.close()
         ctx.term()
+
+
+def _frames(engine: str, worker_id: int = 0) -> list[list[Any]]:
+    """The raw payloads ``[ts, events, dp_rank]`` one simulated worker publishes."""
+    payloads = [p for _, p, _, _ in _worker_frames(engine, worker_id)]
     for p in payloads:
         decode_batch(p)  # this project's decoder reads every dialect
     return [msgspec.msgpack.decode(p) for p in payloads]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_the_memory_transport_hands_over_what_the_payload_decodes_to(engine: str) -> None:
+    """The memory transport gives the router a native worker's records without decoding its
+    payload: they must be what decoding gives (salted, LoRA and host-tier blocks included);
+    an engine's payload, and a batch holding events the wire writes otherwise, is decoded."""
+    frames = _worker_frames(engine)
+    batches = [(payload, batch) for _, payload, kind, batch in frames if kind == "batch"]
+    assert len(batches) > 3
+    if engine != "native":
+        assert all(batch is None for _, batch in batches)
+        return
+    handed = [(p, b) for p, b in batches if b is not None]
+    assert len(handed) > len(batches) / 2  # all but the first (Created) and tier moves
+    levels = set()
+    for payload, batch in batches:
+        if batch is None:
+            continue
+        assert decode_batch(payload) == batch
+        levels |= {b.cache_level for e in batch.events for b in getattr(e.data, "blocks", [])}
+    assert levels == {0, 1}  # stores to the host tier travelled too
 
 
 def _events(frames: list[list[Any]], kind: str) -> list[dict[str, Any]]:

@@ -145,7 +145,7 @@ def test_one_full_group_is_the_default_stream() -> None:
                     record = RequestRecord(req.request_id, 0, req.arrival_ms, 0, 0)
                     w.enqueue(req, record, req.arrival_ms, req.tokens())
                     w.run_until(math.inf)
-                frames[name] = [p for _, p, _ in w.take_frames()]
+                frames[name] = [p for _, p, _, _ in w.take_frames()]
             finally:
                 w.close()
     finally:

@@ -379,12 +379,13 @@ class Simulation:
             for w in self.workers:
                 if w.has_frames:
                     wid = w.worker_id
-                    for seq, payload, kind in w.take_frames():
+                    for seq, payload, kind, batch in w.take_frames():
                         if kind == "resync":
                             self._enqueue(ResyncRequired(wid, "event buffer overflow"))
                             continue
-                        snap = kind == "snapshot"
-                        self._enqueue(BatchDelivery(wid, seq, decode_batch(payload), snap))
+                        if batch is None:  # an engine's payload: what the router would read
+                            batch = decode_batch(payload)
+                        self._enqueue(BatchDelivery(wid, seq, batch, kind == "snapshot"))
             return
         deadline = time.monotonic() + self.config.drain_timeout_s
         while True:

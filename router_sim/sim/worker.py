@@ -34,14 +34,21 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Final
+from typing import Final, TypeAlias
 
 import zmq
 
 from events.manager import KVCacheEventManager
 from events.stream.publisher import ZmqEventPublisher
 from events.stream.snapshot import split_parts
-from events.wire.model import AllBlocksCleared, BlockHash, KVCacheEvent, Removed, Stored
+from events.wire.model import (
+    AllBlocksCleared,
+    BlockHash,
+    DecodedBatch,
+    KVCacheEvent,
+    Removed,
+    Stored,
+)
 from kvcache.config import KVCacheManagerConfig, TierConfig
 from kvcache.errors import OutOfPagesError
 from kvcache.keys import BlockKey
@@ -51,12 +58,26 @@ from kvcache.sequence import KVCache
 from kvcache.tree import RadixTree
 from router_sim.errors import WorkerError as WorkerError
 from router_sim.router.load import WorkerLoad
-from router_sim.sim.dialects import KvGroup, check_engine, check_kv_groups, make_dialect
+from router_sim.sim.dialects import (
+    Dialect,
+    KvGroup,
+    check_engine,
+    check_kv_groups,
+    make_dialect,
+)
 from router_sim.sim.metrics import RequestRecord
 from router_sim.sim.timing import StepTiming, default_step_timing
 from router_sim.sim.workloads import Request
 
 log = logging.getLogger(__name__)
+
+_AS_ENCODED: Final = (Stored, Removed, AllBlocksCleared)
+"""Events the native encoder writes one for one (a ``Stored`` is one run: the event manager
+coalesces chains by the wire's run rule)."""
+
+Frame: TypeAlias = tuple[int, bytes, str, "DecodedBatch | None"]
+"""A memory-transport frame: seq, payload, kind, and the decoded batch when known (see
+:meth:`SimWorker.take_frames`)."""
 
 TRANSPORTS: Final[tuple[str, ...]] = ("memory", "inproc", "tcp")
 """``memory``: encoded frames are handed over in process (offline runs, no sockets);
@@ -224,7 +245,7 @@ class SimWorker:
         self.publisher: ZmqEventPublisher | None = None
         self._load: WorkerLoad | None = None
         # memory transport: (seq, payload, kind) with kind "batch", "resync" or "snapshot"
-        self._outbox: list[tuple[int, bytes, str]] = []
+        self._outbox: list[Frame] = []
         self._next_seq = 0
         self.published = 0
         self.restarts = 0
@@ -235,6 +256,7 @@ class SimWorker:
         self.dialect = make_dialect(
             config.engine, worker_id, config.tokens_per_block, config.kv_groups
         )
+        self._native_wire = type(self.dialect) is Dialect  # its payloads are encode_batch's
         self._start_engine()
 
     # ------------------------------------------------------------------ engine lifecycle
@@ -338,11 +360,14 @@ class SimWorker:
         """Memory transport: frames are waiting for :meth:`take_frames`."""
         return bool(self._outbox)
 
-    def take_frames(self) -> list[tuple[int, bytes, str]]:
-        """Memory transport: the (seq, payload, kind) frames published since the last call, in
-        order. Payloads are the bytes a ZeroMQ subscriber would receive (less topic and seq);
-        kind is ``"batch"``, or, after the event buffer lost events, ``"resync"`` (empty
-        payload) followed by the ``"snapshot"`` parts that a subscriber would receive."""
+    def take_frames(self) -> list[Frame]:
+        """Memory transport: the (seq, payload, kind, batch) frames published since the last
+        call, in order. Payloads are the bytes a ZeroMQ subscriber would receive (less topic
+        and seq); kind is ``"batch"``, or, after the event buffer lost events, ``"resync"``
+        (empty payload) followed by the ``"snapshot"`` parts that a subscriber would receive.
+        ``batch``: what decoding the payload gives, where the worker knows it without decoding
+        (this project's own events, whose records are the wire's: ``decode_batch`` of the
+        payload equals them), else None."""
         frames, self._outbox = self._outbox, []
         return frames
 
@@ -411,24 +436,33 @@ class SimWorker:
         if self.publisher is not None or self.config.events != "publish":
             return
         seq = self._next_seq - 1
-        self._outbox.append((seq, b"", "resync"))
+        self._outbox.append((seq, b"", "resync", None))
         for part in split_parts(snapshot):
             payload = self.dialect.encode(part, self.clock_ms / 1000.0, snapshot=True)
             self.bytes_published += len(payload) + 8
-            self._outbox.append((seq, payload, "snapshot"))
+            self._outbox.append((seq, payload, "snapshot", None))
 
     def _send(self, batch: list[KVCacheEvent]) -> None:
         if self.config.held:
             self._track(batch)
         if self.config.events != "publish":
             return
-        payload = self.dialect.encode(batch, self.clock_ms / 1000.0)
+        ts = self.clock_ms / 1000.0
+        payload = self.dialect.encode(batch, ts)
         self.published += 1
         self.events_published += len(batch)
         if self.publisher is None:
             # what the wire would carry: empty topic, 8-byte seq, payload
             self.bytes_published += len(payload) + 8
-            self._outbox.append((self._next_seq, payload, "batch"))
+            # this project's stores, removals and clears travel as they are (the payload
+            # decodes to them: tests/test_dialects.py); tier moves and an engine dialect's
+            # events only through their bytes
+            native = (
+                DecodedBatch(ts, list(batch))
+                if self._native_wire and all(type(e.data) in _AS_ENCODED for e in batch)
+                else None
+            )
+            self._outbox.append((self._next_seq, payload, "batch", native))
             self._next_seq += 1
             return
         self._publish_zmq(self.publisher, payload)
