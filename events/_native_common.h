@@ -1,8 +1,8 @@
 /*
- * Helpers shared by the events package's native extensions: _v1hash.c (V1 hashes and the
- * StoredBlock records) and _wire.c (the msgpack wire codec). Each of them includes this header, so the token-array builders, the
- * limit-argument check, the record builder and the interned field names live here once rather
- * than in a copy per file. Every function is static inline; the module-level objects below are
+ * Helpers shared by the events package's native extensions: _v1hash.c (V1 hashes) and _wire.c
+ * (the msgpack wire codec, which alone builds records). Each of them includes this header, so
+ * the token-array builders, the limit-argument check, the record builder and the interned field
+ * names live here once rather than in a copy per file. Every function is static inline; the module-level objects below are
  * per extension (each has its own copy), set by native_common_init() from its PyInit.
  */
 #ifndef EVENTS_NATIVE_COMMON_H
@@ -103,7 +103,7 @@ static inline int limit_arg(const char *name, PyObject *const *args, Py_ssize_t 
     return *limit == -1 && PyErr_Occurred() ? -1 : 0;
 }
 
-/* ---- record builder (see _v1hash.c for why records are built this way) ---------------- */
+/* ---- record builder (_wire.c's decoder) ------------------------------------------------- */
 
 #define RECORD_FIELDS 6 /* block_hash, tokens, lora_id, cache_level, priority, cache_salt_id */
 
@@ -111,8 +111,7 @@ static inline int limit_arg(const char *name, PyObject *const *args, Py_ssize_t 
  * token list, a record none of whose fields the collector tracks (ints, strings, None, an
  * untracked token list or array) cannot be part of a cycle, and is left out of it too. An
  * array holds no reference but its type's, so no cycle can run through it either: the
- * collector tracks arrays (their type is a heap type) and a token array is untracked here, the
- * way untrack_token_list untracks a list of ints. */
+ * collector tracks arrays (their type is a heap type) and a token array is untracked here. */
 static inline PyObject *new_record_n(PyObject *cls, PyObject *setters, PyObject *const *values,
                                      Py_ssize_t n) {
     PyTypeObject *type = (PyTypeObject *)cls;
@@ -144,8 +143,7 @@ static inline PyObject *new_record(PyObject *cls, PyObject *setters, PyObject *c
     return new_record_n(cls, setters, values, RECORD_FIELDS);
 }
 
-/* The interned names of a block record's fields: stored_runs (_v1hash.c) reads them and
- * encode_events (_wire.c) writes them. */
+/* The interned names of a block record's fields: encode_events (_wire.c) reads them. */
 static PyObject *STR_BLOCK_HASH, *STR_TOKENS, *STR_LORA_ID, *STR_CACHE_LEVEL, *STR_PRIORITY,
     *STR_CACHE_SALT_ID;
 

@@ -1,9 +1,10 @@
 /*
  * Native V1 block hashes (WIRE.md section 3): TensorRT-LLM's V1 BlockKeyHasher, 64-bit.
  *
- * events/hashing.py keeps the readable pure-Python reference; this file computes the same
- * values for a list of token ids or packed native-endian int32s (array('i'), or its bytes), so
- * a router can hash a whole prompt in one call. Tests check both agree.
+ * The one implementation (events.hashing calls it); the readable pure-Python reference the
+ * tests compare it with is tests/_reference.py. It takes a list of token ids or packed
+ * native-endian int32s (array('i'), or its bytes), so a router can hash a whole prompt in one
+ * call.
  *
  *   block_hash(tokens, parent_hash, lora_id, salt_id) -> int
  *   chain(tokens, tokens_per_block, lora_id, salt_id) -> list[int]   (full blocks only)
@@ -11,8 +12,8 @@
  * lora_id / salt_id are ints in [0, 2**64) or None. Token ids must lie in [0, 2**31).
  *
  * Records are built in Python (events/wire/_records.py: msgspec Structs, constructed in C by
- * msgspec) over block_hash. The msgpack codec is in _wire.c, its own extension so that one
- * failing to build leaves the other; what they share is in _native_common.h.
+ * msgspec) over block_hash. The msgpack codec is in _wire.c, its own extension; what they
+ * share is in _native_common.h.
  */
 #include "_native_common.h"
 
