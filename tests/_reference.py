@@ -1,9 +1,9 @@
 """Plain Python references of what the C extensions compute, for the tests to check them against.
 
 Each is written from the documented behaviour, independent of the native code (none of it calls
-an extension): the V1 block hash from WIRE.md 3 (TensorRT-LLM's ``BlockKeyHasher``), the token
-codecs from msgspec, the simulator's prompt expansion from its per-token formula
-(``router_sim.sim.workloads.expand_hash_ids``).
+an extension): the V1 block hash from WIRE.md 3 (TensorRT-LLM's ``BlockKeyHasher``, as the
+hash-drift diagnosis states it in plain Python), the token codecs from msgspec, the simulator's
+prompt expansion from its per-token formula (``router_sim.sim.workloads.expand_hash_ids``).
 """
 
 from __future__ import annotations
@@ -16,35 +16,12 @@ from typing import Annotated, Any, Final
 import msgspec
 from msgspec import Meta
 
+from events.tools.diagnosis import v1_variant
 from events.wire.fast import MAX_TOKENS
 from kvcache.keys import TOKEN_LIMIT
 from kvcache.scope import ReuseScope
 
 # --- the V1 block hash (WIRE.md 3) -----------------------------------------------------------
-
-# Constants of TensorRT-LLM's BlockKeyHasher (kvCacheManager.cpp), also given in WIRE.md 3.
-M1: Final = 0xBF58476D1CE4E5B9
-M2: Final = 0x94D049BB133111EB
-C32: Final = 0x45D9F3B
-G: Final = 0x9E3779B9
-MASK32: Final = 0xFFFFFFFF
-MASK64: Final = 0xFFFFFFFFFFFFFFFF
-
-
-def mix32(a: int, seed: int) -> int:
-    a &= MASK32
-    a = (((a >> 16) ^ a) * C32) & MASK32
-    a = (((a >> 16) ^ a) * C32) & MASK32
-    a = (a >> 16) ^ a
-    # a + G wraps at 32 bits before it is widened; the seed terms wrap at 64 bits.
-    return (seed ^ (((a + G) & MASK32) + (seed << 6) + (seed >> 2))) & MASK64
-
-
-def mix64(b: int, seed: int) -> int:
-    b = ((b ^ (b >> 30)) * M1) & MASK64
-    b = ((b ^ (b >> 27)) * M2) & MASK64
-    b = b ^ (b >> 31)
-    return (seed ^ (b + G + (seed << 6) + (seed >> 2))) & MASK64
 
 
 def v1_block_hash(
@@ -53,16 +30,10 @@ def v1_block_hash(
     lora_id: int | None = None,
     salt_id: int | None = None,
 ) -> int:
-    """The V1 hash of one block (no input checks: give ids in [0, 2**31))."""
-    seed = (len(tokens) ^ (parent_hash * M1)) & MASK64
-    # TensorRT-LLM mixes the salt whenever the parent hash is 0, which is the first block.
-    if parent_hash == 0 and salt_id is not None:
-        seed = mix64(salt_id, seed)
-    for tok in tokens:
-        seed = mix32(tok, seed)
-    if lora_id is not None:
-        seed = mix64(lora_id, seed)
-    return seed
+    """The V1 hash of one block (no input checks: give ids in [0, 2**31)): the drift-free form
+    of ``events.tools.diagnosis.v1_variant``, plain Python written from WIRE.md 3 (the one
+    statement of its mixing steps outside the C loop and the golden-vector generator)."""
+    return v1_variant(tokens, parent_hash, lora_id, salt_id)
 
 
 def v1_chain(tokens: Sequence[int], tokens_per_block: int, scope: ReuseScope) -> list[int]:
