@@ -299,6 +299,12 @@ def _positional(wire: list[dict[str, Any]]) -> list[list[Any]]:
 
 _NATIVE_KINDS: Final = (Stored, Removed, AllBlocksCleared)
 
+WRITTEN_AS_IS: Final = (Stored, Removed, AllBlocksCleared)
+"""The event kinds :func:`encode_batch` writes as one wire event each, which
+:func:`decode_batch` gives back equal, a ``Stored`` provided its blocks form one run (as the
+event manager's do). ``Updated`` travels as a removal plus a placeholder store and ``Created``
+not at all (see the module docstring)."""
+
 
 def encode_batch(
     events: Iterable[KVCacheEvent],

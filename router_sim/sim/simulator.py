@@ -369,9 +369,13 @@ class Simulation:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise SimulationError(f"worker {w.worker_id}: its replay never answered the join")
-            for msg in self.subscriber.poll(timeout_ms=max(1, min(200, math.ceil(left * 1000)))):
-                self._enqueue(msg)
+            self._receive(left)
         w.announce()
+
+    def _receive(self, left_s: float) -> None:
+        """Poll the subscriber once (at most ``left_s``, and 200 ms) and queue what it gives."""
+        for msg in self.subscriber.poll(timeout_ms=max(1, min(200, math.ceil(left_s * 1000)))):
+            self._enqueue(msg)
 
     def _drain(self) -> None:
         """Receive until every frame the workers sent live has been delivered."""
@@ -412,8 +416,7 @@ class Simulation:
                     f"event stream stalled for {self.config.drain_timeout_s} s ({detail}); "
                     "check the transport and the publisher logs"
                 )
-            for msg in self.subscriber.poll(timeout_ms=max(1, min(200, math.ceil(left * 1000)))):
-                self._enqueue(msg)
+            self._receive(left)
 
     def _enqueue(self, msg: SubscriberMessage) -> None:
         wid = msg.worker

@@ -41,6 +41,7 @@ import zmq
 from events.manager import KVCacheEventManager
 from events.stream.publisher import ZmqEventPublisher
 from events.stream.snapshot import split_parts
+from events.wire.codec import WRITTEN_AS_IS
 from events.wire.model import (
     AllBlocksCleared,
     BlockHash,
@@ -70,10 +71,6 @@ from router_sim.sim.timing import StepTiming, default_step_timing
 from router_sim.sim.workloads import Request
 
 log = logging.getLogger(__name__)
-
-_AS_ENCODED: Final = (Stored, Removed, AllBlocksCleared)
-"""Events the native encoder writes one for one (a ``Stored`` is one run: the event manager
-coalesces chains by the wire's run rule)."""
 
 Frame: TypeAlias = tuple[int, bytes, str, "DecodedBatch | None"]
 """A memory-transport frame: seq, payload, kind, and the decoded batch when known (see
@@ -459,7 +456,7 @@ class SimWorker:
             # events only through their bytes
             native = (
                 DecodedBatch(ts, list(batch))
-                if self._native_wire and all(type(e.data) in _AS_ENCODED for e in batch)
+                if self._native_wire and all(type(e.data) in WRITTEN_AS_IS for e in batch)
                 else None
             )
             self._outbox.append((self._next_seq, payload, "batch", native))
