@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from events.manager import KVCacheEventManager
 from events.wire import _records, codec
 from events.wire.codec import decode_batch, encode_batch
+from events.wire.fast import wire_runs
 from events.wire.model import KVCacheEvent, Removed, Stored, StoredBlock
 from kvcache.config import KVCacheManagerConfig, TierConfig
 from kvcache.manager import KVCacheManager
@@ -129,6 +130,35 @@ def test_wire_runs_split_on_attributes_and_short_blocks() -> None:
     assert codec._stored_runs(blocks, 2) == expected
     with pytest.raises(ValueError, match=r"1\.\.block_size"):
         codec._stored_runs([StoredBlock(1, [])], 2)
+
+
+def test_wire_runs_is_where_every_writer_splits() -> None:
+    """The rule's one statement: hand-derived ends for each field and the short-block case, and
+    both writers split where it says."""
+    base = StoredBlock(1, array("i", [1, 2]), None, 0, 35, None)
+    cases = [
+        ([base, base, base], [3]),
+        ([base, StoredBlock(2, array("i", [3]), None, 0, 35, None)], [2]),  # a short last one
+        ([StoredBlock(2, array("i", [3]), None, 0, 35, None), base], [1, 2]),  # ends its event
+        ([base, StoredBlock(2, array("i", [3, 4]), 7, 0, 35, None)], [1, 2]),  # LoRA
+        ([base, StoredBlock(2, array("i", [3, 4]), None, 1, 35, None)], [1, 2]),  # tier
+        ([base, StoredBlock(2, array("i", [3, 4]), None, 0, 20, None)], [1, 2]),  # priority
+        ([base, StoredBlock(2, array("i", [3, 4]), None, 0, 35, 9), base], [1, 2, 3]),  # salt
+        ([], []),
+    ]
+    for blocks, ends in cases:
+        assert wire_runs(blocks, 2) == ends, blocks
+        if not blocks:
+            continue
+        event = [KVCacheEvent(1, Stored(None, blocks, 2))]
+        for payload in (encode_batch(event, 0.0), codec.encode_batch_msgspec(event, 0.0)):
+            sizes = [len(e.data.blocks) for e in decode_batch(payload).events]
+            assert sizes == [b - a for a, b in zip([0, *ends], ends, strict=False)], blocks
+    odd = StoredBlock(1, [1], lora_id=2**64)  # not a 64-bit int: equal to itself only
+    other = StoredBlock(1, [1], lora_id=int(str(2**64)))  # an equal int, another object
+    assert wire_runs([odd, odd, other], 1) == [2, 3]
+    with pytest.raises(AttributeError):
+        wire_runs([object()], 1)
 
 
 uint_edges = st.sampled_from([0, 1, 127, 128, 255, 256, 65535, 65536, 2**31, 2**32 - 1])

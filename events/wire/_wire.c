@@ -1104,13 +1104,14 @@ static int mw_str(mp_writer *w, const char *s, Py_ssize_t len) {
 
 /* An int or None as read for the encoder. */
 typedef struct {
-    int state; /* 1 None, 2 an int */
+    int state; /* 1 None, 2 an int, 3 another object (take_opt) */
     int neg;
     uint64_t ux;
 } py_opt;
 
 /* Reads obj (None, or an exact int in [-2**63, 2**64) when ints_only is 0; an exact int in
- * [0, 2**64) when it is 1): 1, or 0 for anything else (which msgspec's path writes or refuses).
+ * [0, 2**64) when it is 1): 1, or 0 for anything else (which msgspec's path writes or refuses);
+ * ints_only 2: as 0, anything else read as itself (state 3, equal to the same object only).
  * Takes the reference to obj (new from a getattr; NULL when that failed: -1). */
 static int take_opt(PyObject *obj, py_opt *v, int ints_only) {
     if (obj == NULL) {
@@ -1131,9 +1132,12 @@ static int take_opt(PyObject *obj, py_opt *v, int ints_only) {
                 ok = 0;
             }
         }
-        ok = ok && overflow >= 0 && !(ints_only && v->neg);
+        ok = ok && overflow >= 0 && !(ints_only == 1 && v->neg);
     } else {
         ok = 0;
+    }
+    if (!ok && ints_only == 2) {
+        v->state = 3, v->neg = 0, v->ux = (uint64_t)(uintptr_t)obj, ok = 1;
     }
     Py_DECREF(obj);
     return ok;
@@ -1199,15 +1203,45 @@ static int plain_level(const py_opt *level, int none_ok) {
     return level->state == 1 ? none_ok : !level->neg && level->ux < 3;
 }
 
+/* Reads the fields a block shares with the others of its wire event (same_event): 1, 0 for a
+ * value that is not None or an int in [-2**63, 2**64) (any: read as itself), -1 on error. */
+static int read_run_fields(PyObject *block, enc_block *b, int any) {
+    int rc, mode = any ? 2 : 0;
+    if ((rc = take_opt(PyObject_GetAttr(block, STR_LORA_ID), &b->lora, mode)) != 1 ||
+        (rc = take_opt(PyObject_GetAttr(block, STR_CACHE_LEVEL), &b->level, mode)) != 1 ||
+        (rc = take_opt(PyObject_GetAttr(block, STR_PRIORITY), &b->priority, mode)) != 1 ||
+        (rc = take_opt(PyObject_GetAttr(block, STR_CACHE_SALT_ID), &b->salt, mode)) != 1) {
+        return rc;
+    }
+    return 1;
+}
+
+/* The run rule, its one statement (WIRE.md section 4): block b travels in the same BlockStored
+ * wire event as block a, its predecessor in a Stored event, when a is full (only an event's last
+ * block may be short) and both have one LoRA id, medium, priority and salt. */
+static int same_event(const enc_block *a, const enc_block *b, Py_ssize_t block_size) {
+    return a->n == block_size && same_opt(&a->lora, &b->lora) && same_opt(&a->level, &b->level) &&
+           same_opt(&a->priority, &b->priority) && same_opt(&a->salt, &b->salt);
+}
+
+/* The end of each wire event's blocks among bs[0, n), in ends; their count. */
+static Py_ssize_t split_runs(const enc_block *bs, Py_ssize_t n, Py_ssize_t block_size,
+                             Py_ssize_t *ends) {
+    Py_ssize_t count = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + 1 == n || !same_event(&bs[i], &bs[i + 1], block_size)) {
+            ends[count++] = i + 1;
+        }
+    }
+    return count;
+}
+
 /* Reads a block; 1, 0 when the encoder leaves it to msgspec's path, -1 on error. */
 static int read_enc_block(PyObject *block, enc_block *b) {
     int rc;
     b->tokens = NULL;
     if ((rc = take_opt(PyObject_GetAttr(block, STR_BLOCK_HASH), &b->hash, 1)) != 1 ||
-        (rc = take_opt(PyObject_GetAttr(block, STR_LORA_ID), &b->lora, 0)) != 1 ||
-        (rc = take_opt(PyObject_GetAttr(block, STR_CACHE_LEVEL), &b->level, 1)) != 1 ||
-        (rc = take_opt(PyObject_GetAttr(block, STR_PRIORITY), &b->priority, 0)) != 1 ||
-        (rc = take_opt(PyObject_GetAttr(block, STR_CACHE_SALT_ID), &b->salt, 0)) != 1) {
+        (rc = read_run_fields(block, b, 0)) != 1) {
         return rc;
     }
     /* a level whose medium is named here */
@@ -1268,7 +1302,7 @@ static int encode_stored(mp_writer *w, PyObject *data, const enc_common *c, Py_s
     int rc = 0;
     py_opt parent, size;
     enc_block *bs = NULL;
-    Py_ssize_t n = 0, got = 0;
+    Py_ssize_t n = 0, got = 0, *ends = NULL;
     if (!PyList_CheckExact(blocks) ||
         (rc = take_opt(PyObject_GetAttr(data, STR_PARENT_HASH), &parent, 0)) != 1 ||
         (rc = take_opt(PyObject_GetAttr(data, STR_BLOCK_SIZE), &size, 0)) != 1) {
@@ -1284,7 +1318,8 @@ static int encode_stored(mp_writer *w, PyObject *data, const enc_common *c, Py_s
         goto done;
     }
     bs = PyMem_Calloc((size_t)n, sizeof(enc_block));
-    if (bs == NULL) {
+    ends = PyMem_Calloc((size_t)n, sizeof(Py_ssize_t));
+    if (bs == NULL || ends == NULL) {
         PyErr_NoMemory();
         rc = -1;
         goto done;
@@ -1298,10 +1333,15 @@ static int encode_stored(mp_writer *w, PyObject *data, const enc_common *c, Py_s
         }
     }
     Py_ssize_t block_size = size.state == 2 ? (Py_ssize_t)size.ux : bs[0].n;
-    Py_ssize_t start = 0, total = 0, ids = 0;
+    Py_ssize_t ids = 0;
+    rc = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (!(0 < bs[i].n && bs[i].n <= block_size)) {
+            goto done; /* msgspec's path raises */
+        }
         ids += bs[i].n;
     }
+    Py_ssize_t n_runs = split_runs(bs, n, block_size, ends);
     /* room for the whole event at once (5 bytes an id, 9 a hash, the fields of a wire event
      * per block at most, about 280 bytes with its hash_algo), so that it is never moved while
      * written (the room is a reservation: a write past it still grows the buffer) */
@@ -1309,34 +1349,28 @@ static int encode_stored(mp_writer *w, PyObject *data, const enc_common *c, Py_s
         rc = -1;
         goto done;
     }
-    rc = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (!(0 < bs[i].n && bs[i].n <= block_size)) {
-            goto done; /* msgspec's path raises */
+    Py_ssize_t start = 0;
+    for (Py_ssize_t r = 0; r < n_runs; r++) {
+        /* blocks [start, end) travel as one BlockStored */
+        Py_ssize_t end = ends[r], total = 0;
+        for (Py_ssize_t k = start; k < end; k++) {
+            total += bs[k].n;
         }
-        total += bs[i].n;
-        const enc_block *a = &bs[i], *b = i + 1 < n ? &bs[i + 1] : NULL;
-        if (b != NULL && a->n == block_size && same_opt(&a->lora, &b->lora) &&
-            same_opt(&a->level, &b->level) && same_opt(&a->priority, &b->priority) &&
-            same_opt(&a->salt, &b->salt)) {
-            continue;
-        }
-        /* blocks [start, i] travel as one BlockStored */
         const enc_block *first = &bs[start];
         if (mw_header(w, 0x80, 0xde, 12 + (c->window.ux != 0) + c->rank_differs) < 0 ||
             MW_KEY(w, "type") < 0 || MW_KEY(w, "BlockStored") < 0 ||
-            MW_KEY(w, "block_hashes") < 0 || mw_header(w, 0x90, 0xdc, i + 1 - start) < 0) {
+            MW_KEY(w, "block_hashes") < 0 || mw_header(w, 0x90, 0xdc, end - start) < 0) {
             rc = -1;
             goto done;
         }
-        for (Py_ssize_t k = start; k <= i; k++) {
+        for (Py_ssize_t k = start; k < end; k++) {
             if (mw_opt(w, &bs[k].hash) < 0) {
                 rc = -1;
                 goto done;
             }
         }
         if (MW_KEY(w, "parent_block_hash") < 0 || mw_opt(w, &parent) < 0 ||
-            MW_KEY(w, "token_ids") < 0 || mw_tokens(w, bs, start, i + 1, total) < 0 ||
+            MW_KEY(w, "token_ids") < 0 || mw_tokens(w, bs, start, end, total) < 0 ||
             MW_KEY(w, "block_size") < 0 || mw_int(w, 0, (uint64_t)block_size) < 0 ||
             MW_KEY(w, "lora_id") < 0 || mw_opt(w, &first->lora) < 0 ||
             MW_KEY(w, "medium") < 0 || mw_medium(w, &first->level) < 0 ||
@@ -1349,9 +1383,8 @@ static int encode_stored(mp_writer *w, PyObject *data, const enc_common *c, Py_s
             goto done;
         }
         ++*n_wire;
-        parent = bs[i].hash;
-        start = i + 1;
-        total = 0;
+        parent = bs[end - 1].hash;
+        start = end;
     }
     rc = 1;
 done:
@@ -1359,6 +1392,7 @@ done:
         Py_XDECREF(bs[i].tokens);
     }
     PyMem_Free(bs);
+    PyMem_Free(ends);
     Py_DECREF(blocks);
     return rc;
 }
@@ -1549,6 +1583,60 @@ static PyObject *encode_events(PyObject *self, PyObject *const *args, Py_ssize_t
     return w.obj;
 }
 
+/* wire_runs(blocks, block_size) -> list[int]: the end of each BlockStored wire event's blocks
+ * (same_event) among a Stored event's blocks, for msgspec's path and the simulated engines (a
+ * field other than None or a 64-bit int equals the same object only). */
+static PyObject *wire_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2 || !PyLong_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "wire_runs(blocks: list, block_size: int)");
+        return NULL;
+    }
+    Py_ssize_t block_size = PyLong_AsSsize_t(args[1]);
+    if (block_size == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *blocks = PySequence_Fast(args[0], "wire_runs: blocks must be a sequence");
+    if (blocks == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(blocks), count = 0;
+    enc_block *bs = PyMem_Calloc((size_t)n + 1, sizeof(enc_block));
+    Py_ssize_t *ends = PyMem_Calloc((size_t)n + 1, sizeof(Py_ssize_t));
+    PyObject *out = NULL;
+    if (bs == NULL || ends == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *block = PySequence_Fast_GET_ITEM(blocks, i);
+        if (read_run_fields(block, &bs[i], 1) != 1) {
+            goto done;
+        }
+        PyObject *tokens = PyObject_GetAttr(block, STR_TOKENS);
+        bs[i].n = tokens == NULL ? -1 : PyObject_Size(tokens);
+        Py_XDECREF(tokens);
+        if (bs[i].n < 0) {
+            goto done;
+        }
+    }
+    count = split_runs(bs, n, block_size, ends);
+    out = PyList_New(count);
+    for (Py_ssize_t k = 0; out != NULL && k < count; k++) {
+        PyObject *end = PyLong_FromSsize_t(ends[k]);
+        if (end == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, k, end);
+    }
+done:
+    PyMem_Free(bs);
+    PyMem_Free(ends);
+    Py_DECREF(blocks);
+    return out;
+}
+
 /* simd(on=None) -> bool: whether the token ids go through the SSSE3 loops (False where the CPU
  * or the build has none); on: use them (when there are) or not, so that tests compare both
  * ways on one machine. */
@@ -1590,6 +1678,9 @@ static PyMethodDef methods[] = {
     {"encode_events", (PyCFunction)(void (*)(void))encode_events, METH_FASTCALL,
      "encode_events(kinds, events, ts, dp_rank) -> bytes | None: the map-form payload of a "
      "list of Stored / Removed / AllBlocksCleared events; None for anything else."},
+    {"wire_runs", (PyCFunction)(void (*)(void))wire_runs, METH_FASTCALL,
+     "wire_runs(blocks, block_size) -> list[int]: the end of each BlockStored wire event's "
+     "blocks among a Stored event's blocks."},
     {NULL, NULL, 0, NULL},
 };
 

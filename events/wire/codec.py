@@ -63,7 +63,7 @@ from typing import Any, Final, cast
 import msgspec
 
 from events.wire.decode import DEFAULT_LIMITS, POSITIONAL_FIELDS, DecodeLimits, decode_batch
-from events.wire.fast import encode_events, pack_tokens
+from events.wire.fast import encode_events, pack_tokens, wire_runs
 from events.wire.json_codec import (
     DecodeError,
     from_json,
@@ -81,7 +81,6 @@ from events.wire.model import (
     TokenIds,
     Updated,
     medium_of,
-    one_wire_event,
 )
 from kvcache.scope import U64_LIMIT
 
@@ -146,13 +145,9 @@ def _joined(parts: list[TokenIds]) -> TokenIds:
 
 
 def _stored_runs(blocks: list[StoredBlock], block_size: int) -> list[_Run]:
-    """The wire events of a Stored event's blocks as ``(end, token_ids, hashes)`` runs: blocks
-    ``[previous end, end)`` share one lora/medium/priority/salt, only a run's last block may be
-    short, and the run's token ids (packed when every block's are) and hashes are concatenated
-    in order."""
-    runs: list[_Run] = []
-    parts: list[TokenIds] = []
-    hashes: list[BlockHash] = []
+    """The wire events of a Stored event's blocks (:func:`events.wire.fast.wire_runs`) as
+    ``(end, token_ids, hashes)``: the run's token ids (packed when every block's are) and
+    hashes concatenated in order."""
     for i, block in enumerate(blocks):
         n = len(block.tokens)
         if not 0 < n <= block_size:
@@ -160,13 +155,12 @@ def _stored_runs(blocks: list[StoredBlock], block_size: int) -> list[_Run]:
                 f"stored block {i} has {n} tokens; blocks must hold 1..block_size "
                 f"({block_size}) tokens"
             )
-        parts.append(block.tokens)
-        hashes.append(block.block_hash)
-        nxt = blocks[i + 1] if i + 1 < len(blocks) else None
-        # only a wire event's last block may be short
-        if nxt is None or n < block_size or not one_wire_event(block, nxt):
-            runs.append((i + 1, _joined(parts), hashes))
-            parts, hashes = [], []
+    runs: list[_Run] = []
+    start = 0
+    for end in wire_runs(blocks, block_size):
+        run = blocks[start:end]
+        runs.append((end, _joined([b.tokens for b in run]), [b.block_hash for b in run]))
+        start = end
     return runs
 
 

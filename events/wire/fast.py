@@ -211,6 +211,14 @@ _Kinds: TypeAlias = tuple[type[Any], type[Any], type[Any]]
 encode_events: Callable[[_Kinds, list[Any], float, int | None], bytes | None] = _wire.encode_events
 """The native writer of a common map-form batch (``events.wire.codec.encode_batch``)."""
 
+wire_runs: Callable[[Sequence[StoredBlock], int], list[int]] = _wire.wire_runs
+"""The BlockStored wire events a Stored event's blocks travel in, as the end of each one's
+blocks: ``blocks[previous end:end]`` share one LoRA id, medium (``cache_level``), priority and
+cache salt, and only an event's last block may hold fewer than ``block_size`` tokens (WIRE.md
+section 4). The rule's one statement (``_wire.c``'s ``same_event``): the native writer splits
+by it, and msgspec's path, the event manager and the simulated engines ask this function.
+``[]`` for no blocks; a field that is not None or a 64-bit int equals the same object only."""
+
 
 def _diff(value: tuple[int, int] | None) -> EventDiff | None:
     return None if value is None else EventDiff(value[0], value[1])

@@ -144,18 +144,6 @@ class StoredBlock(_Record, frozen=True, eq=False):
     __hash__ = None  # type: ignore[assignment]
 
 
-def one_wire_event(a: StoredBlock, b: StoredBlock) -> bool:
-    """Whether ``b`` may travel in the same BlockStored wire event as ``a``: a wire event has
-    one LoRA id, medium, priority and salt for all its blocks (WIRE.md section 4). The rule's one
-    statement: the event manager coalesces chains by it and the encoder splits events by it."""
-    return (
-        a.cache_level == b.cache_level
-        and a.lora_id == b.lora_id
-        and a.cache_salt_id == b.cache_salt_id
-        and a.priority == b.priority
-    )
-
-
 class Stored(_Record, frozen=True):
     """Blocks stored as one chain: ``blocks[0]``'s parent is ``parent_hash``, each next block's
     parent is the previous one. ``block_size`` is the sender's tokens per block when known

@@ -68,6 +68,7 @@ from typing import Any, Final
 import msgspec
 
 from events.wire.codec import encode_batch, wire_tokens
+from events.wire.fast import wire_runs
 from events.wire.model import (
     AllBlocksCleared,
     BlockHash,
@@ -314,22 +315,19 @@ class _EngineDialect(Dialect):
         return [self._removed(data)]
 
     def _runs(self, blocks: list[StoredBlock]) -> list[list[StoredBlock]]:
-        """Blocks as the engine's stores: one scope and tier each, a partial block alone."""
+        """Blocks as the engine's stores: this project's wire events
+        (:func:`events.wire.fast.wire_runs`), a trailing partial block in one of its own (the
+        engines send it with its own length as ``block_size``: vLLM 0.33's and SGLang's
+        captures)."""
         tpb = self.tokens_per_block
         runs: list[list[StoredBlock]] = []
-        run: list[StoredBlock] = []
-        for b in blocks:
-            if run and (
-                len(b.tokens) < tpb
-                or len(run[-1].tokens) < tpb
-                or (b.lora_id, b.cache_level, b.cache_salt_id)
-                != (run[-1].lora_id, run[-1].cache_level, run[-1].cache_salt_id)
-            ):
-                runs.append(run)
-                run = []
-            run.append(b)
-        if run:
-            runs.append(run)
+        start = 0
+        for end in wire_runs(blocks, tpb):
+            if end - start > 1 and len(blocks[end - 1].tokens) < tpb:
+                runs.append(blocks[start : end - 1])
+                start = end - 1
+            runs.append(blocks[start:end])
+            start = end
         return runs
 
     def _stored(self, data: Stored, out: list[dict[str, Any]], snapshot: bool) -> None:
