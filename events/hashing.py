@@ -4,7 +4,7 @@ Three algorithms (:class:`HashAlgo`):
 
 - ``v1_block_key`` (default): TensorRT-LLM's V1 ``BlockKeyHasher``, a 64-bit chained hash of a
   block's tokens, its parent's hash and the scope (salt on the first block only, LoRA id on
-  every block). The native extension ``events._v1hash`` computes it (its constants and mixing
+  every block). The native extension ``kvcache._v1hash`` computes it (its constants and mixing
   steps are given in WIRE.md 3; the tests check it against a pure-Python reference of them).
 - ``v2_sha256``: the 32-byte block key of ``kvcache.keys`` as 64 lowercase hex characters.
 - ``v2_sha256_64``: the first 8 bytes of that key as a big-endian unsigned integer.
@@ -22,8 +22,8 @@ from typing import Final, TypeAlias
 
 import xxhash
 
-from events import _v1hash as _native
 from events.wire.model import BlockHash
+from kvcache import _v1hash as _native
 from kvcache.keys import blockchain_keys, token_array, tokens_to_bytes
 from kvcache.scope import DEFAULT_SCOPE, U64_LIMIT, ReuseScope
 
