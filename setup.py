@@ -190,7 +190,7 @@ def native(
 
 setup(
     ext_modules=[
-        # events.hashing's V1 block hashes (the router's, the event manager's, the records')
+        # kvcache.hashing's V1 block hashes (the router's, the event manager's, the records')
         native("kvcache._v1hash", depends=(V1CORE,)),
         # events.wire.codec / events.wire.fast's msgpack codec of the event path
         native("events.wire._wire", depends=(WIRE_HELPERS,)),

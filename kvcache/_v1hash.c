@@ -1,7 +1,7 @@
 /*
  * Native V1 block hashes (WIRE.md section 3): TensorRT-LLM's V1 BlockKeyHasher, 64-bit.
  *
- * The one implementation (events.hashing calls it); the readable pure-Python reference the
+ * The one implementation (kvcache.hashing calls it); the readable pure-Python reference the
  * tests compare it with is tests/_reference.py. It takes a list of token ids or packed
  * native-endian int32s (array('i'), or its bytes), so a router can hash a whole prompt in one
  * call.
@@ -316,7 +316,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "kvcache._v1hash", "Native V1 block hashes (see events.hashing).", -1,
+    PyModuleDef_HEAD_INIT, "kvcache._v1hash", "Native V1 block hashes (see kvcache.hashing).", -1,
     methods, NULL, NULL, NULL, NULL,
 };
 

@@ -153,7 +153,7 @@ extensions = sys.argv[2:]
 # the name that says it took the extension (a fallback would leave the tests running nothing
 # native); the others import it plainly, so their import fails without it
 CALLERS = {
-    "kvcache._v1hash": [("events.hashing", None)],
+    "kvcache._v1hash": [("kvcache.hashing", None)],
     "events.wire._wire": [("events.wire.fast", None), ("events.wire.codec", None)],
     "router_sim.router._match": [("router_sim.router.indexer", "MaskTable")],
     "router_sim.sim._prefetch": [("router_sim.sim.prefetch", None)],
