@@ -164,27 +164,25 @@ def _mypyc_extensions() -> list[Extension]:
 MYPYC: list[Extension] = []
 
 
-# the helpers the events package's three extensions share (a change to it rebuilds them)
-COMMON = ["events/_native_common.h"]
-# the V1 hash's arithmetic, shared by the extensions that hash blocks
-V1CORE = "events/_v1core.h"
+# the V1 hash's arithmetic (kvcache._v1hash includes it; a change to it rebuilds the extension)
+V1CORE = "kvcache/_v1core.h"
+# the wire codec's token-array and record helpers, beside it
+WIRE_HELPERS = "events/wire/_native_common.h"
 
 
 def native(
     name: str,
     *,
-    shared: bool = False,
     depends: tuple[str, ...] = (),
     libraries: tuple[str, ...] = (),
 ) -> Extension:
-    """The required extension ``name`` built from its one C file at -O3; ``shared``: it
-    includes :data:`COMMON`; ``depends``: other headers it includes; ``libraries``: what it
-    links."""
+    """The required extension ``name`` built from its one C file at -O3; ``depends``: the
+    headers it includes (a change to one rebuilds it); ``libraries``: what it links."""
     path = name.replace(".", "/") + ".c"
     return Extension(
         name,
         sources=[path],
-        depends=[*(COMMON if shared else []), *depends],
+        depends=list(depends),
         libraries=list(libraries),
         extra_compile_args=["-O3"],
     )
@@ -192,10 +190,10 @@ def native(
 
 setup(
     ext_modules=[
-        # events.hashing / events.wire._records / events.wire.codec's V1 hashes, records and runs
-        native("events._v1hash", shared=True, depends=(V1CORE,)),
+        # kvcache.hashing's V1 block hashes (the router's, the event manager's, the records')
+        native("kvcache._v1hash", depends=(V1CORE,)),
         # events.wire.codec / events.wire.fast's msgpack codec of the event path
-        native("events.wire._wire", shared=True),
+        native("events.wire._wire", depends=(WIRE_HELPERS,)),
         # router_sim.router.indexer's match loop over a mirror of its masks, and the simulator's
         # trace prompts and answers
         native("router_sim.router._match"),

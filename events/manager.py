@@ -31,7 +31,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from events.hashing import KEY_HASHES, HashAlgo, v1_block_hash
 from events.loss import loss_marker
 from events.wire._records import v1_stored_block, v1_stored_chain
 from events.wire.fast import wire_runs
@@ -48,7 +47,7 @@ from events.wire.model import (
     TokenIds,
     Updated,
 )
-from kvcache.keys import BlockKey
+from kvcache.hashing import KEY_HASHES, BlockKey, HashAlgo, v1_block_hash
 from kvcache.scope import ReuseScope
 from kvcache.sink import BlockView
 from kvcache.tree import Block

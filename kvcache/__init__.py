@@ -8,7 +8,7 @@ from kvcache.errors import (
     OutOfPagesError,
     WrongThreadError,
 )
-from kvcache.keys import BlockKey, block_key, blockchain_keys, root_key
+from kvcache.hashing import BlockKey, block_key, blockchain_keys, root_key
 from kvcache.manager import KVCacheManager
 from kvcache.scope import DEFAULT_SCOPE, ReuseScope, cache_salt_id
 from kvcache.sequence import KVCache

@@ -27,11 +27,12 @@ from dataclasses import dataclass
 from kvcache.batch import Batch
 from kvcache.errors import OutOfPagesError
 from kvcache.eviction import EvictionQueue, eviction_key
-from kvcache.keys import BlockKey, tokens_to_bytes
+from kvcache.hashing import BlockKey
 from kvcache.pool import PagePool
 from kvcache.scope import ReuseScope
 from kvcache.sink import EventSink
 from kvcache.storage_protocol import PageStorage
+from kvcache.tokens import tokens_to_bytes
 from kvcache.tree import Block, Node, RadixTree, full_children, new_blocks
 
 

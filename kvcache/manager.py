@@ -32,7 +32,7 @@ from typing import Any
 from kvcache.block_pool import BlockPool
 from kvcache.config import KVCacheManagerConfig
 from kvcache.errors import KVCacheError
-from kvcache.keys import BlockKey, checked_token_array
+from kvcache.hashing import BlockKey
 from kvcache.owner import ThreadOwner
 from kvcache.pool import PagePool
 from kvcache.scope import DEFAULT_SCOPE, ReuseScope
@@ -40,6 +40,7 @@ from kvcache.sequence import KVCache
 from kvcache.sink import BlockView, EventSink
 from kvcache.stats import KVCacheStats, TierUsage
 from kvcache.storage_protocol import PageStorage
+from kvcache.tokens import checked_token_array
 from kvcache.tree import Block, RadixTree
 from kvcache.verify import verify
 
@@ -147,7 +148,7 @@ class KVCacheManager:
         ``OutOfPagesError`` with nothing changed when the device tier cannot hold the reuse.
 
         ``block_keys``: the keys of the input's first full blocks when the caller computed
-        them already, as ``kvcache.keys.blockchain_keys(reuse_scope, input_tokens,
+        them already, as ``kvcache.hashing.blockchain_keys(reuse_scope, input_tokens,
         tokens_per_block)`` gives them for its full blocks (an engine hashing each request
         once on arrival, as vLLM does): committing those blocks then hashes nothing again.
         They are trusted: keys of other tokens would file the blocks under the wrong content.
@@ -155,7 +156,7 @@ class KVCacheManager:
 
         ``sink_hashes``: the hashes the event sink announces the same blocks under, when the
         caller made them already (``events.KVCacheEventManager`` takes V1 hashes, those of
-        ``events.hashing.v1_block_hash`` chained over the blocks in ``reuse_scope``): they are
+        ``kvcache.hashing.v1_block_hash`` chained over the blocks in ``reuse_scope``): they are
         handed to the sink with the blocks when these are stored, and trusted as the keys
         are. At most one per full block, each an int in [0, 2**64) (``ValueError``
         otherwise).
@@ -245,7 +246,7 @@ class KVCacheManager:
         self, block_keys: Sequence[BlockKey], reuse_scope: ReuseScope | None = None
     ) -> int:
         """Leading blocks of ``block_keys`` (keys of full blocks, as
-        ``kvcache.keys.blockchain_keys`` gives them) the cache holds now in ``reuse_scope``,
+        ``kvcache.hashing.blockchain_keys`` gives them) the cache holds now in ``reuse_scope``,
         on any tier; changes nothing (no LRU, stats or events)."""
         self._owner.check("cached_prefix_blocks")
         return self._tree.prefix_blocks(_check_scope(reuse_scope), block_keys)

@@ -18,9 +18,10 @@ from types import TracebackType
 
 from kvcache.block_pool import BlockPool
 from kvcache.errors import CacheStateError, ClosedCacheError
-from kvcache.keys import BlockKey, checked_token_array, int32_array, token_array_bytes
+from kvcache.hashing import BlockKey
 from kvcache.owner import ThreadOwner
 from kvcache.scope import ReuseScope
+from kvcache.tokens import checked_token_array, int32_array, token_array_bytes
 from kvcache.tree import Block
 
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvcache.keys import BlockKey
+from kvcache.hashing import BlockKey
 from kvcache.scope import ReuseScope
 
 

@@ -35,8 +35,9 @@ from hashlib import sha256
 from itertools import islice
 from typing import Final
 
-from kvcache.keys import BlockKey, chain_keys, pack_range, root_key, tokens_to_bytes
+from kvcache.hashing import BlockKey, chain_keys, root_key
 from kvcache.scope import ReuseScope
+from kvcache.tokens import pack_range, tokens_to_bytes
 
 _LITTLE: Final = sys.byteorder == "little"
 # Up to this many full children are compared one by one rather than looked up by the query

@@ -16,7 +16,8 @@ from hashlib import sha256
 
 from kvcache.block_pool import BlockPool
 from kvcache.errors import KVCacheError
-from kvcache.keys import root_key, tokens_to_bytes
+from kvcache.hashing import root_key
+from kvcache.tokens import tokens_to_bytes
 from kvcache.tree import Block, Node, RadixTree, has_children
 
 

@@ -43,11 +43,11 @@ from pathlib import Path
 
 import msgspec
 
-from events.hashing import v1_chain
 from events.tools.capture import read_capture
 from events.wire.codec import DecodeError, decode_batch, encode_batch
 from events.wire.decode import decode_general
 from events.wire.model import DecodedBatch, KVCacheEvent, Removed, Stored, StoredBlock
+from kvcache.hashing import v1_chain
 from kvcache.scope import ReuseScope
 
 ENGINES = Path(__file__).resolve().parent.parent / "tests" / "data" / "engines"

@@ -17,10 +17,10 @@ import argparse
 import time
 from collections.abc import Sequence
 
-from events.hashing import HashAlgo
 from events.manager import KVCacheEventManager
 from events.wire.codec import encode_batch
 from kvcache.config import KVCacheManagerConfig, TierConfig
+from kvcache.hashing import HashAlgo
 from kvcache.manager import KVCacheManager
 from kvcache.sink import BlockView
 

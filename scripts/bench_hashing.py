@@ -3,7 +3,7 @@
 Hashes a 4,096-token sequence at 32 tokens per block under a salted LoRA scope (the costliest
 case: salt on the first block, LoRA on every block) and prints, side by side:
 
-- native ``v1_chain`` on packed tokens (``kvcache.keys.token_array``, as a router holds them);
+- native ``v1_chain`` on packed tokens (``kvcache.tokens.token_array``, as a router holds them);
 - native ``v1_chain`` on a list of ints (includes validating and packing the list);
 - native ``chain_hashes`` (the router-facing call) on packed tokens;
 - the pure-Python reference of the tests (``tests/_reference.py``'s ``v1_chain``);
@@ -22,9 +22,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from events.hashing import chain_hashes, v1_chain
-from kvcache.keys import token_array
+from kvcache.hashing import chain_hashes, v1_chain
 from kvcache.scope import ReuseScope
+from kvcache.tokens import token_array
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from _reference import v1_chain as v1_chain_ref  # the tests' pure reference

@@ -16,9 +16,9 @@ from array import array
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 
-from events.hashing import chain_hashes
 from events.wire.codec import decode_batch, encode_batch
 from events.wire.model import DecodedBatch, KVCacheEvent, Removed, Stored, StoredBlock
+from kvcache.hashing import chain_hashes
 from kvcache.scope import DEFAULT_SCOPE
 from router_sim import KvIndexer, Router, StaticLoadSource, WorkerLoad
 

@@ -21,12 +21,12 @@ from typing import Any
 
 import msgpack
 
-from events.hashing import v1_block_hash
 from events.manager import KVCacheEventManager
 from events.tools.capture import write_capture
 from events.wire.codec import encode_batch
 from events.wire.model import BlockHash, KVCacheEvent, Removed, Stored, StoredBlock, Updated
 from kvcache.config import KVCacheManagerConfig, TierConfig
+from kvcache.hashing import v1_block_hash
 from kvcache.manager import KVCacheManager
 from kvcache.scope import ReuseScope
 

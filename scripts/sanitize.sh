@@ -2,7 +2,7 @@
 # Runs the tests of the hand-written C extensions against a build of them with AddressSanitizer
 # and UndefinedBehaviorSanitizer.
 #
-# The extensions setup.py lists (``native("...")``: events._v1hash, events.wire._wire,
+# The extensions setup.py lists (``native("...")``: kvcache._v1hash, events.wire._wire,
 # router_sim.router._match, ...) are built at -O1 with -fsanitize=address,undefined in a copy of the
 # working tree (its tracked and not-ignored files; the simulator's mypyc group is not compiled
 # there), then the tests that call them run in that copy, with the sanitizers' runtime preloaded
@@ -153,7 +153,7 @@ extensions = sys.argv[2:]
 # the name that says it took the extension (a fallback would leave the tests running nothing
 # native); the others import it plainly, so their import fails without it
 CALLERS = {
-    "events._v1hash": [("events.hashing", None)],
+    "kvcache._v1hash": [("kvcache.hashing", None)],
     "events.wire._wire": [("events.wire.fast", None), ("events.wire.codec", None)],
     "router_sim.router._match": [("router_sim.router.indexer", "MaskTable")],
     "router_sim.sim._prefetch": [("router_sim.sim.prefetch", None)],

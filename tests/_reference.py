@@ -18,8 +18,8 @@ from msgspec import Meta
 
 from events.tools.diagnosis import v1_variant
 from events.wire.fast import MAX_TOKENS
-from kvcache.keys import TOKEN_LIMIT
 from kvcache.scope import ReuseScope
+from kvcache.tokens import TOKEN_LIMIT
 
 # --- the V1 block hash (WIRE.md 3) -----------------------------------------------------------
 

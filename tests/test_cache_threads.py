@@ -14,7 +14,7 @@ from kv_helpers import manager, run
 from pydantic import ValidationError
 
 from kvcache import KVCacheManagerConfig, WrongThreadError
-from kvcache.keys import token_array
+from kvcache.tokens import token_array
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from kv_helpers import manager, run
 
 from kvcache import ReuseScope
-from kvcache.keys import blockchain_keys
+from kvcache.hashing import blockchain_keys
 from router_sim.sim.simulator import SimConfig, Simulation
 from router_sim.sim.worker import WorkerConfig
 

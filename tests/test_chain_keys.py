@@ -1,4 +1,4 @@
-"""Chain keying (``kvcache.keys.chain_keys``): one call keys a run of blocks with hashlib. It
+"""Chain keying (``kvcache.hashing.chain_keys``): one call keys a run of blocks with hashlib. It
 must give WIRE.md's keys and SHA-256's published vectors, and refuse runs past its data."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from hashlib import sha256
 import pytest
 
 from kvcache import KVCacheManager, KVCacheManagerConfig, ReuseScope, TierConfig, root_key
-from kvcache.keys import chain_keys
+from kvcache.hashing import chain_keys
 from kvcache.tree import Block, RadixTree
 
 

@@ -15,13 +15,13 @@ import msgpack
 import pytest
 import zmq
 
-from events.hashing import HashAlgo, v1_block_hash
 from events.tools.capture import CaptureWriter, read_capture
 from events.tools.cli import main
 from events.tools.diagnosis import v1_salt_every_block
 from events.tools.doctor import Doctor, DoctorOptions
 from events.wire.codec import encode_batch
 from events.wire.model import EventData, KVCacheEvent, Removed, Stored, StoredBlock
+from kvcache.hashing import HashAlgo, v1_block_hash
 from kvcache.scope import ReuseScope
 
 CAPTURES = Path(__file__).parent / "data" / "captures"
@@ -128,7 +128,7 @@ M64: Final = (1 << 64) - 1
 
 
 def _wire_v1_hash(tokens: Sequence[int], parent: int, lora: int | None, salt: int | None) -> int:
-    """TensorRT-LLM's V1 block hash transcribed from WIRE.md 3, independently of events.hashing
+    """TensorRT-LLM's V1 block hash transcribed from WIRE.md 3, independently of kvcache.hashing
     (checked against the published vectors before it is trusted)."""
     m1, m2, c32, g = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0x45D9F3B, 0x9E3779B9
 
@@ -312,7 +312,7 @@ def test_doctor_flags_malformed_frames_and_payloads() -> None:
 
 
 def test_doctor_verifies_v2_hashes_through_the_key_chain() -> None:
-    from kvcache.keys import blockchain_keys
+    from kvcache.hashing import blockchain_keys
 
     scope = ReuseScope(None, 9)
     keys = blockchain_keys(scope, [t for toks in TOKENS for t in toks], 4)

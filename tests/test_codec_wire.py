@@ -12,7 +12,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events.hashing import chain_hashes
 from events.wire import decode as wire_decode
 from events.wire.codec import DecodeError, DecodeLimits, decode_batch, encode_batch, from_json
 from events.wire.model import (
@@ -26,6 +25,7 @@ from events.wire.model import (
     StoredBlock,
     Updated,
 )
+from kvcache.hashing import chain_hashes
 from kvcache.scope import ReuseScope
 
 WIRE_DIR = Path(__file__).parent / "data" / "wire"

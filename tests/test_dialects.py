@@ -19,9 +19,9 @@ import msgspec
 import pytest
 import zmq
 
-from events.hashing import chain_hashes
 from events.wire.codec import decode_batch
 from events.wire.model import KVCacheEvent, Removed, Stored, StoredBlock
+from kvcache.hashing import chain_hashes
 from kvcache.scope import ReuseScope
 from router_sim.cli import main
 from router_sim.router.indexer import lora_name_id

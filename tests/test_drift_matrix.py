@@ -11,7 +11,7 @@ and each drift goes through the three tools a CI gate uses:
 
 Each asserts its verdict (exit status) and its diagnosis. Correct streams, with and without
 announced salt ids, pass with honest counts; engine-native hashes are their own verdict.
-The golden values are the correct engine's (the WIRE.md transcription), never events.hashing's.
+The golden values are the correct engine's (the WIRE.md transcription), never kvcache.hashing's.
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events.hashing import HashAlgo
 from events.tools.capture import write_capture
 from events.tools.cli import main
 from events.tools.doctor import Doctor, DoctorOptions
 from events.tools.hashcheck import Case, Golden, write_golden
 from events.wire.model import BlockHash
+from kvcache.hashing import HashAlgo
 from kvcache.scope import ReuseScope
 
 pytest_plugins = ["pytester"]

@@ -16,7 +16,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events.hashing import chain_hashes
 from events.tools.capture import read_capture
 from events.tools.cli import main as cli_main
 from events.wire.codec import decode_batch, encode_batch
@@ -32,6 +31,7 @@ from events.wire.model import (
     Updated,
     cache_level_of,
 )
+from kvcache.hashing import chain_hashes
 from router_sim.router.indexer import engine_clear_scope
 from router_sim.router.load import StaticLoadSource, WorkerLoad
 from router_sim.router.routing import Router

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import pytest
 
-from events.hashing import hash_from_key
 from events.manager import KVCacheEventManager
 from events.wire.model import (
     AllBlocksCleared,
@@ -26,7 +25,7 @@ from events.wire.model import (
     StoredBlock,
     Updated,
 )
-from kvcache.keys import BlockKey, blockchain_keys
+from kvcache.hashing import BlockKey, blockchain_keys, hash_from_key
 from kvcache.scope import ReuseScope
 
 # WIRE.md section 3 vectors.

@@ -16,12 +16,12 @@ from _reference import v1_block_hash as v1_block_hash_ref
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events.hashing import v1_block_hash
 from events.manager import KVCacheEventManager, MovesAs
 from events.wire._records import v1_stored_chain
 from events.wire.model import KVCacheEvent, StoredBlock
 from kvcache.config import KVCacheManagerConfig, TierConfig
 from kvcache.errors import OutOfPagesError
+from kvcache.hashing import v1_block_hash
 from kvcache.manager import KVCacheManager
 from kvcache.scope import ReuseScope
 from kvcache.sink import BlockView

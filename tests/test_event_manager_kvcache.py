@@ -1,14 +1,13 @@
 """KVCacheEventManager as the sink of a real KVCacheManager: the events an engine would send.
 
 Every expected hash is what a router computes from the request's tokens and scope
-(``events.hashing.chain_hashes``), so these scenarios also check the two sides agree.
+(``kvcache.hashing.chain_hashes``), so these scenarios also check the two sides agree.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from events.hashing import HashAlgo, chain_hashes, v1_block_hash
 from events.manager import KVCacheEventManager, MovesAs
 from events.wire.model import (
     AllBlocksCleared,
@@ -21,6 +20,7 @@ from events.wire.model import (
     Updated,
 )
 from kvcache.config import KVCacheManagerConfig, TierConfig
+from kvcache.hashing import HashAlgo, chain_hashes, v1_block_hash
 from kvcache.manager import KVCacheManager
 from kvcache.scope import ReuseScope
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcache.config import KVCacheManagerConfig, TierConfig
-from kvcache.keys import blockchain_keys
+from kvcache.hashing import blockchain_keys
 from kvcache.manager import KVCacheManager
 from kvcache.scope import ReuseScope
 from kvcache.sink import RecordingSink

@@ -16,7 +16,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events.hashing import chain_hashes, hash_from_key
 from events.tools.capture import write_capture
 from events.tools.capture_hashes import CaptureHashes, compare_capture
 from events.tools.cli import main
@@ -34,7 +33,7 @@ from events.tools.hashcheck import (
 )
 from events.wire.codec import encode_batch
 from events.wire.model import BlockHash, KVCacheEvent, Stored, StoredBlock
-from kvcache.keys import BlockKey
+from kvcache.hashing import BlockKey, chain_hashes, hash_from_key
 from kvcache.scope import ReuseScope
 
 ROOT = Path(__file__).resolve().parent.parent

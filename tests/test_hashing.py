@@ -13,16 +13,17 @@ from _reference import v1_chain as v1_chain_ref
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events.hashing import (
+from kvcache.hashing import (
     HashAlgo,
+    blockchain_keys,
     chain_hashes,
     hash_from_key,
     v1_block_hash,
     v1_chain,
     xxh3_content_hash,
 )
-from kvcache.keys import blockchain_keys, token_array
 from kvcache.scope import ReuseScope
+from kvcache.tokens import token_array
 
 VECTORS: dict[str, Any] = json.loads(
     (Path(__file__).parent / "data" / "v1_hash_vectors.json").read_text()
@@ -217,3 +218,55 @@ def test_a_bool_is_not_a_token_id() -> None:
             v1_chain(tokens, 1)
         with pytest.raises(TypeError, match=r"bool|ints"):
             chain_hashes(tokens, 1, ReuseScope())
+
+
+# The names events.hashing and kvcache.keys exported before every block hash moved down to
+# kvcache.hashing (and the token arrays to kvcache.tokens): old imports keep working.
+OLD_EVENTS_HASHING = (
+    "KEY_HASHES",
+    "XXH3_SEED",
+    "HashAlgo",
+    "Tokens",
+    "chain_hashes",
+    "hash_from_key",
+    "v1_block_hash",
+    "v1_chain",
+    "v1_chain_blocks",
+    "v1_chain_ints",
+    "v1_hash_packed",
+    "xxh3_content_hash",
+)
+OLD_KVCACHE_KEYS = (
+    "TOKEN_LIMIT",
+    "BlockKey",
+    "block_key",
+    "blockchain_keys",
+    "chain_keys",
+    "checked_token_array",
+    "int32_array",
+    "pack_range",
+    "root_key",
+    "token_array",
+    "token_array_bytes",
+    "tokens_from_bytes",
+    "tokens_to_bytes",
+)
+
+
+def test_old_modules_re_export_the_moved_names() -> None:
+    import events.hashing
+    import kvcache.hashing
+    import kvcache.keys
+    import kvcache.tokens
+
+    for name in OLD_EVENTS_HASHING:
+        assert getattr(events.hashing, name) is getattr(kvcache.hashing, name), name
+    assert set(events.hashing.__all__) == set(OLD_EVENTS_HASHING)
+    for name in OLD_KVCACHE_KEYS:
+        home = kvcache.tokens if hasattr(kvcache.tokens, name) else kvcache.hashing
+        assert getattr(kvcache.keys, name) is getattr(home, name), name
+    assert set(kvcache.keys.__all__) == set(OLD_KVCACHE_KEYS)
+    # every block hash is defined in the one module
+    for name in ("root_key", "block_key", "chain_keys", "blockchain_keys", "chain_hashes"):
+        assert getattr(kvcache.hashing, name).__module__ == "kvcache.hashing", name
+    assert kvcache.hashing.HashAlgo.__module__ == "kvcache.hashing"

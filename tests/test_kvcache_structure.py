@@ -1,14 +1,23 @@
-"""The package's structure rules, read from the source: one writer per kind of block state, and
-modules that import each other in one direction only (no circle, not even for type checking)."""
+"""The package's structure rules, read from the source: one writer per kind of block state,
+modules that import each other in one direction only (no circle, not even for type checking),
+and the package at the bottom of the three: it imports nothing from ``events`` or ``router_sim``
+(every block hash, ``kvcache.hashing``, is in it), and no C file includes another package's
+header."""
 
 from __future__ import annotations
 
 import ast
+import re
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import kvcache
 
 PACKAGE = Path(kvcache.__file__).parent
+ROOT = PACKAGE.parent
+ABOVE = ("events", "router_sim")  # the packages above kvcache (router_sim above events too)
 # Who may write which field of a block (the ownership table of kvcache.tree's docstring).
 OWNERS = {
     "tree.py": {
@@ -126,3 +135,80 @@ def test_the_circle_check_finds_a_circle() -> None:
         "a.py",
     ]
     assert _cycle({"a.py": {"b.py"}, "b.py": set()}) is None
+
+
+def _imports_above(tree: ast.Module) -> set[str]:
+    """Modules of :data:`ABOVE` imported anywhere in a module (as :func:`_imports` looks)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module":
+            arg = node.args[0] if node.args else None
+            if isinstance(arg, ast.Constant):
+                names.add(str(arg.value))
+    return {n for n in names if n.split(".")[0] in ABOVE}
+
+
+def test_kvcache_imports_nothing_from_the_packages_above() -> None:
+    found = {name: _imports_above(tree) for name, tree in _modules().items()}
+    assert not any(found.values()), {name: got for name, got in found.items() if got}
+    assert "hashing.py" in found  # every block hash is down here
+
+
+def test_the_layer_check_sees_an_import_from_above() -> None:
+    code = "import events.wire\ndef f():\n    from router_sim.router import indexer\n"
+    assert _imports_above(ast.parse(code)) == {"events.wire", "router_sim.router"}
+
+
+# The import, run on the source: a compiled build's modules load the mypyc group's library,
+# router_sim._compiled__mypyc, whose package router_sim then loads (the build's, not the source's
+# doing), so the child takes each .py file first (scripts/pure_python.py's finder).
+_LOADS = textwrap.dedent(
+    """
+    import importlib, pkgutil, sys
+    sys.path[:0] = [sys.argv[1], sys.argv[1] + "/scripts"]
+    from pure_python import source_first
+    source_first()
+    above = ("events", "router_sim")
+    def loaded():
+        return sorted(m for m in sys.modules if m.split(".")[0] in above)
+    import kvcache.hashing
+    assert not loaded(), ("kvcache.hashing", loaded())
+    import kvcache
+    for info in pkgutil.iter_modules(kvcache.__path__, "kvcache."):
+        importlib.import_module(info.name)
+        assert not loaded(), (info.name, loaded())
+    assert kvcache.hashing.chain_hashes.__module__ == "kvcache.hashing"
+    print("ok", len([m for m in sys.modules if m.startswith("kvcache")]))
+    """
+)
+
+
+def test_importing_kvcache_loads_nothing_from_the_packages_above() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _LOADS, str(ROOT)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("ok ")
+
+
+def test_c_files_include_only_their_own_package_headers() -> None:
+    """A C file's quoted includes are headers beside it, in its own (sub)package's folder: one
+    package's extension never builds from another's header (an extension of another package
+    that needs its code calls it through a capsule, as router_sim.sim._prefetch calls
+    kvcache._v1hash's V1 hash)."""
+    sources = [p for pkg in ("kvcache", *ABOVE) for p in sorted((ROOT / pkg).rglob("*.[ch]"))]
+    assert ROOT / "kvcache" / "_v1hash.c" in sources
+    for source in sources:
+        for header in re.findall(r'^\s*#\s*include\s*"([^"]+)"', source.read_text(), re.M):
+            found = (source.parent / header).resolve()
+            assert found.is_file(), (source, header)
+            assert found.parent == source.parent, f"{source.relative_to(ROOT)} includes {header}"

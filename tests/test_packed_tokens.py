@@ -19,7 +19,6 @@ from _reference import packed_tokens as packed_tokens_ref
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from events import _v1hash as native
 from events.manager import KVCacheEventManager
 from events.wire import _records, codec
 from events.wire import _wire as native_wire
@@ -28,6 +27,7 @@ from events.wire.codec import DecodeError, decode_batch, encode_batch
 from events.wire.decode import decode_general
 from events.wire.fast import MAX_TOKENS, decode_typed
 from events.wire.model import KVCacheEvent, Removed, Stored, StoredBlock
+from kvcache import _v1hash as native
 from kvcache.config import KVCacheManagerConfig, TierConfig
 from kvcache.manager import KVCacheManager
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kvcache.keys import blockchain_keys, root_key
+from kvcache.hashing import blockchain_keys, root_key
 from router_sim.router.load import StaticLoadSource, WorkerLoad
 from router_sim.router.routing import Router
 from router_sim.sim import prefetch

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from kv_helpers import manager, run
 
 import kvcache.manager as manager_module
-from kvcache.keys import checked_token_array, token_array_bytes
+from kvcache.tokens import checked_token_array, token_array_bytes
 
 INT32 = st.integers(min_value=-(2**31), max_value=2**31 - 1)
 

@@ -106,7 +106,7 @@ def test_a_stable_corpus_passes_for_the_library_and_this_projects_worker(
 
 DRIFTING_TESTS = """
 import pytest
-from events.hashing import chain_hashes
+from kvcache.hashing import chain_hashes
 from kvcache.scope import ReuseScope
 
 pytestmark = pytest.mark.kv_golden("kv_golden.json")

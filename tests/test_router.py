@@ -7,7 +7,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from events.hashing import chain_hashes
 from events.stream.subscriber import BatchDelivery, ResyncRequired, SubscriberMessage
 from events.wire.model import (
     AllBlocksCleared,
@@ -18,6 +17,7 @@ from events.wire.model import (
     Stored,
     StoredBlock,
 )
+from kvcache.hashing import chain_hashes
 from kvcache.scope import DEFAULT_SCOPE, ReuseScope
 from router_sim import KvIndexer, Router, StaticLoadSource, WorkerLoad, make_policy
 from router_sim.router import routing as router_module

@@ -15,9 +15,9 @@ from collections import Counter
 
 import pytest
 
-from events.hashing import chain_hashes
 from events.stream.subscriber import BatchDelivery
 from events.wire.model import DecodedBatch, KVCacheEvent, Stored, StoredBlock
+from kvcache.hashing import chain_hashes
 from kvcache.scope import DEFAULT_SCOPE
 from router_sim.service.core import RouterService
 from router_sim.service.fleet import FleetFile

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import pytest
 from service_procs import Proc, get_json, post_json, request, start_worker
 
-from events.hashing import chain_hashes
 from events.stream.subscriber import BatchDelivery, ZmqEventSubscriber
 from events.wire.model import AllBlocksCleared, Stored
+from kvcache.hashing import chain_hashes
 from kvcache.scope import ReuseScope
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,4 +1,4 @@
-"""Token arrays are packed and checked once per request (``kvcache.keys.token_array_bytes``):
+"""Token arrays are packed and checked once per request (``kvcache.tokens.token_array_bytes``):
 the bytes are WIRE.md's 4-byte little-endian ids, the errors name what is wrong, and every bad
 prompt or commit is refused, with the same error, through the manager."""
 
@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcache import KVCacheManager, KVCacheManagerConfig, TierConfig
-from kvcache.keys import checked_token_array, token_array_bytes
+from kvcache.tokens import checked_token_array, token_array_bytes
 
 INT32 = st.integers(min_value=-(2**31), max_value=2**31 - 1)
 

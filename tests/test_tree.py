@@ -6,7 +6,8 @@ from array import array
 from hashlib import sha256
 
 from kvcache import ReuseScope
-from kvcache.keys import blockchain_keys, tokens_to_bytes
+from kvcache.hashing import blockchain_keys
+from kvcache.tokens import tokens_to_bytes
 from kvcache.tree import Block, RadixTree, ScopeRoot
 
 TPB = 2

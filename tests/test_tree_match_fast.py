@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 import kvcache.tree as tree_mod
 from kvcache import ReuseScope
-from kvcache.keys import BlockKey, blockchain_keys, tokens_to_bytes
+from kvcache.hashing import BlockKey, blockchain_keys
+from kvcache.tokens import tokens_to_bytes
 from kvcache.tree import Block, Node, RadixTree, ScopeRoot, full_children
 
 TPB = 2

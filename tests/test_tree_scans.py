@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 
 from kvcache import ReuseScope
-from kvcache.keys import token_array, token_array_bytes, tokens_to_bytes
+from kvcache.tokens import token_array, token_array_bytes, tokens_to_bytes
 from kvcache.tree import Block, RadixTree, ScopeRoot, full_children
 
 TPB = 4

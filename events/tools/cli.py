@@ -26,7 +26,6 @@ import sys
 from collections.abc import Sequence
 from typing import IO, Final
 
-from events.hashing import HashAlgo, hash_from_key, v1_block_hash
 from events.stream.endpoints import EndpointError
 from events.stream.security import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -64,8 +63,9 @@ from events.wire.model import (
     Updated,
     medium_of,
 )
-from kvcache.keys import blockchain_keys, root_key, token_array
+from kvcache.hashing import HashAlgo, blockchain_keys, hash_from_key, root_key, v1_block_hash
 from kvcache.scope import ReuseScope, cache_salt_id
+from kvcache.tokens import token_array
 
 _ENDPOINT_SCHEMES: Final = ("tcp://", "ipc://", "inproc://")
 

@@ -28,16 +28,18 @@ from dataclasses import dataclass, field
 from hashlib import sha256
 from typing import Final, Literal
 
-from events.hashing import (
+from events.wire.model import BlockHash, Stored
+from kvcache.hashing import (
+    BlockKey,
     HashAlgo,
     chain_hashes,
     hash_from_key,
+    root_key,
     v1_block_hash,
     xxh3_content_hash,
 )
-from events.wire.model import BlockHash, Stored
-from kvcache.keys import BlockKey, root_key, token_array, tokens_to_bytes
 from kvcache.scope import ReuseScope, cache_salt_id
+from kvcache.tokens import token_array, tokens_to_bytes
 
 try:  # TensorRT-LLM's older salt derivation; the diagnosis needs the blake3 package for it
     import blake3 as _blake3
@@ -51,15 +53,15 @@ UNEXPLAINED: Final = (
     "unexplained: none of the known drifts (output sign or byte order, salt or LoRA mixing or "
     "derivation, the seed's token count, block size, partial blocks, parent chaining, another "
     "scope or algorithm) reproduces it; compare the engine's hash function with "
-    "the V1 hash of WIRE.md 3 (events.hashing.v1_block_hash)"
+    "the V1 hash of WIRE.md 3 (kvcache.hashing.v1_block_hash)"
 )
 
-_V1_REF: Final = "WIRE.md 3, events.hashing.v1_block_hash"
+_V1_REF: Final = "WIRE.md 3, kvcache.hashing.v1_block_hash"
 _SALT_REF: Final = "kvcache.scope.cache_salt_id, WIRE.md 1"
 
 
 # The V1 hash's constants and mixing steps (WIRE.md 3; TensorRT-LLM's BlockKeyHasher), from
-# which the drifted variants below are built (the hash itself is events._v1hash's).
+# which the drifted variants below are built (the hash itself is kvcache._v1hash's).
 _M1: Final = 0xBF58476D1CE4E5B9
 _M2: Final = 0x94D049BB133111EB
 _C32: Final = 0x45D9F3B
@@ -316,7 +318,7 @@ def _count(kind: Count, algo: str) -> Cause:
     return Cause(
         "the engine's block key hashes a 4-byte token count before the tokens",
         "hash sha256(parent_key || tokens as 4-byte LE), no length (WIRE.md 2)",
-        "the engine's block key function; reference kvcache.keys.block_key",
+        "the engine's block key function; reference kvcache.hashing.block_key",
     )
 
 
@@ -325,7 +327,7 @@ def _byte_order(algo: str) -> Cause:
         return Cause(
             "the engine reads the block key's first 8 bytes little-endian",
             "read them big-endian: int.from_bytes(key[:8], 'big') (WIRE.md 3)",
-            "the engine's key -> hash conversion; reference events.hashing.hash_from_key",
+            "the engine's key -> hash conversion; reference kvcache.hashing.hash_from_key",
         )
     return Cause(
         "the engine writes each hash with its bytes reversed (the other byte order)",
@@ -372,7 +374,7 @@ def _wide_tokens() -> Cause:
     return Cause(
         "the token ids are serialized as 8-byte ints, not 4-byte (a token-id type change)",
         "serialize token ids as 4-byte little-endian ints (WIRE.md 2)",
-        "the engine's block key function; reference kvcache.keys.block_key",
+        "the engine's block key function; reference kvcache.hashing.block_key",
     )
 
 
@@ -602,7 +604,7 @@ def explain_event(ctx: EventContext, first: Cause | None = None) -> Cause | None
 # --------------------------------------------------------------------- whole-chain drift
 
 XXH3_CONTENT: Final = "xxh3_content"
-"""Golden-file name of the router-side content hash (:func:`events.hashing.xxh3_content_hash`):
+"""Golden-file name of the router-side content hash (:func:`kvcache.hashing.xxh3_content_hash`):
 not chained and blind to the scope, so it is a hash algorithm of its own for stability checks."""
 
 KNOWN_ALGOS: Final[tuple[str, ...]] = (*(a.value for a in HashAlgo), XXH3_CONTENT)

@@ -32,7 +32,6 @@ from typing import Any, Final, Literal
 
 import msgpack
 
-from events.hashing import HashAlgo, hash_from_key, v1_block_hash
 from events.stream.sequencer import Deliver, Lost, Output, StreamSequencer
 from events.tools.diagnosis import (
     UNEXPLAINED,
@@ -53,7 +52,7 @@ from events.wire.model import (
     Stored,
     Updated,
 )
-from kvcache.keys import BlockKey, block_key, root_key
+from kvcache.hashing import BlockKey, HashAlgo, block_key, hash_from_key, root_key, v1_block_hash
 from kvcache.scope import ReuseScope, cache_salt_id
 
 Severity = Literal["problem", "warning", "info"]

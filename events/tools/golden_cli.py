@@ -16,7 +16,6 @@ import argparse
 import shlex
 from typing import IO
 
-from events.hashing import HashAlgo
 from events.tools.capture_hashes import CaptureHashes, compare_capture
 from events.tools.cli_args import EXIT_OK, EXIT_PROBLEMS, UsageError, parse_tokens, scope_from
 from events.tools.hashcheck import (
@@ -34,8 +33,9 @@ from events.tools.hashcheck import (
     write_golden,
 )
 from events.tools.limits import MAX_SMALL_FILE_BYTES, InputTooLarge, read_bounded_text
-from kvcache.keys import token_array
+from kvcache.hashing import HashAlgo
 from kvcache.scope import ReuseScope
+from kvcache.tokens import token_array
 
 
 def _read_corpus(args: argparse.Namespace) -> Golden:

@@ -38,12 +38,12 @@ from importlib import metadata, resources
 from pathlib import Path
 from typing import Any, Final
 
-from events.hashing import HashAlgo
 from events.tools.diagnosis import KNOWN_ALGOS, explain_chain, reference_chain
 from events.tools.limits import MAX_SMALL_FILE_BYTES, InputTooLarge, read_bounded_text
 from events.wire.model import BlockHash
-from kvcache.keys import token_array
+from kvcache.hashing import HashAlgo
 from kvcache.scope import ReuseScope, cache_salt_id
+from kvcache.tokens import token_array
 
 GOLDEN_FORMAT: Final = "kv-events-golden"
 GOLDEN_VERSION: Final = 1

@@ -3,7 +3,7 @@
 The event manager builds one StoredBlock per announced block and the wire decoder one per
 decoded block. Records are msgspec Structs, which msgspec constructs in C (about a tenth of a
 frozen dataclass's constructor), so the builders here are plain Python: one implementation,
-hashing through the V1 primitive of ``events.hashing`` (one native call per chain).
+hashing through the V1 primitive of ``kvcache.hashing`` (one native call per chain).
 
 Token ids stay packed where they come packed: the event manager's records hold the cache's own
 ``array('i')`` of each block (the cache never changes a block's array in place; a record's
@@ -17,8 +17,8 @@ from __future__ import annotations
 from array import array
 from typing import Any, Final
 
-from events.hashing import v1_chain_blocks, v1_hash_packed
 from events.wire.model import BlockHash, StoredBlock, TokenIds
+from kvcache.hashing import v1_chain_blocks, v1_hash_packed
 
 _FIELDS: Final = ("block_hash", "tokens", "lora_id", "cache_level", "priority", "cache_salt_id")
 assert StoredBlock.__struct_fields__ == _FIELDS

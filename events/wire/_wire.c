@@ -13,11 +13,10 @@
  * the CPU has them (simd() says so and turns them off, for tests), else through portable loops
  * that write and read the same bytes.
  *
- * It is its own extension, apart from the V1 hashes (_v1hash.c) it has nothing to do with, so
- * each builds and falls back on its own; the token-array and record helpers both use are in
- * _native_common.h.
+ * It is its own extension, apart from the V1 hashes (kvcache/_v1hash.c) it has nothing to do
+ * with; its token-array and record helpers are in _native_common.h, beside it.
  */
-#include "../_native_common.h"
+#include "_native_common.h"
 
 /* ---- packed token ids of the wire ------------------------------------------------------ */
 

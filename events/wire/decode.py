@@ -68,7 +68,7 @@ from events.wire.values import (
 )
 from events.wire.values import wire_hash as _hash
 from events.wire.values import wire_hashes as _hashes
-from kvcache.keys import TOKEN_LIMIT
+from kvcache.tokens import TOKEN_LIMIT
 
 # What msgspec's untyped decode may build that the format holds (ext types are not in it:
 # msgspec returns unknown ones as Ext objects and the timestamp type as a datetime).

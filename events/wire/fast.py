@@ -67,7 +67,7 @@ from events.wire.model import (
     cache_level_of,
 )
 from events.wire.values import build_stored, salt_from_extra_keys, wire_hash, wire_hashes
-from kvcache.keys import TOKEN_LIMIT
+from kvcache.tokens import TOKEN_LIMIT
 
 #: the default DecodeLimits, restated (wire_decode checks they agree)
 MAX_EVENTS: Final = 1 << 16

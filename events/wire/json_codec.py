@@ -25,8 +25,8 @@ from events.wire.model import (
     StoredBlock,
     Updated,
 )
-from kvcache.keys import TOKEN_LIMIT
 from kvcache.scope import U64_LIMIT
+from kvcache.tokens import TOKEN_LIMIT
 
 _HEX64: Final = re.compile(r"[0-9a-f]{64}")
 

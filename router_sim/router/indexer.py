@@ -41,7 +41,7 @@ and a bisection finds where each worker drops out.
 
 Engine-agnostic keys: engines announce their own block hashes (vLLM: sha256 of CBOR with a
 process seed, or xxhash; SGLang: its own chain), which no router can recompute from a prompt.
-So the index is keyed by the router's own key of each block, the V1 hash (``events.hashing``)
+So the index is keyed by the router's own key of each block, the V1 hash (``kvcache.hashing``)
 of the token ids the ``BlockStored`` carries, chained through its parent's key, under the
 scope the event carries: the LoRA (its name when sent, else its id), the cache salt (this
 project's ``cache_salt_id``, SGLang's ``cache_salt``, vLLM's salt in ``extra_keys``), and the
@@ -68,7 +68,6 @@ from itertools import accumulate, islice, repeat, takewhile
 from operator import and_, attrgetter, neg, or_
 from typing import Final, TypeAlias, cast
 
-from events import hashing
 from events.wire.model import (
     AllBlocksCleared,
     BlockHash,
@@ -80,6 +79,7 @@ from events.wire.model import (
     StoredBlock,
     Updated,
 )
+from kvcache import hashing
 from kvcache.scope import cache_salt_id
 from router_sim.router._match import MaskTable
 

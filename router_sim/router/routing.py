@@ -1,6 +1,6 @@
 """The router: event subscriber -> index -> policy, with an explanation per decision.
 
-``Router.route(tokens, scope)`` hashes the prompt with ``events.hashing.chain_hashes`` (the
+``Router.route(tokens, scope)`` hashes the prompt with ``kvcache.hashing.chain_hashes`` (the
 very function the workers' event manager uses, so scope, algorithm and block size agree by
 construction), asks the index which workers hold how much of the chain, reads each candidate's
 load from the :class:`~router_sim.router.load.LoadSource`, and lets the policy choose. The returned
@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Protocol
 
-from events.hashing import HashAlgo, chain_hashes, v1_chain_ints
 from events.stream.subscriber import BatchDelivery, ResyncRequired, SubscriberMessage
 from events.wire.model import BlockHash, DecodedBatch
+from kvcache.hashing import HashAlgo, chain_hashes, v1_chain_ints
 from kvcache.scope import ReuseScope
 from router_sim.router.indexer import KvIndexer, MatchDetail, lora_name_id
 from router_sim.router.load import LoadSource, WorkerLoad

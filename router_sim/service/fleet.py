@@ -36,9 +36,9 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from events.hashing import HashAlgo
 from events.stream.endpoints import EndpointError, should_bind
 from events.tools.limits import MAX_SMALL_FILE_BYTES, InputTooLarge, read_bounded_bytes
+from kvcache.hashing import HashAlgo
 from router_sim.service.probes import Engine
 
 

@@ -38,7 +38,7 @@ MAX_PROMPT_TOKENS: Final = 1 << 20
 MAX_OUTPUT_TOKENS: Final = 1 << 16
 
 TokenId = Annotated[int, Field(strict=True, ge=0, lt=2**31)]
-"""A token id: what ``kvcache.keys`` accepts (ints in [0, 2**31), no bools or floats)."""
+"""A token id: what ``kvcache.tokens`` accepts (ints in [0, 2**31), no bools or floats)."""
 U64 = Annotated[int, Field(strict=True, ge=0, lt=2**64)]
 
 

@@ -39,7 +39,6 @@ from typing import Any, Final
 
 from aiohttp import web
 
-from events.hashing import HashAlgo
 from events.stream.publisher import ZmqEventPublisher
 from events.stream.security import CurveServer, SecurityError, load_allowed_keys, load_keypair
 from events.tools.cli_args import (
@@ -49,6 +48,7 @@ from events.tools.cli_args import (
     check_int,
     check_utf8,
 )
+from kvcache.hashing import HashAlgo
 from kvcache.scope import ReuseScope
 from router_sim.service.engine import LiveEngine, LiveRequest, RequestTooLarge
 from router_sim.service.protocol import (

@@ -2,7 +2,7 @@
  * Block keys of the simulator's prompts, made ahead on a second thread (router_sim.sim.prefetch).
  *
  * A replay's requests are known before it starts, and the keys of a prompt's full blocks
- * depend on the request alone: the V1 hashes the router looks them up by (events._v1hash's C
+ * depend on the request alone: the V1 hashes the router looks them up by (kvcache._v1hash's C
  * API, a capsule) and the SHA-256 chain keys the worker's cache files them under (OpenSSL's
  * libcrypto, which hashlib wraps too). On a
  * fleet these are computed on the router's and the workers' machines; in one process they cost
@@ -41,8 +41,8 @@
 
 #include <openssl/evp.h>
 
-/* events._v1hash's V1 block hash (WIRE.md section 3) over n native-endian int32 tokens at p:
- * the capsule "events._v1hash.hash_block_api" holds a function of this type. */
+/* kvcache._v1hash's V1 block hash (WIRE.md section 3) over n native-endian int32 tokens at p:
+ * the capsule "kvcache._v1hash.hash_block_api" holds a function of this type. */
 typedef uint64_t (*v1_hash_block_fn)(const unsigned char *p, Py_ssize_t n, uint64_t parent,
                                      int has_lora, uint64_t lora, int has_salt, uint64_t salt);
 static v1_hash_block_fn V1_HASH_BLOCK;
@@ -526,11 +526,11 @@ PyMODINIT_FUNC PyInit__prefetch(void) {
     if (PyType_Ready(&PrefetchType) < 0) {
         return NULL;
     }
-    V1_HASH_BLOCK = (v1_hash_block_fn)PyCapsule_Import("events._v1hash.hash_block_api", 0);
+    V1_HASH_BLOCK = (v1_hash_block_fn)PyCapsule_Import("kvcache._v1hash.hash_block_api", 0);
     if (V1_HASH_BLOCK == NULL) {
-        /* events._v1hash not built: this module cannot run either, and says so the way a
+        /* kvcache._v1hash not built: this module cannot run either, and says so the way a
            missing extension does (its caller then makes prompts inline) */
-        PyErr_SetString(PyExc_ImportError, "router_sim.sim._prefetch needs events._v1hash");
+        PyErr_SetString(PyExc_ImportError, "router_sim.sim._prefetch needs kvcache._v1hash");
         return NULL;
     }
     PyObject *m = PyModule_Create(&module);

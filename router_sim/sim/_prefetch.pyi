@@ -3,7 +3,7 @@ router_sim.sim.prefetch)."""
 
 from collections.abc import Sequence
 
-from kvcache.keys import BlockKey
+from kvcache.hashing import BlockKey
 
 KEYS: int
 """1 on a little-endian CPU: jobs with a root key get their cache keys made (OpenSSL)."""

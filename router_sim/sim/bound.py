@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from hashlib import sha256
 from typing import Final
 
-from kvcache.keys import root_key, token_array, tokens_to_bytes
+from kvcache.hashing import root_key
 from kvcache.scope import ReuseScope
+from kvcache.tokens import token_array, tokens_to_bytes
 from router_sim.sim.workloads import Request
 
 _CHUNK: Final = 64  # trie granularity for explicit prompts (any value gives the same result)

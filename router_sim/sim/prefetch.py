@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from kvcache.keys import BlockKey, root_key
+from kvcache.hashing import BlockKey, root_key
 from kvcache.scope import ReuseScope
 from router_sim.sim._prefetch import KEYS, Prefetch
 from router_sim.sim.workloads import PROMPT_TOKEN_BITS, TOKENS_PER_HASH_ID, Request, _layout
@@ -72,7 +72,7 @@ def prompt_source(
     there is nothing for it to do. For each request under its scope (``scopes``) it makes the
     keys of the prompt's full blocks of ``tokens_per_block`` tokens: with ``hashed``, the V1
     hashes the router keys them by (:meth:`Router.hash_request`); on a little-endian CPU,
-    the keys the workers' caches store them under (``kvcache.keys.blockchain_keys``).
+    the keys the workers' caches store them under (``kvcache.hashing.blockchain_keys``).
     ``take()`` gives each request's :data:`Made` in turn, or None for a request it did not
     take (made inline); ``close()`` stops the thread."""
     if not ENABLED or not requests:

@@ -34,7 +34,6 @@ from typing import Any, Final, cast
 
 import zmq
 
-from events.hashing import HashAlgo
 from events.stream.subscriber import (
     BatchDelivery,
     ResyncRequired,
@@ -43,7 +42,7 @@ from events.stream.subscriber import (
 )
 from events.wire.codec import decode_batch
 from events.wire.model import BlockHash
-from kvcache.keys import blockchain_keys
+from kvcache.hashing import HashAlgo, blockchain_keys
 from router_sim.build_info import warn_if_stale
 from router_sim.errors import SimulationError as SimulationError
 from router_sim.router._match import held_prefixes

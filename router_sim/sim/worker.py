@@ -52,7 +52,7 @@ from events.wire.model import (
 )
 from kvcache.config import KVCacheManagerConfig, TierConfig
 from kvcache.errors import OutOfPagesError
-from kvcache.keys import BlockKey
+from kvcache.hashing import BlockKey
 from kvcache.manager import KVCacheManager
 from kvcache.scope import ReuseScope
 from kvcache.sequence import KVCache

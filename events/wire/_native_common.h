@@ -1,9 +1,9 @@
 /*
- * Helpers shared by the events package's native extensions: _v1hash.c (V1 hashes) and _wire.c
- * (the msgpack wire codec, which alone builds records). Each of them includes this header, so
- * the token-array builders, the limit-argument check, the record builder and the interned field
- * names live here once rather than in a copy per file. Every function is static inline; the module-level objects below are
- * per extension (each has its own copy), set by native_common_init() from its PyInit.
+ * Helpers of the msgpack wire codec (_wire.c, which alone builds records): the token-array
+ * builders, the limit-argument check, the record builder and the interned field names. Every
+ * function is static inline; the module-level objects below are set by native_common_init()
+ * from the extension's PyInit. (The V1 hash extension, kvcache/_v1hash.c, needs none of this:
+ * it includes only <Python.h> and kvcache/_v1core.h.)
  */
 #ifndef EVENTS_NATIVE_COMMON_H
 #define EVENTS_NATIVE_COMMON_H

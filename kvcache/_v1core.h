@@ -1,12 +1,13 @@
 /*
  * The V1 block hash's arithmetic (WIRE.md section 3: TensorRT-LLM's V1 BlockKeyHasher, 64-bit),
- * of events/_v1hash.c, which also offers it to other extensions as a C API (a capsule; the
+ * of kvcache/_v1hash.c, which also offers it to other extensions as a C API (a capsule; the
  * simulator's prompt thread, router_sim/sim/_prefetch.c, hashes with it). Plain C on
- * native-endian int32 tokens: no Python object is touched, so it runs with or without the GIL. events/hashing.py holds the readable pure-Python reference.
+ * native-endian int32 tokens: no Python object is touched, so it runs with or without the GIL.
+ * The readable pure-Python reference is tests/_reference.py (from WIRE.md 3).
  * Include <Python.h> (for Py_ssize_t) before this header.
  */
-#ifndef EVENTS_V1CORE_H
-#define EVENTS_V1CORE_H
+#ifndef KVCACHE_V1CORE_H
+#define KVCACHE_V1CORE_H
 
 #include <stdint.h>
 #include <string.h>
@@ -61,4 +62,4 @@ static inline uint64_t hash_block(const unsigned char *p, Py_ssize_t n, uint64_t
     return seed;
 }
 
-#endif /* EVENTS_V1CORE_H */
+#endif /* KVCACHE_V1CORE_H */

@@ -1,21 +1,25 @@
 /*
  * Native V1 block hashes (WIRE.md section 3): TensorRT-LLM's V1 BlockKeyHasher, 64-bit.
  *
- * The one implementation (events.hashing calls it); the readable pure-Python reference the
+ * The one implementation (kvcache.hashing calls it); the readable pure-Python reference the
  * tests compare it with is tests/_reference.py. It takes a list of token ids or packed
  * native-endian int32s (array('i'), or its bytes), so a router can hash a whole prompt in one
  * call.
  *
  *   block_hash(tokens, parent_hash, lora_id, salt_id) -> int
  *   chain(tokens, tokens_per_block, lora_id, salt_id) -> list[int]   (full blocks only)
+ *   chain_lists(token_lists, parent_hash, lora_id, salt_id) -> list[int]
  *
  * lora_id / salt_id are ints in [0, 2**64) or None. Token ids must lie in [0, 2**31).
  *
- * Records are built in Python (events/wire/_records.py: msgspec Structs, constructed in C by
- * msgspec) over block_hash. The msgpack codec is in _wire.c, its own extension; what they
- * share is in _native_common.h.
+ * It needs nothing but Python's C API and the arithmetic of _v1core.h (the events package's
+ * msgpack codec, events/wire/_wire.c, is its own extension with its own helpers).
  */
-#include "_native_common.h"
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <string.h>
 
 /* Above this many tokens the chain is hashed without the GIL (other threads keep running). */
 #define RELEASE_GIL_TOKENS 65536
@@ -312,13 +316,13 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_v1hash", "Native V1 block hashes (see events.hashing).", -1, methods,
-    NULL, NULL, NULL, NULL,
+    PyModuleDef_HEAD_INIT, "kvcache._v1hash", "Native V1 block hashes (see kvcache.hashing).", -1,
+    methods, NULL, NULL, NULL, NULL,
 };
 
-/* The C API other extensions call for V1 hashes (a capsule, "events._v1hash.hash_block_api"),
- * so the arithmetic lives in this package alone. No Python object is touched: callable
- * without the GIL. Its signature is the one documented where the capsule is read. */
+/* The C API other extensions call for V1 hashes (a capsule, "kvcache._v1hash.hash_block_api"),
+ * so the arithmetic (_v1core.h) is compiled into this extension alone. No Python object is
+ * touched: callable without the GIL. Its signature is the one documented where the capsule is read. */
 static uint64_t api_hash_block(const unsigned char *p, Py_ssize_t n, uint64_t parent,
                                int has_lora, uint64_t lora, int has_salt, uint64_t salt) {
     scope_t scope = {has_lora, lora, has_salt, salt};
@@ -327,14 +331,11 @@ static uint64_t api_hash_block(const unsigned char *p, Py_ssize_t n, uint64_t pa
 }
 
 PyMODINIT_FUNC PyInit__v1hash(void) {
-    if (native_common_init() < 0) {
-        return NULL;
-    }
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) {
         return NULL;
     }
-    PyObject *api = PyCapsule_New((void *)api_hash_block, "events._v1hash.hash_block_api", NULL);
+    PyObject *api = PyCapsule_New((void *)api_hash_block, "kvcache._v1hash.hash_block_api", NULL);
     if (api == NULL || PyModule_AddObject(m, "hash_block_api", api) < 0) {
         Py_XDECREF(api);
         Py_DECREF(m);
