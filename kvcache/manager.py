@@ -152,7 +152,9 @@ class KVCacheManager:
         tokens_per_block)`` gives them for its full blocks (an engine hashing each request
         once on arrival, as vLLM does): committing those blocks then hashes nothing again.
         They are trusted: keys of other tokens would file the blocks under the wrong content.
-        At most one per full block, each 32 bytes (``ValueError`` otherwise).
+        So are the ids they cover, which ``blockchain_keys`` checked when it made them (their
+        types are checked again, their sign not). At most one per full block, each 32 bytes
+        (``ValueError`` otherwise).
 
         ``sink_hashes``: the hashes the event sink announces the same blocks under, when the
         caller made them already (``events.KVCacheEventManager`` takes V1 hashes, those of
@@ -164,7 +166,8 @@ class KVCacheManager:
         self._owner.check("create_kv_cache")
         scope = _check_scope(reuse_scope)
         priority = _check_priority(priority)
-        tokens = checked_token_array(input_tokens)
+        keyed = 0 if block_keys is None else len(block_keys) * self.tokens_per_block
+        tokens = checked_token_array(input_tokens, keyed)
         if block_keys is not None:
             _check_keys(block_keys, len(tokens) // self.tokens_per_block)
         if sink_hashes is not None:

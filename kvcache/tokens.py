@@ -47,12 +47,15 @@ def token_array_bytes(tokens: Iterable[int]) -> tuple[array[int], bytes]:
     return arr, data
 
 
-def checked_token_array(tokens: Iterable[int]) -> array[int]:
+def checked_token_array(tokens: Iterable[int], checked: int = 0) -> array[int]:
     """:func:`token_array` without the packed bytes: the same checks and errors (the sign
-    check of :func:`token_array_bytes`)."""
+    check of :func:`token_array_bytes`). ``checked``: how many leading ids a check already
+    passed (the block keys made from them, see ``KVCacheManager.create_kv_cache``); their
+    types are still checked, their sign not again."""
     arr = int32_array(tokens)
-    if not arr.tobytes()[_HIGH_BYTE::4].isascii():
-        raise ValueError(f"token ids must be in [0, 2**31), got {min(arr)}")
+    data = memoryview(arr)[checked:].tobytes() if checked else arr.tobytes()
+    if not data[_HIGH_BYTE::4].isascii():
+        raise ValueError(f"token ids must be in [0, 2**31), got {min(arr[checked:])}")
     return arr
 
 
