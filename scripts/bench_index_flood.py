@@ -1,7 +1,7 @@
 """The router's index under a hash flood: one ``apply_batch`` of N placeholder stores whose
 hashes a worker crafted against the plain (unkeyed, invertible) splitmix64 finalizer, then
 N / 100 lookups of 100 of them, against N random hashes; time and the native table's probe
-count (``MaskTable.probes``: slots examined past home slots), and the pure-Python index's time.
+count (``MaskTable.probes``: slots examined past home slots).
 
 Run from the repository root:  python scripts/bench_index_flood.py [N]   (default 40,000)
 """
@@ -29,25 +29,22 @@ def unfinalize(y: int) -> int:
     return y
 
 
-def run(label: str, keys: list[int], native: bool) -> None:
-    index = KvIndexer(16, native=native)
+def run(label: str, keys: list[int]) -> None:
+    index = KvIndexer(16)
     blocks = [StoredBlock(k, [], None, 1) for k in keys]  # CPU placeholders: keyed by hash
     batch = DecodedBatch(0.0, [KVCacheEvent(0, Stored(None, blocks, 16))])
     t = time.perf_counter()
     index.apply_batch(0, batch)
     applied = time.perf_counter() - t
     table = index._table
-    probes = table.probes if table is not None else None
+    probes = table.probes
     t = time.perf_counter()
     for i in range(0, len(keys), 100):
         index.find_matches(keys[i : i + 100])
     looked = time.perf_counter() - t
-    more = ""
-    if table is not None and probes is not None:
-        more = f" ({probes} probes, then {table.probes - probes})"
     print(
-        f"{label:8} {'native' if native else 'python'}: apply_batch {applied * 1000:.1f} ms, "
-        f"lookups {looked * 1000:.1f} ms{more}"
+        f"{label:8}: apply_batch {applied * 1000:.1f} ms, lookups {looked * 1000:.1f} ms "
+        f"({probes} probes, then {table.probes - probes})"
     )
 
 
@@ -56,8 +53,7 @@ def main() -> None:
     rng = random.Random(5)
     crafted = [unfinalize((i + 1) << 24) for i in range(n)]  # one home slot in tables <= 2**24
     for label, keys in (("random", [rng.getrandbits(64) for _ in range(n)]), ("crafted", crafted)):
-        for native in (True, False):
-            run(label, keys, native)
+        run(label, keys)
 
 
 if __name__ == "__main__":

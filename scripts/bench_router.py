@@ -162,16 +162,6 @@ def bench_lookups(rng: random.Random, n: int, rows: list[tuple[str, str, str]]) 
             "p50 <= 20 us",
         )
     )
-    # the same requests through the pure-Python loop (the reference and fallback)
-    it = iter(requests)
-    p50, p99 = percentile_us(lambda: ix.find_matches_py(next(it)), len(requests))
-    rows.append(
-        (
-            "  the same through find_matches_py (pure reference)",
-            f"p50 {p50:.1f} us (p99 {p99:.1f})",
-            "-",
-        )
-    )
     bench_wide_lookups(rng, n, 128, rows)
 
     # a full decision on an 8,192-token prompt whose first 4,096 tokens worker 2 holds
@@ -207,15 +197,15 @@ def bench_wide_lookups(
         chains_of = per_worker[rng.randrange(workers)]
         j = rng.randrange(len(chains_of) - 4)
         requests.append([h for c in chains_of[j : j + 4] for h in c])
-    for label, fn in (("find_matches", ix.find_matches), ("  find_matches_py", ix.find_matches_py)):
-        p50, p99 = percentile_us(partial(_next_request, fn, iter(requests)), len(requests))
-        rows.append(
-            (
-                f"{label}, {workers} workers, {ix.total_entries():,} entries, 2,000 distinct",
-                f"p50 {p50:.1f} us (p99 {p99:.1f})",
-                "p50 <= 20 us" if label == "find_matches" else "-",
-            )
+    next_match = partial(_next_request, ix.find_matches, iter(requests))
+    p50, p99 = percentile_us(next_match, len(requests))
+    rows.append(
+        (
+            f"find_matches, {workers} workers, {ix.total_entries():,} entries, 2,000 distinct",
+            f"p50 {p50:.1f} us (p99 {p99:.1f})",
+            "p50 <= 20 us",
         )
+    )
 
 
 def _next_request(fn: Callable[[list[int]], object], it: Iterator[list[int]]) -> object:
@@ -258,15 +248,14 @@ def bench_keyed(rng: random.Random, n_entries: int, rows: list[tuple[str, str, s
 
     # What a router receives: the same batches encoded and decoded (as a subscriber gives
     # them: token ids packed), outside the timed region; then the batches as built by hand
-    # (token ids as lists of ints), then the pure-Python loops.
+    # (token ids as lists of ints).
     wire = [(w, through_the_wire(s), through_the_wire(r)) for w, s, r in by_hand]
     runs = (
-        (wire, True, "keyed index updates (32-token blocks, hashing), 0 -> {:,} -> 0, decoded"),
-        (by_hand, True, "  the same, events built by hand (token ids as lists)"),
-        (wire, False, "  the same decoded events through the pure-Python loops"),
+        (wire, "keyed index updates (32-token blocks, hashing), 0 -> {:,} -> 0, decoded"),
+        (by_hand, "  the same, events built by hand (token ids as lists)"),
     )
-    for work, native, label in runs:
-        ix = KvIndexer(KEYED_TPB, key_by_tokens=True, native=native)
+    for work, label in runs:
+        ix = KvIndexer(KEYED_TPB, key_by_tokens=True)
         gc.collect()
         # the prepared input (millions of records a live router never holds at once) would
         # otherwise be walked by every full collection; the index holds no tracked objects
@@ -288,7 +277,7 @@ def bench_keyed(rng: random.Random, n_entries: int, rows: list[tuple[str, str, s
             (
                 label.format(entries),
                 f"{build / 1e6:.2f} M ops/s ({build_cpu / 1e6:.2f} per CPU s)",
-                ">= 1 M ops/s" if work is wire and native else "-",
+                ">= 1 M ops/s" if work is wire else "-",
             )
         )
     del work, wire, by_hand

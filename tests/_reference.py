@@ -3,21 +3,24 @@
 Each is written from the documented behaviour, independent of the native code (none of it calls
 an extension): the V1 block hash from WIRE.md 3 (TensorRT-LLM's ``BlockKeyHasher``, as the
 hash-drift diagnosis states it in plain Python), the token codecs from msgspec, the simulator's
-prompt expansion from its per-token formula (``router_sim.sim.workloads.expand_hash_ids``).
+prompt expansion from its per-token formula (``router_sim.sim.workloads.expand_hash_ids``), the
+router's index (``router_sim.router.indexer.KvIndexer`` over ``router_sim.router._match``'s
+table) as who holds which block on which tier, matched block by block.
 """
 
 from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Sequence
-from typing import Annotated, Any, Final
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import Annotated, Any, Final, NamedTuple
 
 import msgspec
 from msgspec import Meta
 
 from events.tools.diagnosis import v1_variant
 from events.wire.fast import MAX_TOKENS
+from events.wire.model import AllBlocksCleared, EventData, Removed, Stored, Updated
 from kvcache.scope import ReuseScope
 from kvcache.tokens import TOKEN_LIMIT
 
@@ -109,3 +112,138 @@ def expand_hash_ids(hash_ids: tuple[int, ...], input_length: int, n: int) -> arr
         out.byteswap()
     del out[input_length:]
     return out
+
+
+# --- the router's index (router_sim.router.indexer.KvIndexer) ---------------------------------
+
+MAX_LEVEL: Final = 2047  # router_sim.router.indexer.MAX_CACHE_LEVEL
+
+
+class Detail(NamedTuple):
+    """What ``KvIndexer.find_matches_detailed`` reports for one worker (``MatchDetail``'s
+    fields, in its order)."""
+
+    matched_blocks: int  # leading blocks of the request held on any tier
+    device_run: int  # leading blocks held on the device tier
+    device_blocks: int  # of the matched ones, those with a copy on the device tier
+    slower_blocks: int  # of the matched ones, those on slower tiers only
+
+
+class ModelIndex:
+    """Who holds which block key at which cache levels (0: the device tier), per worker, and
+    what a router's index reports for a request, by brute force: a worker's match is the count
+    of the request's leading blocks it holds on any tier, and workers holding none are left
+    out. A worker is known from its first store on (or any other update), as the index knows
+    a worker from its first batch."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, dict[Hashable, set[int]]] = {}
+        # what KvIndexer.anomalies counts, for the updates apply_by_hash reads
+        self.anomalies: dict[str, int] = dict.fromkeys(
+            ("unknown_removal", "unknown_parent", "unknown_update", "level_out_of_range"), 0
+        )
+
+    @classmethod
+    def of(cls, holdings: Mapping[int, Mapping[Hashable, Iterable[int]]]) -> ModelIndex:
+        """The model of ``holdings``: worker -> key -> the levels it holds the key at."""
+        model = cls()
+        for worker, keys in holdings.items():
+            held = model.held.setdefault(worker, {})
+            for key, levels in keys.items():
+                if set(levels):
+                    held[key] = set(levels)
+        return model
+
+    # ----------------------------------------------------------------- holdings
+
+    def store(self, worker: int, key: Hashable, level: int) -> None:
+        self.held.setdefault(worker, {}).setdefault(key, set()).add(level)
+
+    def drop(self, worker: int, key: Hashable, level: int | None) -> bool:
+        """Drop ``key``'s copy at ``level`` (None: every copy); whether there was one."""
+        levels = self.held.setdefault(worker, {}).get(key, set())
+        gone = set(levels) if level is None else levels & {level}
+        if not gone:
+            return False
+        levels -= gone
+        if not levels:
+            del self.held[worker][key]
+        return True
+
+    def clear(self, worker: int) -> None:
+        self.held.setdefault(worker, {}).clear()
+
+    def remove_worker(self, worker: int) -> None:
+        self.held.pop(worker, None)
+
+    def holds(self, worker: int, key: Hashable) -> tuple[int, ...]:
+        return tuple(sorted(self.held.get(worker, {}).get(key, ())))
+
+    def block_count(self, worker: int) -> int:
+        return len(self.held.get(worker, {}))
+
+    def total_entries(self) -> int:
+        return sum(len(held) for held in self.held.values())
+
+    # ------------------------------------------------------------------ updates
+
+    def apply_by_hash(self, worker: int, data: EventData) -> None:
+        """One event of a worker whose block hashes are the index's keys (an index not keyed
+        by tokens), as the indexer's docs state it: a level above ``MAX_LEVEL`` is skipped and
+        counted; a level below 0 is the device tier; a removal without a level drops every
+        copy, with one that tier's copy; a move drops the old tier's copy (if held) and adds
+        the new; a clear (this project's workers, V1 engines) empties every tier. KV-cache
+        groups do not scope such a worker's hashes."""
+        held = self.held.setdefault(worker, {})
+        if isinstance(data, Stored):
+            if not data.blocks:
+                return
+            if data.parent_hash is not None and data.parent_hash not in held:
+                self.anomalies["unknown_parent"] += 1
+            for block in data.blocks:
+                if block.cache_level > MAX_LEVEL:
+                    self.anomalies["level_out_of_range"] += 1
+                else:
+                    self.store(worker, block.block_hash, max(0, block.cache_level))
+        elif isinstance(data, Removed):
+            level = data.cache_level
+            if level is not None and level > MAX_LEVEL:
+                self.anomalies["level_out_of_range"] += len(data.block_hashes)
+                return
+            for h in data.block_hashes:
+                if not self.drop(worker, h, None if level is None else max(0, level)):
+                    self.anomalies["unknown_removal"] += 1
+        elif isinstance(data, Updated):
+            diff = data.cache_level
+            if diff is None:
+                return
+            if max(diff.old_value, diff.new_value) > MAX_LEVEL:
+                self.anomalies["level_out_of_range"] += 1
+            elif data.block_hash not in held:
+                self.anomalies["unknown_update"] += 1
+            else:
+                old, new = max(0, diff.old_value), max(0, diff.new_value)
+                self.drop(worker, data.block_hash, old)
+                self.store(worker, data.block_hash, new)
+        elif isinstance(data, AllBlocksCleared):
+            self.clear(worker)
+
+    # ----------------------------------------------------------------- matching
+
+    def find_matches(self, keys: Sequence[Hashable]) -> dict[int, int]:
+        return {w: d.matched_blocks for w, d in self.find_matches_detailed(keys).items()}
+
+    def find_matches_detailed(self, keys: Sequence[Hashable]) -> dict[int, Detail]:
+        out: dict[int, Detail] = {}
+        for worker, held in self.held.items():
+            matched = 0
+            while matched < len(keys) and keys[matched] in held:
+                matched += 1
+            if not matched:
+                continue
+            device_run = 0
+            while device_run < matched and 0 in held[keys[device_run]]:
+                device_run += 1
+            on_device = sum(1 for k in keys[:matched] if 0 in held[k])
+            out[worker] = Detail(matched, device_run, on_device, matched - on_device)
+        return out

@@ -88,15 +88,12 @@ def test_the_engines_clear_scopes() -> None:
         KvIndexer(TPB).set_clear_scope(0, "host")
 
 
-@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize(("scope", "left"), [("device", {1}), ("all", set()), (None, {1})], ids=str)
-def test_a_clear_empties_what_the_engine_empties(
-    native: bool, scope: str | None, left: set[int]
-) -> None:
+def test_a_clear_empties_what_the_engine_empties(scope: str | None, left: set[int]) -> None:
     """An engine-hashed worker (keyed by its tokens): GPU chain 10..13, copies of 10 and 11 on
     the host tier, then a clear. vLLM ("device", also the default for engine hashes) keeps the
     host copies, SGLang ("all") drops them."""
-    index = KvIndexer(TPB, key_by_tokens=True, native=native)
+    index = KvIndexer(TPB, key_by_tokens=True)
     index.set_clear_scope(0, scope)
     assert index.clear_scope(0) == scope
     index.apply_batch(0, _batch(_chain(10, 4), _placeholders([10, 11])))
@@ -126,15 +123,13 @@ op_st = st.one_of(
 
 
 @settings(max_examples=150, deadline=None)
-@given(ops=st.lists(op_st, max_size=30), native=st.booleans())
-def test_offload_announcements_are_counted_per_chunk(
-    ops: list[tuple[str, int, int]], native: bool
-) -> None:
+@given(ops=st.lists(op_st, max_size=30))
+def test_offload_announcements_are_counted_per_chunk(ops: list[tuple[str, int, int]]) -> None:
     """Model: the device tier holds a block or not (vLLM announces a GPU block once); a slower
     tier counts announcements (one per offload chunk holding the block) and holds the block
     while the count is above 0. Every block first comes with its tokens on the GPU, so it has
     a key; offload stores and all removals name the engine hash only."""
-    index = KvIndexer(TPB, key_by_tokens=True, native=native)
+    index = KvIndexer(TPB, key_by_tokens=True)
     hashes = [100 + i for i in range(4)]
     index.apply_batch(0, _batch(*(_chain(h, 1) for h in hashes)))
     keys = [index.key_of(0, h) for h in hashes]

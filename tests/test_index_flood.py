@@ -94,7 +94,6 @@ def test_an_indexer_applies_a_flood_of_crafted_hashes_in_linear_work() -> None:
     worker announces, the path a flood takes."""
     index = KvIndexer(16)
     table = index._table
-    assert table is not None
     keys = crafted(N)
     blocks = [StoredBlock(k, [], None, 1) for k in keys]
     before = table.probes

@@ -1,12 +1,15 @@
-"""KvIndexer: scenarios with exact expectations, and a property test against a naive model."""
+"""KvIndexer: scenarios with exact expectations, and property tests against the plain model of
+who holds what (``_reference.ModelIndex``)."""
 
 from __future__ import annotations
 
 import logging
 
 import pytest
+from _reference import ModelIndex
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from index_helpers import check_mirror, holdings, model_details, model_of
 
 from events.wire.model import (
     AllBlocksCleared,
@@ -20,6 +23,7 @@ from events.wire.model import (
     StoredBlock,
     Updated,
 )
+from router_sim.router import _match as native
 from router_sim.router.indexer import KvIndexer, MatchDetail
 
 TPB = 4
@@ -206,82 +210,44 @@ op = st.one_of(
 )
 
 
-class NaiveIndex:
-    """Per worker, a dict block -> set of levels; everything by brute force."""
-
-    def __init__(self) -> None:
-        self.held: dict[int, dict[int, set[int]]] = {}
-        self.unknown_removals = 0
-
-    def apply(self, o: tuple[object, ...]) -> None:
-        kind, w = o[0], o[1]
-        assert isinstance(w, int)
-        held = self.held.setdefault(w, {})
-        if kind == "stored":
-            hashes, _parent, level = o[2], o[3], o[4]
-            assert isinstance(hashes, list) and isinstance(level, int)
-            for h in hashes:
-                held.setdefault(h, set()).add(level)
-        elif kind == "removed":
-            hashes, level = o[2], o[3]
-            assert isinstance(hashes, list)
-            for h in hashes:
-                levels = held.get(h, set())
-                gone = set(levels) if level is None else levels & {level}
-                if not gone:
-                    self.unknown_removals += 1
-                    continue
-                levels -= gone
-                if not levels:
-                    del held[h]
-        elif kind == "updated":
-            h, old, new = o[2], o[3], o[4]
-            assert isinstance(h, int)
-            if h in held:
-                held[h].discard(old)
-                held[h].add(new)
-        elif kind in ("cleared", "reset"):
-            held.clear()
-        elif kind == "remove_worker":
-            del self.held[w]
-
-    def detail(self, query: list[int]) -> dict[int, MatchDetail]:
-        out: dict[int, MatchDetail] = {}
-        for w, held in self.held.items():
-            n = 0
-            while n < len(query) and query[n] in held:
-                n += 1
-            d = 0
-            while d < len(query) and 0 in held.get(query[d], set()):
-                d += 1
-            on_device = sum(1 for h in query[:n] if 0 in held[h])
-            if n:
-                out[w] = MatchDetail(n, d, on_device, n - on_device)
-        return out
-
-
-def apply_op(ix: KvIndexer, o: tuple[object, ...]) -> None:
-    kind, w = o[0], o[1]
-    assert isinstance(w, int)
+def op_event(o: tuple[object, ...]) -> KVCacheEvent | None:
+    """The event of an op (None: a reset or removal of the worker, not an event)."""
+    kind = o[0]
     if kind == "stored":
         hashes, parent, level = o[2], o[3], o[4]
         assert isinstance(hashes, list) and isinstance(level, int)
         assert parent is None or isinstance(parent, int)
-        ix.apply_batch(w, batch(stored(hashes, parent=parent, level=level)))
-    elif kind == "removed":
+        return stored(hashes, parent=parent, level=level)
+    if kind == "removed":
         hashes, level = o[2], o[3]
         assert isinstance(hashes, list) and (level is None or isinstance(level, int))
-        ix.apply_batch(w, batch(removed(hashes, level)))
-    elif kind == "updated":
+        return removed(hashes, level)
+    if kind == "updated":
         h, old, new = o[2], o[3], o[4]
         assert isinstance(h, int) and isinstance(old, int) and isinstance(new, int)
-        ix.apply_batch(w, batch(moved(h, old, new)))
-    elif kind == "cleared":
-        ix.apply_batch(w, batch(KVCacheEvent(0, AllBlocksCleared())))
-    elif kind == "reset":
+        return moved(h, old, new)
+    if kind == "cleared":
+        return KVCacheEvent(0, AllBlocksCleared())
+    return None
+
+
+def apply_op(ix: KvIndexer, o: tuple[object, ...], model: ModelIndex | None = None) -> None:
+    """Apply ``o`` to ``ix``, and to ``model`` (the index not keyed by tokens) when given."""
+    w = o[1]
+    assert isinstance(w, int)
+    event = op_event(o)
+    if event is not None:
+        ix.apply_batch(w, batch(event))
+        if model is not None:
+            model.apply_by_hash(w, event.data)
+    elif o[0] == "reset":
         ix.reset_worker(w)
-    elif kind == "remove_worker":
+        if model is not None:
+            model.clear(w)
+    else:
         ix.remove_worker(w)
+        if model is not None:
+            model.remove_worker(w)
 
 
 @settings(max_examples=300, deadline=None)
@@ -289,40 +255,30 @@ def apply_op(ix: KvIndexer, o: tuple[object, ...]) -> None:
     ops=st.lists(op, max_size=40),
     queries=st.lists(st.lists(HASHES, min_size=1, max_size=8), min_size=1, max_size=6),
 )
-def test_indexer_agrees_with_naive_model(
+def test_indexer_agrees_with_the_model(
     ops: list[tuple[object, ...]], queries: list[list[int]]
 ) -> None:
     ix = KvIndexer(TPB)
-    naive = NaiveIndex()
+    model = ModelIndex()
     for o in ops:
-        if o[0] == "remove_worker" and o[1] not in naive.held:
-            continue
-        if o[0] == "reset" and o[1] not in naive.held:
-            continue
-        apply_op(ix, o)
-        naive.apply(o)
+        apply_op(ix, o, model)
+        check_mirror(ix)
     for q in [*queries, list(range(12))]:
-        expected = naive.detail(q)
-        assert ix.find_matches_detailed(q) == expected
-        assert ix.find_matches(q) == {w: d.matched_blocks for w, d in expected.items()}
+        assert ix.find_matches_detailed(q) == model_details(model, q)
+        assert ix.find_matches(q) == model.find_matches(q)
     for w in WORKERS:
-        assert ix.block_count(w) == len(naive.held.get(w, {}))
+        assert ix.block_count(w) == model.block_count(w)
         assert {h: ix.holds(w, h) for h in range(12) if ix.holds(w, h)} == {
-            h: tuple(sorted(levels)) for h, levels in naive.held.get(w, {}).items()
+            h: model.holds(w, h) for h in model.held.get(w, {})
         }
-    assert ix.anomalies["unknown_removal"] == naive.unknown_removals
-    assert ix.total_entries() == sum(len(h) for h in naive.held.values())
+    for kind, count in model.anomalies.items():
+        assert ix.anomalies[kind] == count, kind
+    assert ix.total_entries() == model.total_entries()
 
 
-# ------------------------------------------------- native match loop against the reference
+# ------------------------------------------------- native match loop against the model
 
-try:
-    from router_sim.router import _match as native
-except ImportError:  # the pure loop alone: the tests above still run
-    native = None  # type: ignore[assignment]
-needs_native = pytest.mark.skipif(native is None, reason="native match loop not built")
-
-# keys the native table mirrors (ints in [0, 2**64)), and ones it must leave to the reference
+# keys the native table mirrors (ints in [0, 2**64)), and ones it leaves to the general path
 WIDE_HASHES = st.sampled_from([0, 1, 5, 2**63, 2**64 - 1, -3, 2**64, "ab12"])
 wide_op = st.one_of(
     st.tuples(
@@ -347,29 +303,36 @@ wide_op = st.one_of(
 )
 
 
-@needs_native
 @settings(max_examples=300, deadline=None)
 @given(
     ops=st.lists(st.one_of(op, wide_op), max_size=40),
     queries=st.lists(st.lists(st.one_of(HASHES, WIDE_HASHES), max_size=8), max_size=6),
     key_by_tokens=st.booleans(),
 )
-def test_native_match_loop_equals_the_reference(
+def test_native_match_loop_equals_the_model(
     ops: list[tuple[object, ...]], queries: list[list[BlockHash]], key_by_tokens: bool
 ) -> None:
+    """Keys the table holds answer natively, requests naming others through the general
+    path; both as the model. Not keyed by tokens, the model follows the events itself; keyed
+    by tokens (keys the index computes), it holds what the index says its workers hold."""
     ix = KvIndexer(TPB, key_by_tokens=key_by_tokens)
-    assert ix._table is not None  # the extension is built: find_matches takes the native path
+    model = ModelIndex()
     for o in ops:
-        apply_op(ix, o)
+        apply_op(ix, o, None if key_by_tokens else model)
+        check_mirror(ix)
+    if key_by_tokens:
+        model = model_of(ix)
+    else:
+        assert holdings(model_of(ix)) == holdings(model)
     fixed: list[list[BlockHash]] = [list(range(12)), [0, 1, 5, 2**63, 2**64 - 1]]
     for q in [*queries, *fixed]:
-        assert ix.find_matches(q) == ix.find_matches_py(q)
+        assert ix.find_matches(q) == model.find_matches(q)
+        assert ix.find_matches_detailed(q) == model_details(model, q)
         # what the table holds for ints in range is exactly who holds them (any tier)
         ints = [h for h in q if isinstance(h, int) and 0 <= h < 2**64]
-        assert ix._table.runs(ints, ix._worker_of_bit) == ix.find_matches_py(ints)
+        assert ix._table.runs(ints, ix._worker_of_bit) == model.find_matches(ints)
 
 
-@needs_native
 @settings(max_examples=60, deadline=None)
 @given(
     ops=st.lists(
@@ -381,7 +344,6 @@ def test_native_table_grows_shrinks_and_deletes_like_a_dict(
     ops: list[tuple[int, list[int], bool]],
 ) -> None:
     """Thousands of keys: resizes both ways and backward-shift deletions in long probe runs."""
-    assert native is not None
     table = native.MaskTable()
     model: dict[int, int] = {}
     workers = {b: b + 100 for b in range(64)}
@@ -399,19 +361,36 @@ def test_native_table_grows_shrinks_and_deletes_like_a_dict(
         assert table.runs([k], workers) == expected
 
 
-def test_without_native_the_pure_loop_answers() -> None:
-    ix = KvIndexer(TPB, native=False)
-    ix.apply_batch(0, batch(stored([1, 2, 3])))
-    ix.apply_batch(1, batch(stored([1])))
-    assert ix._table is None
-    assert ix.find_matches([1, 2, 3]) == {0: 3, 1: 1}
+def test_keys_the_table_does_not_hold_take_the_general_path() -> None:
+    """Hand-derived: worker 0 holds 1, "ab", 2**64 (slower tier only), -3; worker 1 holds 1
+    and "ab" on the slower tier; worker 2 holds 1, 7 and 8. A request naming a key the table
+    does not hold answers as one that does, the device masks of those keys kept in
+    ``_device``."""
+    ix = KvIndexer(TPB)
+    ix.apply_batch(0, batch(stored([1, "ab"]), stored([2**64], parent="ab", level=1)))
+    ix.apply_batch(0, batch(stored([-3], parent=2**64)))
+    ix.apply_batch(1, batch(stored([1]), stored(["ab"], parent=1, level=1)))
+    ix.apply_batch(2, batch(stored([1, 7, 8])))
+    check_mirror(ix)
+    assert ix._device == {"ab": 1, -3: 1}
+    chain: list[BlockHash] = [1, "ab", 2**64, -3, 5]
+    assert ix.find_matches(chain) == {0: 4, 1: 2, 2: 1}
+    assert ix.find_matches_detailed(chain) == {
+        0: MatchDetail(4, 2, 3, 1),
+        1: MatchDetail(2, 1, 1, 1),
+        2: MatchDetail(1, 1, 1, 0),
+    }
+    assert ix.find_matches([1, 7, 8, "x"]) == {2: 3, 0: 1, 1: 1}
+    assert ix.find_matches(["ab", 1]) == {0: 2, 1: 2}
+    ix.apply_batch(0, batch(removed(["ab"]), removed([-3], level=0)))
+    check_mirror(ix)
+    assert ix._device == {}
+    assert ix.find_matches(chain) == {0: 1, 1: 2, 2: 1}
 
 
-@needs_native
 def test_native_table_finds_every_key_left_after_deletions_inside_probe_runs() -> None:
     """3,000 keys in 4,096 slots (load 0.73: long probe runs); deleting every other key must
     leave each remaining key reachable (entries shift back into the holes)."""
-    assert native is not None
     table = native.MaskTable()
     keys = list(range(3000))
     table.sync(keys, 0, dict.fromkeys(keys, 1))

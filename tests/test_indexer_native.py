@@ -1,8 +1,9 @@
-"""KvIndexer's native paths (router_sim.router._match) against the pure-Python ones.
+"""KvIndexer's native paths (router_sim.router._match) against the plain model of who holds
+what (``_reference.ModelIndex``) and answers derived by hand.
 
 The native table holds masks as wide as the fleet needs, and runs the device-tier store and
-eviction loops; every test here compares what they leave behind with the pure loops
-(``native=False``) or with answers derived by hand.
+eviction loops; every test here checks what they leave behind: the holdings against the
+model or by hand, and the table and tier masks against the holdings (``check_mirror``).
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from _reference import ModelIndex, v1_block_hash
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from index_helpers import check_mirror, holdings, model_details, model_of
 
 from events.wire.model import (
     AllBlocksCleared,
@@ -24,13 +27,8 @@ from events.wire.model import (
     StoredBlock,
     Updated,
 )
+from router_sim.router import _match as native
 from router_sim.router.indexer import RECENT_KEYS, KvIndexer, MatchDetail
-
-try:
-    from router_sim.router import _match as native
-except ImportError:  # the pure loops alone: nothing to compare
-    native = None  # type: ignore[assignment]
-pytestmark = pytest.mark.skipif(native is None, reason="native match loop not built")
 
 TPB = 4
 
@@ -58,42 +56,18 @@ def remove(
     return KVCacheEvent(0, Removed(hashes, level, group))
 
 
-def state(ix: KvIndexer) -> dict[str, Any]:
-    """Everything an update may change (the recent-key memory in its order: it is trimmed
-    oldest first)."""
-    t = ix._table
-    if t is not None:  # the native table is the only store of ints' device masks
-        assert not [h for h in ix._device if isinstance(h, int) and 0 <= h < 2**64]
-    everything = {h for held in ix._held.values() for h in held} | set(ix._device)
-    device = {h: t.device_get(h) if t else ix._device.get(h, 0) for h in everything}
-    return {
-        "held": ix._held,
-        "device": {h: m for h, m in device.items() if m},
-        "slower": ix._slower,
-        "keys": ix._keys,
-        "recent": {w: list(r.items()) for w, r in ix._recent.items()},
-        "refs": ix._refs,
-        "keying": ix._keying,
-        "bits": ix._bit_of,
-        "anomalies": ix.anomalies,
-        "per_worker": ix._worker_anomalies,
-        "entries": ix.total_entries(),
-    }
-
-
 def test_200_workers_match_natively() -> None:
     """Worker w holds the first 1 + w % 3 blocks of one chain: past 64 workers the table's
     masks widen (4 words for 200 bits) and the native loop answers, before and after half the
     fleet leaves and new workers take the freed bits."""
     ix = KvIndexer(TPB)
-    assert ix._table is not None
     chain: list[BlockHash] = [11, 12, 13]
     for w in range(200):
         ix.apply_batch(w, batch(store(chain[: 1 + w % 3])))
     assert ix._table.words == 4
     expected = {w: 1 + w % 3 for w in range(200)}
     assert ix._table.runs(chain, ix._worker_of_bit) == expected
-    assert ix.find_matches(chain) == expected == ix.find_matches_py(chain)
+    assert ix.find_matches(chain) == expected == model_of(ix).find_matches(chain)
     assert ix.find_matches([11, 12]) == {w: min(2, 1 + w % 3) for w in range(200)}
     for w in range(0, 200, 2):
         ix.remove_worker(w)
@@ -102,10 +76,11 @@ def test_200_workers_match_natively() -> None:
     assert ix._table.words == 4
     expected = {w: 1 + w % 3 for w in range(1, 200, 2)} | dict.fromkeys(range(1000, 1040), 3)
     assert ix._table.runs(chain, ix._worker_of_bit) == expected
-    assert ix.find_matches(chain) == expected == ix.find_matches_py(chain)
+    assert ix.find_matches(chain) == expected == model_of(ix).find_matches(chain)
+    check_mirror(ix)
     # worker 199 (bit 199, the last word) evicts its middle block: its run ends at 1
     ix.apply_batch(199, batch(remove([12])))
-    assert ix.find_matches(chain)[199] == 1 == ix.find_matches_py(chain)[199]
+    assert ix.find_matches(chain)[199] == 1 == model_of(ix).find_matches(chain)[199]
 
 
 @settings(max_examples=40, deadline=None)
@@ -117,7 +92,6 @@ def test_200_workers_match_natively() -> None:
 )
 def test_wide_table_equals_a_dict_model(ops: list[tuple[int, list[int], bool]]) -> None:
     """Bits up to 299 (5 words): widening while keys are held, deletions, shrinking."""
-    assert native is not None
     table = native.MaskTable()
     model: dict[int, int] = {}
     for bit, keys, hold in ops:
@@ -137,7 +111,6 @@ def test_wide_table_equals_a_dict_model(ops: list[tuple[int, list[int], bool]]) 
 
 
 def test_bits_out_of_range_are_refused() -> None:
-    assert native is not None
     table = native.MaskTable()
     for bit in (-1, 1 << 20):
         with pytest.raises(ValueError, match="bit must lie"):
@@ -148,7 +121,7 @@ def test_bits_out_of_range_are_refused() -> None:
     assert table.runs([1, 2], {0: 6, 4095: 7}) == {6: 2, 7: 1}
 
 
-# ------------------------------------------- native update loops == pure update loops
+# ------------------------------------------------ native update loops against the model
 
 KEYS = st.sampled_from([0, 1, 2, 3, 5, 8, 2**63, 2**64 - 1, -4, "ab"])
 FLEET = st.integers(0, 150)
@@ -178,20 +151,30 @@ fleet_op = st.one_of(
 )
 
 
-def apply(ix: KvIndexer, o: tuple[Any, ...]) -> None:
+def apply(ix: KvIndexer, o: tuple[Any, ...], model: ModelIndex | None = None) -> None:
+    """Apply ``o`` to ``ix``, and to ``model`` (an index not keyed by tokens) when given."""
     kind, w = o[0], o[1]
+    event = None
     if kind == "stored":
-        ix.apply_batch(w, batch(store(o[2], o[3], o[4], o[5], o[6])))
+        event = store(o[2], o[3], o[4], o[5], o[6])
     elif kind == "removed":
-        ix.apply_batch(w, batch(remove(o[2], o[3], o[4])))
+        event = remove(o[2], o[3], o[4])
     elif kind == "updated":
-        ix.apply_batch(w, batch(KVCacheEvent(0, Updated(o[2], EventDiff(o[3], o[4])))))
+        event = KVCacheEvent(0, Updated(o[2], EventDiff(o[3], o[4])))
     elif kind == "cleared":
-        ix.apply_batch(w, batch(KVCacheEvent(0, AllBlocksCleared())))
+        event = KVCacheEvent(0, AllBlocksCleared())
+    if event is not None:
+        ix.apply_batch(w, batch(event))
+        if model is not None:
+            model.apply_by_hash(w, event.data)
     elif kind == "reset":
         ix.reset_worker(w)
+        if model is not None:
+            model.clear(w)
     else:
         ix.remove_worker(w)
+        if model is not None:
+            model.remove_worker(w)
 
 
 @settings(max_examples=250, deadline=None)
@@ -201,95 +184,109 @@ def apply(ix: KvIndexer, o: tuple[Any, ...]) -> None:
     queries=st.lists(st.lists(KEYS, max_size=6), max_size=5),
     key_by_tokens=st.booleans(),
 )
-def test_native_updates_and_matches_equal_the_pure_ones(
+def test_native_updates_and_matches_equal_the_model(
     fleet: int, ops: list[tuple[Any, ...]], queries: list[list[BlockHash]], key_by_tokens: bool
 ) -> None:
     """Random streams over up to 151 workers (``fleet`` of them announced first, so later
-    ones take bits past 63, then workers leave and come back): the native store / eviction
-    loops leave exactly the pure loops' state, and the native match loop answers as the
-    reference, keyed by tokens or by hashes."""
-    fast = KvIndexer(TPB, key_by_tokens=key_by_tokens)
-    pure = KvIndexer(TPB, key_by_tokens=key_by_tokens, native=False)
-    assert fast._table is not None and pure._table is None
+    ones take bits past 63, then workers leave and come back): after each event the native
+    table and tier masks say what the holdings say; not keyed by tokens, the holdings and
+    anomaly counts are the model's, which follows the same events; the native match loop (and
+    the general one, for requests naming keys the table does not hold) answers as the model
+    of the holdings."""
+    ix = KvIndexer(TPB, key_by_tokens=key_by_tokens)
+    model = None if key_by_tokens else ModelIndex()
     for w in range(fleet):
-        for ix in (fast, pure):
-            ix.apply_batch(w, batch(store([w % 4, 100 + w], tokens=1 + w % 2)))
+        apply(ix, ("stored", w, [w % 4, 100 + w], None, 0, None, 1 + w % 2), model)
     for o in ops:
-        apply(fast, o)
-        apply(pure, o)
-        assert state(fast) == state(pure)
+        apply(ix, o, model)
+        check_mirror(ix)
+        if model is not None:
+            assert holdings(model_of(ix)) == holdings(model)
+    if model is None:
+        model = model_of(ix)
+    else:
+        for kind, count in model.anomalies.items():
+            assert ix.anomalies[kind] == count, kind
     if key_by_tokens:  # requests are keyed by the router's own hashes of their tokens
-        keyed = [fast.key_of(w, h) for w in fast.workers for h in (0, 1, 2, 3)]
+        keyed = [ix.key_of(w, h) for w in ix.workers for h in (0, 1, 2, 3)]
         queries = [*queries, keyed[:6], keyed[-6:]]
     for q in [*queries, [0, 1, 2, 3, 5, 8], [2**63, 2**64 - 1]]:
-        expected = pure.find_matches_py(q)
-        assert fast.find_matches(q) == expected == fast.find_matches_py(q)
-        detail = pure.find_matches_detailed(q)
-        assert fast.find_matches_detailed(q) == detail == fast.find_matches_detailed_py(q)
+        assert ix.find_matches(q) == model.find_matches(q)
+        assert ix.find_matches_detailed(q) == model_details(model, q)
         ints = [h for h in q if isinstance(h, int) and 0 <= h < 2**64]
-        assert fast._table is not None
-        assert fast._table.runs(ints, fast._worker_of_bit) == pure.find_matches_py(ints)
+        assert ix._table.runs(ints, ix._worker_of_bit) == model.find_matches(ints)
 
 
-def test_recent_key_memory_trimmed_as_the_pure_loop_trims_it() -> None:
+def test_recent_key_memory_is_trimmed_to_the_newest_mappings() -> None:
     """A keyed worker evicts 20,000 blocks (one in 50 also on a slower tier, so the native
-    loop stops and resumes): the bounded memory of dropped blocks' keys is trimmed at the
-    same points and keeps the same newest mappings, and the last block's key comes back
-    with a placeholder store naming only its hash."""
-    fast, pure = (
-        KvIndexer(TPB, key_by_tokens=True),
-        KvIndexer(TPB, key_by_tokens=True, native=False),
-    )
+    loop stops and the general one takes it): the bounded memory of dropped blocks' keys is
+    trimmed as documented (past 2 * RECENT_KEYS mappings, all but the newest RECENT_KEYS go)
+    at the same points whichever loop inserts, and the last block's key comes back with a
+    placeholder store naming only its hash."""
+    ix = KvIndexer(TPB, key_by_tokens=True)
+    expected: dict[BlockHash, int] = {}  # the documented memory, in insertion order
     for start in range(0, 20_000, 50):
         hashes: list[BlockHash] = list(range(start + 1, start + 51))
-        for ix in (fast, pure):
-            ix.apply_batch(
-                0,
-                batch(
-                    store(hashes, tokens=start % 7 + 1),
-                    store(hashes[7:8], parent=hashes[6], level=1, tokens=start % 7 + 1),
-                    remove(hashes),
-                ),
-            )
-        assert len(fast._recent[0]) <= 2 * RECENT_KEYS
-    assert state(fast) == state(pure)
-    assert fast.total_entries() == 0 and sum(fast.anomalies.values()) == 0
-    last_key = fast._recent[0][20_000]
-    assert len(fast._recent[0]) >= RECENT_KEYS
-    for ix in (fast, pure):
-        ix.apply_batch(0, batch(store([20_000], tokens=None)))
-        assert ix.find_matches([last_key]) == {0: 1}
-    assert state(fast) == state(pure)
+        t = start % 7 + 1
+        ix.apply_batch(
+            0,
+            batch(
+                store(hashes, tokens=t),
+                store(hashes[7:8], parent=hashes[6], level=1, tokens=t),
+                remove(hashes),
+            ),
+        )
+        key = 0
+        for h in hashes:  # the V1 chain of the blocks' tokens: their keys
+            key = v1_block_hash([t] * TPB, key)
+            expected[h] = key
+            if len(expected) > 2 * RECENT_KEYS:
+                for old in list(expected)[:-RECENT_KEYS]:
+                    del expected[old]
+        assert list(ix._recent[0].items()) == list(expected.items())
+    check_mirror(ix)
+    assert ix.total_entries() == 0 and sum(ix.anomalies.values()) == 0
+    assert ix._keys[0] == {} and ix._refs[0] == {}
+    last_key = expected[20_000]
+    assert RECENT_KEYS <= len(ix._recent[0]) <= 2 * RECENT_KEYS
+    ix.apply_batch(0, batch(store([20_000], tokens=None)))
+    assert ix.find_matches([last_key]) == {0: 1}
+    assert ix._keys[0] == {20_000: last_key} and 20_000 not in ix._recent[0]
+    assert ix.holds(0, last_key) == (0,)
+    check_mirror(ix)
 
 
 def test_tiers_of_a_worker_past_bit_64() -> None:
     """Hand-derived details for workers on the second mask word: worker 170 holds blocks
     11 (device), 12 (slower tier only), 13 (both), 14 (device); worker 171 holds 11 and 12 on
     the device tier; 70 fillers hold block 99 only."""
-    for native_loops in (True, False):
-        ix = KvIndexer(TPB, native=native_loops)
-        for w in range(70):
-            ix.apply_batch(w, batch(store([99])))
-        ix.apply_batch(170, batch(store([11]), store([12, 13], parent=11, level=1)))
-        ix.apply_batch(170, batch(store([13, 14], parent=12)))
-        ix.apply_batch(171, batch(store([11, 12])))
-        assert ix._bit_of[170] == 70 and ix._bit_of[171] == 71
-        chain: list[BlockHash] = [11, 12, 13, 14, 15]
-        expected = {170: MatchDetail(4, 1, 3, 1), 171: MatchDetail(2, 2, 2, 0)}
-        assert ix.find_matches_detailed(chain) == expected
-        assert list(ix.find_matches_detailed(chain)) == [171, 170]  # in the order runs end
-        assert ix.find_matches(chain) == {170: 4, 171: 2}
+    ix = KvIndexer(TPB)
+    for w in range(70):
+        ix.apply_batch(w, batch(store([99])))
+    ix.apply_batch(170, batch(store([11]), store([12, 13], parent=11, level=1)))
+    ix.apply_batch(170, batch(store([13, 14], parent=12)))
+    ix.apply_batch(171, batch(store([11, 12])))
+    assert ix._bit_of[170] == 70 and ix._bit_of[171] == 71
+    assert [ix.holds(170, h) for h in (11, 12, 13, 14)] == [(0,), (1,), (0, 1), (0,)]
+    check_mirror(ix)
+    chain: list[BlockHash] = [11, 12, 13, 14, 15]
+    expected = {170: MatchDetail(4, 1, 3, 1), 171: MatchDetail(2, 2, 2, 0)}
+    assert ix.find_matches_detailed(chain) == expected
+    assert list(ix.find_matches_detailed(chain)) == [171, 170]  # in the order runs end
+    assert ix.find_matches(chain) == {170: 4, 171: 2}
 
 
 def test_a_removal_naming_a_block_twice_and_a_block_kept_elsewhere() -> None:
     """Hand-derived: the native eviction stops at a block held on two tiers, the general
     path drops both copies, and the second mention of an evicted block is unknown."""
-    for native_loops in (True, False):
-        ix = KvIndexer(TPB, native=native_loops)
-        ix.apply_batch(3, batch(store([1, 2, 3]), store([2], parent=1, level=1)))
-        ix.apply_batch(4, batch(store([1, 2])))
-        ix.apply_batch(3, batch(remove([1, 2, 1, 3])))
-        assert ix.block_count(3) == 0
-        assert ix.anomalies["unknown_removal"] == 1
-        assert ix.find_matches([1, 2, 3]) == {4: 2}
-        assert state(ix)["device"] == {1: 1 << 1, 2: 1 << 1} and ix._slower == {}
+    ix = KvIndexer(TPB)
+    ix.apply_batch(3, batch(store([1, 2, 3]), store([2], parent=1, level=1)))
+    ix.apply_batch(4, batch(store([1, 2])))
+    ix.apply_batch(3, batch(remove([1, 2, 1, 3])))
+    assert ix.block_count(3) == 0
+    assert ix.anomalies["unknown_removal"] == 1
+    assert ix.find_matches([1, 2, 3]) == {4: 2}
+    bit4 = 1 << ix._bit_of[4]
+    assert [ix._table.device_get(h) for h in (1, 2, 3)] == [bit4, bit4, 0]
+    assert ix._slower == {} and len(ix._table) == 2
+    check_mirror(ix)

@@ -10,8 +10,9 @@
  * lookup is then one slot per block, and the slots of the next keys are prefetched before
  * they are read, so a request's misses overlap instead of following one another (Python dicts
  * cost several dependent misses per block: index slot, entry, key object, value object).
- * indexer.py keeps the Python matching loop for keys the table does not hold and for an index
- * made with native=False; tests check both agree.
+ * indexer.py keeps a Python matching loop for keys the table does not hold (strings, ints
+ * outside [0, 2**64), group-scoped pairs); the tests check both against a plain model of who
+ * holds what (tests/_reference.py).
  *
  *   MaskTable()
  *   .sync(keys, bit, held)  for each int key: set bit `bit` if key in dict `held`, else clear
@@ -556,7 +557,7 @@ static PyObject *MaskTable_runs(MaskTable *t, PyObject *const *args, Py_ssize_t 
                             : runs_loop(t, items, n, result, args[1], words, acc);
         if (rc) {
             Py_DECREF(result);
-            result = rc < 0 ? NULL : Py_NewRef(Py_None); /* None: the reference path */
+            result = rc < 0 ? NULL : Py_NewRef(Py_None); /* None: the general path */
         }
     }
     if (acc != NULL && acc != stack_acc)
@@ -749,9 +750,10 @@ static void warm(const MaskTable *t, PyObject *const *items, Py_ssize_t from, Py
 
    KvIndexer's store of blocks on the device tier for the worker whose bit is `bit`
    (`bitobj` == 1 << bit), from blocks[start] on: each block's key is keys[i] (or its
-   block_hash when keys is None); held[key] |= 1, device[key] |= bitobj, and the table's bit
-   set, exactly as the Python loop does. Stops at the first block whose cache_level is not 0
-   (the caller handles it and calls again) and returns its index, else len(blocks). */
+   block_hash when keys is None); held[key] |= 1, and the worker's device bit set: in the
+   table (with its any-tier bit) for an int key in [0, 2**64), else in device[key]. Stops at
+   the first block whose cache_level is not 0 (the caller handles it and calls again) and
+   returns its index, else len(blocks). */
 static PyObject *MaskTable_store(MaskTable *t, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 7 || !PyList_Check(args[0]) || (args[1] != Py_None && !PyList_Check(args[1])) ||
         !PyDict_Check(args[5]) || !PyDict_Check(args[6])) {
@@ -1145,14 +1147,14 @@ static PyMethodDef MaskTable_methods[] = {
     {"clear_bit", (PyCFunction)(void (*)(void))MaskTable_clear_bit, METH_FASTCALL,
      "clear_bit(keys, bit): clear bit `bit` of each int key (none is held)."},
     {"runs", (PyCFunction)(void (*)(void))MaskTable_runs, METH_FASTCALL,
-     "runs(keys, worker_of_bit) -> {worker: run length}, or None (reference path needed)."},
+     "runs(keys, worker_of_bit) -> {worker: run length}, or None (general path needed)."},
     {"device_get", (PyCFunction)MaskTable_device_get, METH_O,
      "device_get(key) -> mask of the workers holding key on the device tier (0: none)."},
     {"device_bit", (PyCFunction)(void (*)(void))MaskTable_device_bit, METH_FASTCALL,
      "device_bit(keys, bit, on): set or clear bit `bit` of each key's device mask."},
     {"detailed", (PyCFunction)(void (*)(void))MaskTable_detailed, METH_FASTCALL,
      "detailed(keys, worker_of_bit, make) -> {worker: make(run, device run, on device, "
-     "slower)}, or None (reference path needed)."},
+     "slower)}, or None (general path needed)."},
     {"remember", (PyCFunction)(void (*)(void))MaskTable_remember, METH_FASTCALL,
      "remember(blocks, keys, keys_map) -> True when every block's hash is its key, else "
      "maps each hash to its key."},

@@ -42,7 +42,7 @@ class MaskTable:
 
     def runs(self, keys: Sequence[object], worker_of_bit: dict[int, int]) -> dict[int, int] | None:
         """{worker: run length} as ``KvIndexer.find_matches``, or None when a key is not an
-        int in [0, 2**64) (the caller takes the reference path)."""
+        int in [0, 2**64) (the caller takes its general path)."""
 
     def detailed(
         self,

@@ -8,7 +8,7 @@ Layout (chosen for memory and for a matching loop that runs in C)::
 
 The device masks live in the native table for int keys in [0, 2**64) (every key a worker or
 the router hashes), and in ``_device`` (a dict) for the others (hex strings, out-of-range ints,
-group-scoped pairs), or for all keys in an index made with ``native=False``.
+group-scoped pairs).
 
 ``_held`` is the source of truth (it makes ``reset_worker`` O(that worker's blocks) and lets
 removals and moves be checked); the two global maps are derived from it so that matching a
@@ -23,16 +23,17 @@ whose bit is w) and its device mask, one slot per key in an open-addressing tabl
 masks are as many 64-bit words as the fleet's highest bit needs (24 bytes a slot up to 64
 workers, 48 up to 128, ...), and a request's slots are fetched ahead so their misses overlap
 (89 -> 14 us p50 over distinct 256-block requests at 1M entries, bench_router.py). The Python
-matching loop (``find_matches_py``) serves requests naming keys the table does not hold
-(strings, ints outside [0, 2**64)) and an index made with ``native=False``.
+matching loop (``_find_matches_general``) serves requests naming keys the table does not hold
+(strings, ints outside [0, 2**64)).
 
 The same extension runs the two per-block loops that dominate a busy stream, one call per
 event: storing blocks on the device tier (``MaskTable.store``: held, device mask and table)
 and evicting blocks held on the device tier only (``MaskTable.evict``: the engine hash ->
 key map too). Each stops at the first block that needs anything else (a slower tier, a copy
 kept elsewhere, an unknown block), which the Python code below handles before handing the
-rest back, so both paths apply a stream identically (the Python one is what runs with
-``native=False``; its measured cost: 1.35-1.5x the native loops' CPU on keyed updates).
+rest back. Removals naming a KV-cache group or a slower tier only take the Python loops
+whole. The tests check all of it against a plain model of who holds what
+(``tests/_reference.py``).
 
 Matching exploits that a prefix-AND of worker bitmasks is numerically non-increasing (a
 subset of a set of bits is never a larger integer): ``accumulate(masks, and_)`` gives, at
@@ -220,15 +221,11 @@ them as that ``__init__`` does (it does nothing else), without a Python call per
 class KvIndexer:
     """Block hash -> workers (with tier), fed by decoded event batches per worker."""
 
-    def __init__(
-        self, tokens_per_block: int, *, key_by_tokens: bool = False, native: bool = True
-    ) -> None:
+    def __init__(self, tokens_per_block: int, *, key_by_tokens: bool = False) -> None:
         """``key_by_tokens``: key blocks by the router's own hash of the token ids each store
         carries (engine-agnostic; what :class:`~router_sim.router.routing.Router` uses by default);
         False keys them by the hashes the workers announce, which requests must then be
-        hashed as (this project's workers, V1-hashing engines). ``native``: match natively
-        (False: the Python loops only, no mirror to keep; the same
-        answers, for measuring what the mirror costs and saves)."""
+        hashed as (this project's workers, V1-hashing engines)."""
         if tokens_per_block <= 0:
             raise ValueError(f"tokens_per_block must be > 0, got {tokens_per_block}")
         self.tokens_per_block: Final = tokens_per_block
@@ -257,8 +254,8 @@ class KvIndexer:
         # 0 for a full-attention group)}: the groups that also decide a prefix hit (hybrid)
         self._groups: dict[int, dict[int, tuple[str, int]]] = {}
         # the native table of which workers hold each int key, on any tier and on the device
-        # tier (None: the Python loops alone, with native=False)
-        self._table: MaskTable | None = MaskTable(self._device) if native else None
+        # tier (the device masks of other keys: in _device, which it reads and writes)
+        self._table: Final = MaskTable(self._device)
         self.batches_applied = 0
         self.events_applied = 0
 
@@ -310,8 +307,7 @@ class KvIndexer:
                 else:
                     del slower[h]
         self._device_bit([h for h, levels in held.items() if levels & 1], bit, False)
-        if self._table is not None:
-            self._table.clear_bit(list(held), self._bit_of[worker])
+        self._table.clear_bit(list(held), self._bit_of[worker])
         held.clear()
         self._keys[worker].clear()
         self._recent[worker].clear()
@@ -577,11 +573,10 @@ class KvIndexer:
             except (TypeError, ValueError, OverflowError):
                 computed = []
         n = len(computed)
-        t = self._table
-        if n == len(blocks) and not gmask and t is not None and type(blocks) is list:
+        if n == len(blocks) and not gmask and type(blocks) is list:
             # the common case below, natively
             counts[0] += n
-            if t.remember(blocks, computed, keys):  # the worker hashes as the router does
+            if self._table.remember(blocks, computed, keys):  # hashes as the router does
                 counts[2] += n
             return computed  # type: ignore[return-value]
         if n == len(blocks):  # the common case: every block keyed from its tokens at once
@@ -713,11 +708,9 @@ class KvIndexer:
         """Store ``blocks`` under ``keys`` (None: their own hashes); ``counting``: repeated
         announcements on a slower tier are counted (keyed streams: vLLM's offload chunks)."""
         t = self._table
-        if t is None:
-            self._store_py(worker, bit, held, blocks, keys, counting)
-            return
-        # the native loop stores device-tier blocks and stops at any other; that one goes
-        # through _store_deeper here, mirrored, and the loop resumes after it
+        # the native loop stores device-tier blocks (any key: the device masks of keys the
+        # table does not hold go to _device) and stops at any other; that one goes through
+        # _store_deeper here, mirrored, and the loop resumes after it
         if type(blocks) is not list:
             blocks = list(blocks)
         b = bit.bit_length() - 1
@@ -730,37 +723,6 @@ class KvIndexer:
             self._store_deeper(worker, bit, held, block.cache_level, h, counting)
             t.sync([h], b, held)
             i = t.store(blocks, keys, i + 1, b, bit, held, device)
-
-    def _store_py(
-        self,
-        worker: int,
-        bit: int,
-        held: dict[IndexKey, int],
-        blocks: Sequence[StoredBlock],
-        keys: list[IndexKey] | None,
-        counting: bool,
-    ) -> None:
-        """The pure-Python store loop (what the native ``MaskTable.store`` runs)."""
-        device = self._device
-        held_add, device_add = held.setdefault, device.setdefault
-        for block, h in zip(
-            blocks, map(_BLOCK_HASH, blocks) if keys is None else keys, strict=True
-        ):
-            level = block.cache_level
-            if not level:
-                # the common case, kept to one lookup per map for a block new to the worker
-                # and to the fleet (at 1M entries the lookups are cache misses)
-                size = len(held)
-                old = held_add(h, 1)
-                if len(held) == size:  # the worker knew the block
-                    if old & 1:
-                        continue
-                    held[h] = old | 1
-                m = device_add(h, bit)
-                if m != bit:
-                    device[h] = m | bit
-                continue
-            self._store_deeper(worker, bit, held, level, h, counting)
 
     def _store_deeper(
         self,
@@ -794,8 +756,6 @@ class KvIndexer:
         """Bring the native table in line with ``held`` for ``keys`` (one call per event);
         True / False where every key is / none is held (no lookups)."""
         t = self._table
-        if t is None:
-            return
         if held is True:
             t.set_bit(keys, bit.bit_length() - 1)
         elif held is False:
@@ -806,24 +766,11 @@ class KvIndexer:
     def _device_bit(self, keys: list[IndexKey], bit: int, on: bool) -> None:
         """Set (``on``) or clear worker bit ``bit`` (a mask) in the device masks of ``keys``:
         in the native table for the keys it holds, else in ``_device``."""
-        t = self._table
-        if t is not None:
-            t.device_bit(keys, bit.bit_length() - 1, on)
-            return
-        device = self._device
-        for h in keys:
-            m = device.get(h, 0) | bit if on else device.get(h, 0) & ~bit
-            if m:
-                device[h] = m
-            else:
-                device.pop(h, None)
+        self._table.device_bit(keys, bit.bit_length() - 1, on)
 
     def _device_masks(self, keys: Sequence[IndexKey]) -> Iterator[int]:
         """The device mask of each key (0 where no worker holds it there)."""
-        t = self._table
-        if t is not None:
-            return map(t.device_get, keys)
-        return map(self._device.get, keys, _ZEROS)
+        return map(self._table.device_get, keys)
 
     def _drop_levels(
         self, bit: int, held: dict[IndexKey, int], h: IndexKey, old: int, gone: int
@@ -856,10 +803,10 @@ class KvIndexer:
             return
         hashes = data.block_hashes
         group = data.group if keyed else None
-        if self._table is None or group or not (level is None or level <= 0):
-            # the Python loops: no native table, a KV-cache group, or a slower tier only
-            remove_py = self._remove_keys if keyed else self._remove_hashes
-            unknown = remove_py(worker, bit, held, hashes, level, group)
+        if group or not (level is None or level <= 0):
+            # the Python loops: a KV-cache group, or a slower tier only
+            remove = self._remove_keys if keyed else self._remove_hashes
+            unknown = remove(worker, bit, held, hashes, level, group)
         else:
             unknown = self._evict(worker, bit, held, hashes, level, keyed)
         if unknown:
@@ -878,7 +825,6 @@ class KvIndexer:
         held on the device tier only and stops at any other, which the Python loop handles
         before the native one resumes. Returns the count of unknown blocks."""
         t = self._table
-        assert t is not None
         if type(hashes) is not list:
             hashes = list(hashes)
         b = bit.bit_length() - 1
@@ -886,7 +832,7 @@ class KvIndexer:
         keys = self._keys[worker] if keyed else None
         recent = self._recent[worker] if keyed else None
         limit = 2 * RECENT_KEYS
-        remove_py = self._remove_keys if keyed else self._remove_hashes
+        remove_one = self._remove_keys if keyed else self._remove_hashes
         unknown = 0
         n = len(hashes)
         i = 0
@@ -895,7 +841,7 @@ class KvIndexer:
             if recent is not None and len(recent) > limit:
                 self._trim(recent)  # the native loop stopped right after the insertion
             elif i < n:
-                unknown += remove_py(worker, bit, held, hashes[i : i + 1], level, None)
+                unknown += remove_one(worker, bit, held, hashes[i : i + 1], level, None)
                 i += 1
         return unknown
 
@@ -914,10 +860,8 @@ class KvIndexer:
         unknown = 0
         keys = self._keys[worker]
         refs = self._refs[worker]
-        device = self._device
         t = self._table
         b = bit.bit_length() - 1
-        keep = ~bit
         kpop = keys.pop
         recent = self._recent[worker]
         size = len(held)
@@ -930,12 +874,7 @@ class KvIndexer:
             if old == 1 and mask & 1:
                 # the common eviction: the only copy was on the device tier
                 del held[h]
-                if t is None:
-                    m = device.pop(h) & keep
-                    if m:
-                        device[h] = m
-                else:
-                    t.device_bit([h], b, False)
+                t.device_bit([h], b, False)
                 if ek is not h:
                     self._retire(recent, ek, h)  # type: ignore[arg-type]
                 continue
@@ -974,23 +913,15 @@ class KvIndexer:
         count of unknown blocks."""
         mask = -1 if level is None else 1 << max(0, level)
         unknown = 0
-        device = self._device
         t = self._table
         b = bit.bit_length() - 1
-        keep = ~bit
-        held_pop, device_pop = held.pop, device.pop
+        held_pop = held.pop
         size = len(held)
         for h in hashes:
             old = held_pop(h, 0)
             if old == 1 and mask & 1:
-                # the common eviction: the only copy was on the device tier (one lookup per map
-                # when no other worker holds the block)
-                if t is None:
-                    m = device_pop(h) & keep
-                    if m:
-                        device[h] = m
-                else:
-                    t.device_bit([h], b, False)
+                # the common eviction: the only copy was on the device tier
+                t.device_bit([h], b, False)
                 continue
             if old:
                 held[h] = old  # put back: _drop_levels works on the held entry
@@ -1066,17 +997,14 @@ class KvIndexer:
         absent."""
         if not block_hashes:
             return {}
-        if self._table is not None:
-            runs = self._table.runs(block_hashes, self._worker_of_bit)
-            if runs is not None:
-                return self._hybrid_runs(block_hashes, runs) if self._groups else runs
-        return self.find_matches_py(block_hashes)
+        runs = self._table.runs(block_hashes, self._worker_of_bit)
+        if runs is None:  # a key the table does not hold, before the match ends
+            return self._find_matches_general(block_hashes)
+        return self._hybrid_runs(block_hashes, runs) if self._groups else runs
 
-    def find_matches_py(self, block_hashes: Sequence[BlockHash]) -> dict[int, int]:
-        """The readable reference of :meth:`find_matches` (what answers for a
-        request naming keys the table does not mirror, and with ``native=False``)."""
-        if not block_hashes:
-            return {}
+    def _find_matches_general(self, block_hashes: Sequence[BlockHash]) -> dict[int, int]:
+        """:meth:`find_matches` for any keys (strings, ints outside [0, 2**64)), in Python:
+        the prefix-AND of the device and slower-tier masks, cut by bisection."""
         runs = self._run_lengths(self._prefix_masks(block_hashes, device_only=False))
         return self._hybrid_runs(block_hashes, runs) if self._groups else runs
 
@@ -1173,19 +1101,18 @@ class KvIndexer:
         """Like :meth:`find_matches` with the device-tier run and per-tier counts."""
         if not block_hashes:
             return {}
-        if self._table is not None:
-            details = self._table.detailed(
-                block_hashes, self._worker_of_bit, MatchDetail, _MATCH_DETAIL_FIELDS
-            )
-            if details is not None:
-                return self._hybrid_details(block_hashes, details) if self._groups else details
-        return self.find_matches_detailed_py(block_hashes)
+        details = self._table.detailed(
+            block_hashes, self._worker_of_bit, MatchDetail, _MATCH_DETAIL_FIELDS
+        )
+        if details is None:  # a key the table does not hold, before the match ends
+            return self._find_matches_detailed_general(block_hashes)
+        return self._hybrid_details(block_hashes, details) if self._groups else details
 
-    def find_matches_detailed_py(self, block_hashes: Sequence[BlockHash]) -> dict[int, MatchDetail]:
-        """The readable reference of :meth:`find_matches_detailed` (as
-        :meth:`find_matches_py` is :meth:`find_matches`')."""
-        if not block_hashes:
-            return {}
+    def _find_matches_detailed_general(
+        self, block_hashes: Sequence[BlockHash]
+    ) -> dict[int, MatchDetail]:
+        """:meth:`find_matches_detailed` for any keys, in Python (as
+        :meth:`_find_matches_general` is :meth:`find_matches`')."""
         any_runs = self._run_lengths(self._prefix_masks(block_hashes, device_only=False))
         if not self._slower:
             result = {w: MatchDetail(n, n, n, 0) for w, n in any_runs.items()}
