@@ -25,7 +25,6 @@ COMPILED: Final = (
     "events.wire._records",
     "events.manager",
     "router_sim.sim.dialects",
-    "router_sim.router.indexer",
     "router_sim.router.policies.kernels",
     "router_sim.router.routing",
     "router_sim.sim.simulator",
