@@ -1181,13 +1181,11 @@ static PyTypeObject MaskTableType = {
     .tp_new = MaskTable_new,
 };
 
-/* expand_ids(ids, count, per_id, shift, mask) -> bytes
-   expand_array(ids, count, per_id, shift, mask) -> array('i')
+/* expand_array(ids, count, per_id, shift, mask) -> array('i')
 
    The simulator's prompt of Mooncake-style hash ids (router_sim.sim.workloads.expand_hash_ids):
    token j of the block of id h is (j << shift) | (h & mask), blocks in id order, `count`
-   tokens in all (the last block cut short), as native-order int32s: bytes, or the array the
-   prompt is (written in place: no copy of a bytes object into an array). */
+   tokens in all (the last block cut short), written in place into the array the prompt is. */
 /* A new array('i') of n items for the caller to fill, *data its storage (the array is ours
    alone: it stays put). */
 static PyObject *new_int32_array(Py_ssize_t n, uint32_t **data) {
@@ -1197,11 +1195,10 @@ static PyObject *new_int32_array(Py_ssize_t n, uint32_t **data) {
     return arr;
 }
 
-static PyObject *expand_common(PyObject *const *args, Py_ssize_t nargs, int as_array) {
+static PyObject *expand_array(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
     if (nargs != 5 || !PyTuple_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError,
-                        as_array ? "expand_array(ids: tuple, count, per_id, shift, mask)"
-                                 : "expand_ids(ids: tuple, count, per_id, shift, mask) -> bytes");
+        PyErr_SetString(PyExc_TypeError, "expand_array(ids: tuple, count, per_id, shift, mask)");
         return NULL;
     }
     PyObject *ids = args[0];
@@ -1215,25 +1212,19 @@ static PyObject *expand_common(PyObject *const *args, Py_ssize_t nargs, int as_a
         count > PY_SSIZE_T_MAX / 4 ||
         count / per_id + (count % per_id != 0) > PyTuple_GET_SIZE(ids)) {
         PyErr_SetString(PyExc_ValueError,
-                        "expand_ids: count must be in [0, len(ids) * per_id], per_id >= 1, "
+                        "expand_array: count must be in [0, len(ids) * per_id], per_id >= 1, "
                         "shift in [0, 31], mask < 2**32");
         return NULL;
     }
     uint32_t *t;
-    PyObject *out;
-    if (as_array) {
-        out = new_int32_array(count, &t);
-    } else {
-        out = PyBytes_FromStringAndSize(NULL, count * 4);
-        t = out == NULL ? NULL : (uint32_t *)PyBytes_AS_STRING(out);
-    }
+    PyObject *out = new_int32_array(count, &t);
     if (out == NULL)
         return NULL;
     for (Py_ssize_t k = 0, done = 0; done < count; k++) {
         PyObject *h = PyTuple_GET_ITEM(ids, k);
         if (!PyLong_Check(h)) {
             Py_DECREF(out);
-            PyErr_SetString(PyExc_TypeError, "expand_ids: hash ids must be ints");
+            PyErr_SetString(PyExc_TypeError, "expand_array: hash ids must be ints");
             return NULL;
         }
         uint32_t id = (uint32_t)(PyLong_AsUnsignedLongLongMask(h) & mask);
@@ -1249,15 +1240,6 @@ static PyObject *expand_common(PyObject *const *args, Py_ssize_t nargs, int as_a
     return out;
 }
 
-static PyObject *expand_ids(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    return expand_common(args, nargs, 0);
-}
-
-static PyObject *expand_array(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    return expand_common(args, nargs, 1);
-}
 
 /* id_run(base, count) -> array('i') [base, base + 1, ..., base + count - 1]: a generated
    answer (router_sim.sim.workloads.Request.output_tokens), every id in [0, 2**31). */
@@ -1421,10 +1403,8 @@ done:
 }
 
 static PyMethodDef module_methods[] = {
-    {"expand_ids", (PyCFunction)(void (*)(void))expand_ids, METH_FASTCALL,
-     "The int32 bytes of a prompt given by hash ids (see router_sim.sim.workloads)."},
     {"expand_array", (PyCFunction)(void (*)(void))expand_array, METH_FASTCALL,
-     "expand_ids' prompt as an array('i')."},
+     "the simulator's prompt of hash ids as an array('i') (see router_sim.sim.workloads)."},
     {"id_run", (PyCFunction)(void (*)(void))id_run, METH_FASTCALL,
      "array('i') of count consecutive ids from base (see router_sim.sim.workloads)."},
     {"held_prefixes", (PyCFunction)(void (*)(void))held_prefixes, METH_FASTCALL,

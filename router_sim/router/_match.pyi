@@ -94,14 +94,11 @@ class MaskTable:
 
     def __len__(self) -> int: ...
 
-def expand_ids(ids: tuple[int, ...], count: int, per_id: int, shift: int, mask: int, /) -> bytes:
-    """Native-order int32 bytes of ``count`` tokens: token ``j`` of the block of id ``h`` is
-    ``(j << shift) | (h & mask)``, blocks in id order (the last one cut short)."""
-
 def expand_array(
     ids: tuple[int, ...], count: int, per_id: int, shift: int, mask: int, /
 ) -> array[int]:
-    """:func:`expand_ids`' tokens as an ``array('i')`` (written in place, not copied)."""
+    """``count`` tokens as an ``array('i')`` (written in place): token ``j`` of the block of id
+    ``h`` is ``(j << shift) | (h & mask)``, blocks in id order (the last one cut short)."""
 
 def id_run(base: int, count: int, /) -> array[int]:
     """``array('i')`` of ``base, base + 1, ..., base + count - 1`` (ids in [0, 2**31))."""
