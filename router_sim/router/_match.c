@@ -25,8 +25,7 @@
  *                           the indexer's device-tier store / eviction loops (see below)
  *   .words                  64-bit words per mask;  len(table): keys held
  *
- * It also writes the simulator's prompts and answers as array('i') (expand_array, id_run),
- * and counts how many leading block keys each worker's cache holds (held_prefixes).
+ * It also writes the simulator's prompts and answers as array('i') (expand_array, id_run).
  *
  * Linear probing; a key's home slot is a keyed mix of it (two rounds of the splitmix64
  * finalizer around a random key drawn when the module loads), so that neither sequential nor
@@ -1266,149 +1265,11 @@ static PyObject *id_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return out;
 }
 
-/* held_prefixes(sets, keys) -> list[int]: for each set or frozenset, how many of keys,
-   first key first, it holds before the first it does not: the simulator's true overlap of a
-   request's block keys with every worker's cache in one call (SimWorker.true_overlap is the
-   reference: `h in held` per key, up to the first miss).
-
-   Workers' caches are sets of a hundred thousand ints and more: each lookup misses the CPU
-   caches twice (the table slot, then the key object it points to), one after the other, and a
-   request asks up to workers x blocks of them. So the keys are taken depth by depth over the
-   sets still holding every key so far, and the lookups of the next depths are announced ahead:
-   the slot of key d + 4 is fetched, and the key object in the slot of key d + 2, while key d is
-   looked up, so the misses of all the sets overlap. Prefetching only reads ahead: every answer
-   is PySet_Contains's. The table and mask are read again for each announcement (a key's
-   __eq__ may run Python code that resizes a set), and sizes are read again after each lookup
-   (such code may change the lists too); each item is held while it is looked up. */
-#define HP_STACK 64
-#define HP_SLOT_AHEAD 4 /* keys ahead whose slots are fetched */
-#define HP_KEY_AHEAD 2  /* keys ahead whose key objects are fetched */
-static inline void announce_slot(PyObject *held, Py_hash_t h) {
-    PySetObject *so = (PySetObject *)held;
-    __builtin_prefetch(&so->table[(size_t)h & (size_t)so->mask]);
-}
-static inline void announce_key(PyObject *held, Py_hash_t h) {
-    PySetObject *so = (PySetObject *)held;
-    PyObject *k = so->table[(size_t)h & (size_t)so->mask].key;
-    if (k != NULL)
-        __builtin_prefetch(k);
-}
-
-/* The hash of keys[i] when it is an int (no Python code runs, it cannot fail), else -1. */
-static inline Py_hash_t int_hash(PyObject *keys, Py_ssize_t i) {
-    if (i >= PySequence_Fast_GET_SIZE(keys))
-        return -1;
-    PyObject *key = PySequence_Fast_GET_ITEM(keys, i);
-    return PyLong_CheckExact(key) ? PyObject_Hash(key) : -1;
-}
-
-static PyObject *held_prefixes(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "held_prefixes(sets, keys) -> list[int]");
-        return NULL;
-    }
-    PyObject *sets = PySequence_Tuple(args[0]);
-    if (sets == NULL) {
-        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
-            PyErr_SetString(PyExc_TypeError, "held_prefixes: sets must be a sequence of sets");
-        }
-        return NULL;
-    }
-    PyObject *keys = PySequence_Fast(args[1], "held_prefixes: keys must be a sequence");
-    PyObject *out = NULL;
-    Py_ssize_t n = PyTuple_GET_SIZE(sets);
-    Py_ssize_t stack_run[HP_STACK], stack_alive[HP_STACK];
-    Py_ssize_t *run = stack_run, *alive = stack_alive;
-    if (keys == NULL)
-        goto done;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *held = PyTuple_GET_ITEM(sets, i);
-        if (!PyAnySet_CheckExact(held)) { /* a subclass's `in` may be its own */
-            PyErr_Format(PyExc_TypeError, "held_prefixes: sets[%zd] is %.100s, not a set", i,
-                         Py_TYPE(held)->tp_name);
-            goto done;
-        }
-    }
-    if (n > HP_STACK) {
-        run = PyMem_New(Py_ssize_t, (size_t)n);
-        alive = PyMem_New(Py_ssize_t, (size_t)n);
-        if (run == NULL || alive == NULL) {
-            PyErr_NoMemory();
-            goto done;
-        }
-    }
-    Py_ssize_t live = n; /* alive[0..live): the sets holding keys[0..d) */
-    for (Py_ssize_t i = 0; i < n; i++) {
-        run[i] = 0;
-        alive[i] = i;
-    }
-    /* the first keys' slots, then the very first keys' key objects, in every set */
-    for (Py_ssize_t a = 0; a < HP_SLOT_AHEAD; a++) {
-        Py_hash_t h = int_hash(keys, a);
-        for (Py_ssize_t i = 0; h != -1 && i < n; i++)
-            announce_slot(PyTuple_GET_ITEM(sets, i), h);
-    }
-    for (Py_ssize_t a = 0; a < HP_KEY_AHEAD; a++) {
-        Py_hash_t h = int_hash(keys, a);
-        for (Py_ssize_t i = 0; h != -1 && i < n; i++)
-            announce_key(PyTuple_GET_ITEM(sets, i), h);
-    }
-    for (Py_ssize_t d = 0; live > 0 && d < PySequence_Fast_GET_SIZE(keys); d++) {
-        PyObject *key = PySequence_Fast_GET_ITEM(keys, d);
-        Py_INCREF(key);
-        Py_hash_t hs = int_hash(keys, d + HP_SLOT_AHEAD), hk = int_hash(keys, d + HP_KEY_AHEAD);
-        Py_ssize_t kept = 0;
-        for (Py_ssize_t j = 0; j < live; j++) {
-            PyObject *held = PyTuple_GET_ITEM(sets, alive[j]);
-            if (hs != -1)
-                announce_slot(held, hs);
-            if (hk != -1)
-                announce_key(held, hk);
-        }
-        for (Py_ssize_t j = 0; j < live; j++) {
-            Py_ssize_t i = alive[j];
-            int has = PySet_Contains(PyTuple_GET_ITEM(sets, i), key);
-            if (has < 0) {
-                Py_DECREF(key);
-                goto done;
-            }
-            if (has) {
-                run[i]++;
-                alive[kept++] = i;
-            }
-        }
-        live = kept;
-        Py_DECREF(key);
-    }
-    out = PyList_New(n);
-    if (out == NULL)
-        goto done;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *count = PyLong_FromSsize_t(run[i]);
-        if (count == NULL) {
-            Py_CLEAR(out);
-            goto done;
-        }
-        PyList_SET_ITEM(out, i, count);
-    }
-done:
-    if (run != stack_run)
-        PyMem_Free(run);
-    if (alive != stack_alive)
-        PyMem_Free(alive);
-    Py_DECREF(sets);
-    Py_XDECREF(keys);
-    return out;
-}
-
 static PyMethodDef module_methods[] = {
     {"expand_array", (PyCFunction)(void (*)(void))expand_array, METH_FASTCALL,
      "the simulator's prompt of hash ids as an array('i') (see router_sim.sim.workloads)."},
     {"id_run", (PyCFunction)(void (*)(void))id_run, METH_FASTCALL,
      "array('i') of count consecutive ids from base (see router_sim.sim.workloads)."},
-    {"held_prefixes", (PyCFunction)(void (*)(void))held_prefixes, METH_FASTCALL,
-     "Per set, how many leading keys it holds (the simulator's true overlaps)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,8 +1,7 @@
 """Type stub of the native match loop of router_sim.router.indexer (built from _match.c)."""
 
 from array import array
-from collections.abc import Callable, Iterable, Sequence
-from collections.abc import Set as AbstractSet
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -102,7 +101,3 @@ def expand_array(
 
 def id_run(base: int, count: int, /) -> array[int]:
     """``array('i')`` of ``base, base + 1, ..., base + count - 1`` (ids in [0, 2**31))."""
-
-def held_prefixes(sets: Iterable[AbstractSet[Any]], keys: Iterable[Any], /) -> list[int]:
-    """Per set, how many of ``keys`` (first key first) it holds before the first it does not
-    (``TypeError`` for an item of ``sets`` that is not a set or frozenset)."""

@@ -45,7 +45,6 @@ from events.wire.model import BlockHash
 from kvcache.hashing import HashAlgo, blockchain_keys
 from router_sim.build_info import warn_if_stale
 from router_sim.errors import SimulationError as SimulationError
-from router_sim.router._match import held_prefixes
 from router_sim.router.load import WorkerLoad
 from router_sim.router.policies import EVENT_FREE, make_policy
 from router_sim.router.routing import Router
@@ -100,6 +99,20 @@ def _without_cyclic_gc() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+def held_prefixes(sets: list[set[BlockHash]], keys: list[BlockHash]) -> list[int]:
+    """For each set, how many of ``keys``, first key first, it holds before the first it does
+    not: the simulator's true overlap of a request's block keys with every worker's cache."""
+    out: list[int] = []
+    for held in sets:
+        n = 0
+        for key in keys:
+            if key not in held:
+                break
+            n += 1
+        out.append(n)
+    return out
 
 
 def needs_event_stream(drop_rate: float, restarts: bool, transport: str) -> bool:
@@ -573,8 +586,8 @@ class Simulation:
 
     def _true_overlaps(self, hashes: list[BlockHash]) -> list[int]:
         """Per worker, the leading blocks of ``hashes`` its cache holds right now (what the
-        report's best and chosen overlaps are made of): natively, every worker's in one call
-        (each worker's held set is read at the call: a restart or snapshot replaces it)."""
+        report's best and chosen overlaps are made of; each worker's held set is read at the
+        call: a restart or snapshot replaces it)."""
         return held_prefixes([w.held for w in self.workers], hashes)
 
     def _wire_stats(self) -> WireStats:
