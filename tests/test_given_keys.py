@@ -178,3 +178,23 @@ def test_sink_hashes_are_taken_exactly_when_each_is_a_64_bit_int(hashes: list[An
         else:
             with pytest.raises(ValueError, match="sink_hashes"):
                 m.create_kv_cache(array("i", range(25)), sink_hashes=given_hashes)
+
+
+def test_ids_past_the_given_keys_are_still_checked() -> None:
+    """The ids under given keys were checked when the keys were made (blockchain_keys refuses a
+    negative one); every id past them is checked here, as without keys."""
+    scope = ReuseScope()
+    prompt = array("i", range(100, 114))  # three full blocks and two tokens
+    keys = blockchain_keys(scope, prompt, 4)
+    with pytest.raises(ValueError, match=r"\[0, 2\*\*31\)"):
+        blockchain_keys(scope, array("i", [1, 2, 3, -4]), 4)
+    m = _manager()
+    for at in (8, 12, 13):  # in the unkeyed third block, in the partial tail
+        bad = array("i", prompt)
+        bad[at] = -1
+        with pytest.raises(ValueError, match=r"got -1"):
+            m.create_kv_cache(bad, scope, block_keys=keys[:2])
+    # types are checked over the whole prompt (a bool in a list)
+    with pytest.raises(TypeError, match="bool"):
+        m.create_kv_cache([*prompt[:13], True], scope, block_keys=keys[:2])
+    assert m.create_kv_cache(prompt, scope, block_keys=keys[:2]).num_reused_tokens == 0
