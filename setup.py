@@ -121,9 +121,13 @@ def _remove_compiled_in_place(built_now: Collection[str] = ()) -> None:
             if source.exists() and source not in kept:
                 print(f"removing {built.relative_to(HERE)} (compiled by an earlier build)")
                 built.unlink()
+    # the group's library lives at the bottom package (kvcache), so that loading a compiled
+    # kvcache module loads nothing of the packages above; earlier builds put it in router_sim
+    for built in (HERE / "router_sim").glob("_compiled__mypyc.*.so"):
+        built.unlink()
     if built_now:
         return
-    for built in (HERE / "router_sim").glob("_compiled__mypyc.*.so"):
+    for built in (HERE / "kvcache").glob("_compiled__mypyc.*.so"):
         built.unlink()
     (HERE / "router_sim" / MANIFEST).unlink(missing_ok=True)
 
@@ -153,7 +157,7 @@ def _mypyc_extensions() -> list[Extension]:
                     *COMPILED,
                 ],
                 opt_level="3",
-                group_name="router_sim._compiled",
+                group_name="kvcache._compiled",
             )
         )
     except (Exception, SystemExit) as exc:  # mypy reports a type error by exiting

@@ -168,6 +168,8 @@ def test_an_in_place_build_removes_the_compiled_twin_of_a_module_no_longer_compi
         "kvcache/manager.cpython-311-x86_64-linux-gnu.so": "compiled earlier, not listed now",
         "kvcache/_tokens.cpython-311-x86_64-linux-gnu.so": "hand-written extension",
         "events/_wire.cpython-311-x86_64-linux-gnu.so": "hand-written extension",
+        # where builds before the group moved to the bottom package left its library
+        "router_sim/_compiled__mypyc.cpython-311-x86_64-linux-gnu.so": "an old group library",
     }
     for name, text in files.items():
         (tmp_path / name).write_text(text)
@@ -182,7 +184,7 @@ def test_an_in_place_build_removes_the_compiled_twin_of_a_module_no_longer_compi
     ]
     # a build that compiles nothing (SCOPED_KV_PURE=1, or a failed group) leaves no compiled
     # module, group library or manifest behind, and still the hand-written extensions
-    (tmp_path / "router_sim" / "_compiled__mypyc.cpython-311-x86_64-linux-gnu.so").write_text("")
+    (tmp_path / "kvcache" / "_compiled__mypyc.cpython-311-x86_64-linux-gnu.so").write_text("")
     (tmp_path / "router_sim" / "_compiled_sources.json").write_text("{}")
     namespace["_remove_compiled_in_place"]()
     left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.so"))

@@ -13,6 +13,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 import kvcache
 
 PACKAGE = Path(kvcache.__file__).parent
@@ -163,15 +165,16 @@ def test_the_layer_check_sees_an_import_from_above() -> None:
     assert _imports_above(ast.parse(code)) == {"events.wire", "router_sim.router"}
 
 
-# The import, run on the source: a compiled build's modules load the mypyc group's library,
-# router_sim._compiled__mypyc, whose package router_sim then loads (the build's, not the source's
-# doing), so the child takes each .py file first (scripts/pure_python.py's finder).
+# The import, run on the source (the child takes each .py file first: scripts/pure_python.py's
+# finder) and on the build as installed (the compiled modules load the mypyc group's library,
+# kvcache._compiled__mypyc, which lives at the bottom too).
 _LOADS = textwrap.dedent(
     """
     import importlib, pkgutil, sys
     sys.path[:0] = [sys.argv[1], sys.argv[1] + "/scripts"]
-    from pure_python import source_first
-    source_first()
+    if sys.argv[2] == "source":
+        from pure_python import source_first
+        source_first()
     above = ("events", "router_sim")
     def loaded():
         return sorted(m for m in sys.modules if m.split(".")[0] in above)
@@ -187,9 +190,10 @@ _LOADS = textwrap.dedent(
 )
 
 
-def test_importing_kvcache_loads_nothing_from_the_packages_above() -> None:
+@pytest.mark.parametrize("build", ["source", "installed"])
+def test_importing_kvcache_loads_nothing_from_the_packages_above(build: str) -> None:
     done = subprocess.run(
-        [sys.executable, "-c", _LOADS, str(ROOT)],
+        [sys.executable, "-c", _LOADS, str(ROOT), build],
         cwd=ROOT,
         capture_output=True,
         text=True,
