@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from array import array
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from _reference import expand_hash_ids as expand_hash_ids_ref
@@ -143,7 +144,10 @@ def test_expansion_matches_the_per_token_formula(
 
 
 def test_native_expansion_refuses_what_it_cannot_write() -> None:
-    expand = workloads.expand_array
+
+    def expand(ids: Any, count: int, *layout: int) -> array[int]:
+        return workloads.expand_array(array("i", [0]) * count, ids, count, *layout)
+
     assert bytes(expand((), 0, 512, 22, 2**22 - 1)) == b""
     # a block size near the int limit: the ids-needed count must not overflow
     assert expand((5,), 2, 2**63 - 1, 22, 2**22 - 1) == array("i", [5, 1 << 22 | 5])

@@ -15,18 +15,20 @@ from router_sim.router import _match
 from router_sim.sim.workloads import Request
 
 
+def _zeros(n: int) -> array[int]:
+    return array("i", [0]) * n
+
+
 @settings(max_examples=80, deadline=None)
 @given(
     st.sampled_from([1, 3, 16, 512]),
     st.lists(st.integers(0, 2**40), min_size=1, max_size=6),
     st.data(),
 )
-def test_expand_array_is_the_per_token_formula(
-    n: int, ids: list[int], data: st.DataObject
-) -> None:
+def test_expand_array_is_the_per_token_formula(n: int, ids: list[int], data: st.DataObject) -> None:
     count = data.draw(st.integers(0, n * len(ids)))
     shift, mask = 22, 2**22 - 1
-    out = _match.expand_array(tuple(ids), count, n, shift, mask)
+    out = _match.expand_array(_zeros(count), tuple(ids), count, n, shift, mask)
     assert type(out) is array and out.typecode == "i"
     naive = [j << shift | (h & mask) for h in ids for j in range(n)][:count]
     assert out.tolist() == naive
@@ -34,26 +36,36 @@ def test_expand_array_is_the_per_token_formula(
 
 def test_expand_array_refuses_what_it_cannot_expand() -> None:
     with pytest.raises(ValueError):
-        _match.expand_array((1, 2), 1025, 512, 22, 2**22 - 1)
+        _match.expand_array(_zeros(1025), (1, 2), 1025, 512, 22, 2**22 - 1)
     with pytest.raises(TypeError):
-        _match.expand_array((1, "2"), 8, 4, 22, 2**22 - 1)
+        _match.expand_array(_zeros(8), (1, "2"), 8, 4, 22, 2**22 - 1)
     with pytest.raises(TypeError):
-        _match.expand_array([1], 1, 4, 22, 2**22 - 1)
+        _match.expand_array(_zeros(1), [1], 1, 4, 22, 2**22 - 1)
+
+
+def test_the_writers_fill_only_an_int32_array_of_the_count() -> None:
+    for out in (_zeros(3), _zeros(5), array("l", [0] * 4), bytearray(16), b"\0" * 16):
+        with pytest.raises((ValueError, TypeError, BufferError)):
+            _match.id_run(out, 0, 4)
+        with pytest.raises((ValueError, TypeError, BufferError)):
+            _match.expand_array(out, (1,), 4, 4, 22, 2**22 - 1)
+    out = _zeros(4)
+    assert _match.id_run(out, 7, 4) is out and out.tolist() == [7, 8, 9, 10]
 
 
 @given(st.integers(0, 2**31 - 1), st.integers(0, 3000))
 def test_id_run_is_the_range(base: int, count: int) -> None:
     count = min(count, 2**31 - base)
-    out = _match.id_run(base, count)
+    out = _match.id_run(_zeros(count), base, count)
     assert type(out) is array and out.typecode == "i"
     assert out == array("i", range(base, base + count))
 
 
 def test_id_run_refuses_ids_past_int32() -> None:
-    assert _match.id_run(2**31 - 2, 2).tolist() == [2**31 - 2, 2**31 - 1]
+    assert _match.id_run(_zeros(2), 2**31 - 2, 2).tolist() == [2**31 - 2, 2**31 - 1]
     for base, count in [(2**31 - 2, 3), (-1, 1), (0, -1), (2**31, 0)]:
         with pytest.raises(ValueError):
-            _match.id_run(base, count)
+            _match.id_run(_zeros(max(count, 0)), base, count)
 
 
 @pytest.mark.parametrize("rid, length", [(0, 1), (7, 90), (123456, 4000), (2**40, 17)])

@@ -42,46 +42,6 @@
 #include <stdint.h>
 #include <string.h>
 
-/* ---- new int32 arrays ------------------------------------------------------------------
- *
- * The array module has no C API: a new array('i') of n items is made by repeating
- * array('i', [0]) (public sequence protocol), and the caller writes its storage through the
- * buffer it exports. */
-static PyObject *INT32_ARRAY_TYPE; /* array.array */
-static PyObject *INT32_ARRAY_ZERO; /* array('i', [0]) */
-
-/* An array('i') of n zeros, its storage at *data (valid while nothing resizes it). NULL with
- * an exception set. */
-static inline PyObject *int32_array_new(Py_ssize_t n, unsigned char **data) {
-    *data = NULL;
-    PyObject *arr = PySequence_Repeat(INT32_ARRAY_ZERO, n);
-    if (arr == NULL) {
-        return NULL;
-    }
-    Py_buffer view;
-    if (PyObject_GetBuffer(arr, &view, PyBUF_WRITABLE) < 0) {
-        Py_DECREF(arr);
-        return NULL;
-    }
-    *data = (unsigned char *)view.buf;
-    PyBuffer_Release(&view); /* the array is ours alone: its storage stays where it is */
-    return arr;
-}
-
-/* Loads array.array (0, or -1 with an exception set). */
-static inline int int32_array_init(void) {
-    PyObject *array_module = PyImport_ImportModule("array");
-    if (array_module == NULL) {
-        return -1;
-    }
-    INT32_ARRAY_TYPE = PyObject_GetAttrString(array_module, "array");
-    Py_DECREF(array_module);
-    if (INT32_ARRAY_TYPE == NULL || !PyType_Check(INT32_ARRAY_TYPE)) {
-        return -1;
-    }
-    INT32_ARRAY_ZERO = PyObject_CallFunction(INT32_ARRAY_TYPE, "s(i)", "i", 0);
-    return INT32_ARRAY_ZERO == NULL ? -1 : 0;
-}
 #ifdef __linux__
 #include <sys/mman.h>
 #endif
@@ -1180,31 +1140,38 @@ static PyTypeObject MaskTableType = {
     .tp_new = MaskTable_new,
 };
 
-/* expand_array(ids, count, per_id, shift, mask) -> array('i')
+/* expand_array(out, ids, count, per_id, shift, mask) -> out
 
    The simulator's prompt of Mooncake-style hash ids (router_sim.sim.workloads.expand_hash_ids):
    token j of the block of id h is (j << shift) | (h & mask), blocks in id order, `count`
-   tokens in all (the last block cut short), written in place into the array the prompt is. */
-/* A new array('i') of n items for the caller to fill, *data its storage (the array is ours
-   alone: it stays put). */
-static PyObject *new_int32_array(Py_ssize_t n, uint32_t **data) {
-    unsigned char *bytes = NULL;
-    PyObject *arr = int32_array_new(n, &bytes);
-    *data = (uint32_t *)bytes;
-    return arr;
+   tokens in all (the last block cut short), written into out, an array('i') of count items. */
+/* The storage of out, which must be an array('i') of exactly n items (the caller makes it:
+   the array module has no C API), held in *view until the caller releases it (so that nothing
+   resizes the array meanwhile); NULL with an exception set otherwise. */
+static uint32_t *int32_storage(PyObject *out, Py_ssize_t n, Py_buffer *view) {
+    if (PyObject_GetBuffer(out, view, PyBUF_WRITABLE | PyBUF_FORMAT) < 0)
+        return NULL;
+    if (view->itemsize != 4 || view->format == NULL || strcmp(view->format, "i") != 0 ||
+        view->len != 4 * n) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_ValueError, "out must be an array('i') of exactly count items");
+        return NULL;
+    }
+    return (uint32_t *)view->buf;
 }
 
 static PyObject *expand_array(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 5 || !PyTuple_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "expand_array(ids: tuple, count, per_id, shift, mask)");
+    if (nargs != 6 || !PyTuple_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "expand_array(out, ids: tuple, count, per_id, shift, mask)");
         return NULL;
     }
-    PyObject *ids = args[0];
-    Py_ssize_t count = PyLong_AsSsize_t(args[1]);
-    Py_ssize_t per_id = PyLong_AsSsize_t(args[2]);
-    long shift = PyLong_AsLong(args[3]);
-    unsigned long long mask = PyLong_AsUnsignedLongLong(args[4]);
+    PyObject *ids = args[1];
+    Py_ssize_t count = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t per_id = PyLong_AsSsize_t(args[3]);
+    long shift = PyLong_AsLong(args[4]);
+    unsigned long long mask = PyLong_AsUnsignedLongLong(args[5]);
     if (PyErr_Occurred())
         return NULL;
     if (count < 0 || per_id < 1 || shift < 0 || shift > 31 || mask > UINT32_MAX ||
@@ -1215,20 +1182,20 @@ static PyObject *expand_array(PyObject *self, PyObject *const *args, Py_ssize_t 
                         "shift in [0, 31], mask < 2**32");
         return NULL;
     }
-    uint32_t *t;
-    PyObject *out = new_int32_array(count, &t);
-    if (out == NULL)
+    Py_buffer view;
+    uint32_t *t = int32_storage(args[0], count, &view);
+    if (t == NULL)
         return NULL;
     for (Py_ssize_t k = 0, done = 0; done < count; k++) {
         PyObject *h = PyTuple_GET_ITEM(ids, k);
         if (!PyLong_Check(h)) {
-            Py_DECREF(out);
+            PyBuffer_Release(&view);
             PyErr_SetString(PyExc_TypeError, "expand_array: hash ids must be ints");
             return NULL;
         }
         uint32_t id = (uint32_t)(PyLong_AsUnsignedLongLongMask(h) & mask);
         if (id == (uint32_t)-1 && PyErr_Occurred()) {
-            Py_DECREF(out);
+            PyBuffer_Release(&view);
             return NULL;
         }
         Py_ssize_t n = count - done < per_id ? count - done : per_id;
@@ -1236,40 +1203,42 @@ static PyObject *expand_array(PyObject *self, PyObject *const *args, Py_ssize_t 
             t[done + j] = ((uint32_t)j << shift) | id;
         done += n;
     }
-    return out;
+    PyBuffer_Release(&view);
+    return Py_NewRef(args[0]);
 }
 
-
-/* id_run(base, count) -> array('i') [base, base + 1, ..., base + count - 1]: a generated
-   answer (router_sim.sim.workloads.Request.output_tokens), every id in [0, 2**31). */
+/* id_run(out, base, count) -> out, an array('i') of count items, filled with base, base + 1,
+   ..., base + count - 1: a generated answer (router_sim.sim.workloads.Request.output_tokens),
+   every id in [0, 2**31). */
 static PyObject *id_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "id_run(base, count) -> array('i')");
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "id_run(out, base, count) -> out");
         return NULL;
     }
-    long long base = PyLong_AsLongLong(args[0]);
-    long long count = PyLong_AsLongLong(args[1]);
+    long long base = PyLong_AsLongLong(args[1]);
+    long long count = PyLong_AsLongLong(args[2]);
     if (PyErr_Occurred())
         return NULL;
     if (base < 0 || count < 0 || base > INT32_MAX || count > (long long)INT32_MAX + 1 - base) {
         PyErr_SetString(PyExc_ValueError, "id_run: the ids must lie in [0, 2**31)");
         return NULL;
     }
-    uint32_t *t;
-    PyObject *out = new_int32_array((Py_ssize_t)count, &t);
-    if (out == NULL)
+    Py_buffer view;
+    uint32_t *t = int32_storage(args[0], (Py_ssize_t)count, &view);
+    if (t == NULL)
         return NULL;
     for (long long j = 0; j < count; j++)
         t[j] = (uint32_t)(base + j);
-    return out;
+    PyBuffer_Release(&view);
+    return Py_NewRef(args[0]);
 }
 
 static PyMethodDef module_methods[] = {
     {"expand_array", (PyCFunction)(void (*)(void))expand_array, METH_FASTCALL,
-     "the simulator's prompt of hash ids as an array('i') (see router_sim.sim.workloads)."},
+     "the simulator's prompt of hash ids written into an array('i') (router_sim.sim.workloads)."},
     {"id_run", (PyCFunction)(void (*)(void))id_run, METH_FASTCALL,
-     "array('i') of count consecutive ids from base (see router_sim.sim.workloads)."},
+     "count consecutive ids from base written into an array('i') (router_sim.sim.workloads)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1310,8 +1279,6 @@ PyMODINIT_FUNC PyInit__match(void) {
     if (empty_tuple == NULL)
         return NULL;
     if (str_cache_level == NULL || str_block_hash == NULL || one == NULL)
-        return NULL;
-    if (int32_array_init() < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)

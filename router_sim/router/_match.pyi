@@ -94,10 +94,12 @@ class MaskTable:
     def __len__(self) -> int: ...
 
 def expand_array(
-    ids: tuple[int, ...], count: int, per_id: int, shift: int, mask: int, /
+    out: array[int], ids: tuple[int, ...], count: int, per_id: int, shift: int, mask: int, /
 ) -> array[int]:
-    """``count`` tokens as an ``array('i')`` (written in place): token ``j`` of the block of id
-    ``h`` is ``(j << shift) | (h & mask)``, blocks in id order (the last one cut short)."""
+    """``out`` (an ``array('i')`` of ``count`` items) filled with the prompt's tokens: token
+    ``j`` of the block of id ``h`` is ``(j << shift) | (h & mask)``, blocks in id order (the
+    last one cut short)."""
 
-def id_run(base: int, count: int, /) -> array[int]:
-    """``array('i')`` of ``base, base + 1, ..., base + count - 1`` (ids in [0, 2**31))."""
+def id_run(out: array[int], base: int, count: int, /) -> array[int]:
+    """``out`` (an ``array('i')`` of ``count`` items) filled with ``base, base + 1, ...,
+    base + count - 1`` (ids in [0, 2**31))."""

@@ -40,6 +40,8 @@ def _hash_ids_needed(hash_ids: tuple[int, ...], input_length: int, n: int) -> in
     return k
 
 
+_ZERO: Final = array("i", [0])  # repeated: a new zeroed array('i') for the native writers
+
 VOCAB_SIZE: Final = 32_000
 """Synthetic token ids are drawn from [0, VOCAB_SIZE) (a Llama-2-sized vocabulary)."""
 
@@ -73,14 +75,15 @@ def expand_hash_ids(
     ids give equal tokens, distinct ids (below 2**b) give disjoint tokens, so two prompts share
     exactly the token prefix their hash ids share.
     The last block is cut so the prompt has ``input_length`` tokens. The native extension
-    (``router_sim.router._match.expand_array``) writes the prompt in one pass, into the array
-    it returns.
+    (``router_sim.router._match.expand_array``) writes the prompt in one pass, into an array
+    made here.
     """
     n = tokens_per_hash_id
     _hash_ids_needed(hash_ids, input_length, n)
     pos_bits, mask = _layout(n)
     ids = hash_ids if type(hash_ids) is tuple else tuple(hash_ids)
-    return expand_array(ids, input_length, n, PROMPT_TOKEN_BITS - pos_bits, mask)
+    out = _ZERO * input_length
+    return expand_array(out, ids, input_length, n, PROMPT_TOKEN_BITS - pos_bits, mask)
 
 
 @dataclass(slots=True)
@@ -132,7 +135,7 @@ class Request:
         if self.output is not None:
             return self.output
         base = (1 << 30) + (self.request_id * 4099) % ((1 << 30) - self.output_length)
-        return id_run(base, self.output_length)  # written in place natively
+        return id_run(_ZERO * self.output_length, base, self.output_length)  # filled natively
 
 
 @dataclass(slots=True)
