@@ -1,6 +1,6 @@
-"""The simulator's true overlaps of every worker in one call (``held_prefixes`` in
-router_sim.sim.simulator) against an independent reference and the per-worker loop
-(SimWorker.true_overlap)."""
+"""The simulator's true overlaps (``leading_held`` in router_sim.sim.worker, what
+SimWorker.true_overlap and the simulator's per-request overlaps count) against an independent
+reference."""
 
 from __future__ import annotations
 
@@ -11,12 +11,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router_sim.sim.simulator import Restart, SimConfig, Simulation, held_prefixes, simulate
+from router_sim.sim.simulator import Restart, SimConfig, Simulation, simulate
+from router_sim.sim.worker import leading_held
 from router_sim.sim.workloads import SyntheticSpec, synthetic_workload
 
 
+def held_prefixes(sets: list[set[Any]], keys: list[Any]) -> list[int]:
+    return [leading_held(s, keys) for s in sets]
+
+
 def _reference(sets: list[set[int]], keys: list[int]) -> list[int]:
-    """Leading keys each set holds, written independently of both paths under test."""
+    """Leading keys each set holds, written independently of the loop under test."""
     return [sum(1 for _ in takewhile(s.__contains__, keys)) for s in sets]
 
 
@@ -55,13 +60,13 @@ SPEC = SyntheticSpec(num_requests=60, rate_per_s=60.0)
 
 
 def _checked(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Make every run compare the native overlaps with the per-worker reference loop."""
+    """Make every run compare the simulator's overlaps with the independent reference."""
     seen: list[int] = []
     native = Simulation._true_overlaps
 
     def both(self: Simulation, hashes: list[Any]) -> list[int]:
         got = native(self, hashes)
-        assert got == [w.true_overlap(hashes) for w in self.workers]
+        assert got == _reference([w.held for w in self.workers], hashes)
         seen.append(max(got, default=0))
         return got
 
@@ -71,7 +76,7 @@ def _checked(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 @pytest.mark.pure
 @pytest.mark.parametrize("workload", ["shared-prompts", "multi-turn", "mixed"])
-def test_a_runs_native_overlaps_equal_the_loop_over_workers(
+def test_a_runs_overlaps_equal_the_reference(
     monkeypatch: pytest.MonkeyPatch, workload: str
 ) -> None:
     seen = _checked(monkeypatch)

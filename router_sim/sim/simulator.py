@@ -101,20 +101,6 @@ def _without_cyclic_gc() -> Iterator[None]:
             gc.enable()
 
 
-def held_prefixes(sets: list[set[BlockHash]], keys: list[BlockHash]) -> list[int]:
-    """For each set, how many of ``keys``, first key first, it holds before the first it does
-    not: the simulator's true overlap of a request's block keys with every worker's cache."""
-    out: list[int] = []
-    for held in sets:
-        n = 0
-        for key in keys:
-            if key not in held:
-                break
-            n += 1
-        out.append(n)
-    return out
-
-
 def needs_event_stream(drop_rate: float, restarts: bool, transport: str) -> bool:
     """Whether a run exercises the event stream itself: dropped frames, restarts or a ZeroMQ
     transport asked for by name (``SimConfig.needs_events``)."""
@@ -588,7 +574,7 @@ class Simulation:
         """Per worker, the leading blocks of ``hashes`` its cache holds right now (what the
         report's best and chosen overlaps are made of; each worker's held set is read at the
         call: a restart or snapshot replaces it)."""
-        return held_prefixes([w.held for w in self.workers], hashes)
+        return [w.true_overlap(hashes) for w in self.workers]
 
     def _wire_stats(self) -> WireStats:
         stats = WireStats(

@@ -207,6 +207,17 @@ def _frame_dropped(seed: int, worker: int, seq: int, rate: float) -> bool:
     return x / 2.0**64 < rate
 
 
+def leading_held(held: set[BlockHash], block_hashes: Sequence[BlockHash]) -> int:
+    """How many of ``block_hashes``, first first, ``held`` holds before the first it does not
+    (a worker's true overlap with a request's blocks)."""
+    n = 0
+    for h in block_hashes:
+        if h not in held:
+            break
+        n += 1
+    return n
+
+
 class SimWorker:
     """One simulated worker; see the module docstring."""
 
@@ -499,13 +510,7 @@ class SimWorker:
 
     def true_overlap(self, block_hashes: Sequence[BlockHash]) -> int:
         """Leading blocks of ``block_hashes`` this worker holds right now (any tier)."""
-        held = self.held
-        n = 0
-        for h in block_hashes:
-            if h not in held:
-                break
-            n += 1
-        return n
+        return leading_held(self.held, block_hashes)
 
     # ------------------------------------------------------------------------- load
 
