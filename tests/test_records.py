@@ -160,6 +160,21 @@ def test_wire_runs_is_where_every_writer_splits() -> None:
     with pytest.raises(AttributeError):
         wire_runs([object()], 1)
 
+    class Shrinking:  # a block whose attributes empty the list being read
+        def __init__(self, victim: list[object]) -> None:
+            self.victim = victim
+            self.tokens = [1]
+            self.cache_level = self.priority = self.cache_salt_id = None
+
+        @property
+        def lora_id(self) -> None:
+            self.victim.clear()
+            return None
+
+    victim: list[object] = []
+    victim += [Shrinking(victim), Shrinking(victim), Shrinking(victim)]
+    assert wire_runs(victim, 1) == [3] and victim == []  # read as they were at the call
+
 
 uint_edges = st.sampled_from([0, 1, 127, 128, 255, 256, 65535, 65536, 2**31, 2**32 - 1])
 

@@ -1595,11 +1595,12 @@ static PyObject *wire_runs(PyObject *self, PyObject *const *args, Py_ssize_t nar
     if (block_size == -1 && PyErr_Occurred()) {
         return NULL;
     }
-    PyObject *blocks = PySequence_Fast(args[0], "wire_runs: blocks must be a sequence");
+    /* a tuple holds the blocks while their getattrs run (a list could be changed by them) */
+    PyObject *blocks = PySequence_Tuple(args[0]);
     if (blocks == NULL) {
         return NULL;
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(blocks), count = 0;
+    Py_ssize_t n = PyTuple_GET_SIZE(blocks), count = 0;
     enc_block *bs = PyMem_Calloc((size_t)n + 1, sizeof(enc_block));
     Py_ssize_t *ends = PyMem_Calloc((size_t)n + 1, sizeof(Py_ssize_t));
     PyObject *out = NULL;
@@ -1608,7 +1609,7 @@ static PyObject *wire_runs(PyObject *self, PyObject *const *args, Py_ssize_t nar
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *block = PySequence_Fast_GET_ITEM(blocks, i);
+        PyObject *block = PyTuple_GET_ITEM(blocks, i);
         if (read_run_fields(block, &bs[i], 1) != 1) {
             goto done;
         }
