@@ -392,11 +392,16 @@ def test_per_worker_counters_survive_removal_and_re_adding(tmp_path: Path) -> No
         client: TestClient[Any, Any], svc: RouterService, ins: list[EngineStandIn]
     ) -> None:
         await until("up", lambda: _up_report(client, 0))
-        for k in range(3):
-            await complete(client, prefix(10 + k))
-        await until(
-            "3 batches", lambda: _metric_at_least(client, "router_stream_received_total", 0, 3)
-        )
+        sent = iter(range(10, 10_000))
+
+        async def one_more_then_count() -> bool:
+            # "up" is the health probe; the subscription may not have joined yet, so a batch
+            # published before it is lost (ZeroMQ's slow joiner): keep completing until three
+            # came live
+            await complete(client, prefix(next(sent)))
+            return await _metric_at_least(client, "router_stream_received_total", 0, 3)
+
+        await until("3 live batches", one_more_then_count)
         before = await metric(client, "router_stream_received_total", 0)
         decisions = await metric(client, "router_decisions_total", 0)
         resp = await client.delete("/workers/0")
