@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from events.wire import decode as wire_decode
+from events.wire import fast as wire_fast
 from events.wire.codec import DecodeError, DecodeLimits, decode_batch, encode_batch
 from events.wire.model import (
     AllBlocksCleared,
@@ -67,7 +68,8 @@ def decoder_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
     alone, and on the general path with no costly-object budget (every event read field by
     field, as one past the budget is)."""
     if request.param in ("general", "staged"):
-        monkeypatch.setattr(wire_decode, "decode_typed", lambda payload: None)
+        monkeypatch.setattr(wire_fast, "decode_native", lambda payload: None)
+        monkeypatch.setattr(wire_decode, "_strict_event", lambda *args: wire_decode._UNREAD)
     if request.param == "staged":
         monkeypatch.setattr(wire_decode, "OBJECT_BUDGET", 0)
     return str(request.param)
@@ -95,9 +97,11 @@ import resource, sys
 from pathlib import Path
 resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))  # a runaway allocation fails fast
 from events.wire import decode as wire_decode
+from events.wire import fast as wire_fast
 from events.wire.codec import DecodeLimits, decode_batch
 if sys.argv[1] == "general":
-    wire_decode.decode_typed = lambda payload: None
+    wire_fast.decode_native = lambda payload: None
+    wire_decode._strict_event = lambda *args: wire_decode._UNREAD
 for path in sys.argv[2:]:
     payload = Path(path).read_bytes()
     for big in (1 << 31, 1 << 32, 1 << 40, 1 << 63, 1 << 64):

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from events.wire import decode as wire_decode
+from events.wire import fast as wire_fast
 from events.wire.codec import DecodeError, DecodeLimits, decode_batch, encode_batch, from_json
 from events.wire.model import (
     AllBlocksCleared,
@@ -300,19 +301,19 @@ def test_empty_stored_event_is_skipped() -> None:
         (_pack([0.0, [_stored_map(token_ids=list(range(7)))]]), "expected 4..6"),
         (_pack([0.0, [_stored_map(block_hashes=[], token_ids=[1])]]), "do not fit 0 blocks"),
         (_pack([0.0, [_stored_map(block_size=0)]]), "block_size: 0 is outside"),
-        (_pack([0.0, [_stored_map(block_size=None)]]), "block_size: expected an int, got nothing"),
+        (_pack([0.0, [_stored_map(block_size=None)]]), "block_size: expected `int`, got `None`"),
         (_pack([0.0, [_stored_map(token_ids=[1, 2, 3, 4, 5, -6])]]), "token id -6"),
         (_pack([0.0, [_stored_map(token_ids=[1, 2, 3, 4, 5, 2**31])]]), "outside [0, 2**31)"),
         (_pack([0.0, [_stored_map(token_ids=[1, 2, 3, 4, 5, True])]]), "got bool"),
         (_pack([0.0, [_stored_map(block_hashes=[1.5, 2])]]), "block_hashes[0]"),
         (_pack([0.0, [_stored_map(block_hashes=[b"\x01" * 65, 2])]]), "of 65 bytes"),
-        (_pack([0.0, [_stored_map(lora_id=-1)]]), "lora_id: -1 is outside"),
-        (_pack([0.0, [_stored_map(medium=1)]]), "medium: expected a string"),
+        (_pack([0.0, [_stored_map(lora_id=-1)]]), "lora_id: expected `int` >= 0"),
+        (_pack([0.0, [_stored_map(medium=1)]]), "medium: expected `str | null`, got `int`"),
         (_pack([0.0, [_stored_map(lora_name=[1])]]), "lora_name"),
-        (_pack([0.0, [_stored_map(priority=101)]]), "priority: 101"),
+        (_pack([0.0, [_stored_map(priority=101)]]), "priority: expected `int` <= 100"),
         (
             _pack([0.0, [{"type": "BlockUpdated", "block_hash": 1, "cache_level": [1]}]]),
-            "[old, new]",
+            "cache_level: expected `array` of length 2, got 1",
         ),
         (b"\x92\xcb" + b"\x00" * 8 + b"\x91\x81\x01\x02", "not a valid msgpack payload"),
         (b"\x92\xcb" + b"\x00" * 8 + b"\xd4\x01\x00", "not a valid msgpack payload"),
@@ -351,7 +352,10 @@ def test_limits_bound_the_payload_before_and_while_unpacking() -> None:
         decode_batch(payload, DecodeLimits(max_events=2))
     with pytest.raises(DecodeError, match="max_tokens_per_event"):
         decode_batch(payload, DecodeLimits(max_tokens_per_event=5))
-    with pytest.raises(DecodeError, match="exceed the limit of 1"):
+    with pytest.raises(
+        DecodeError,
+        match=r"block_hashes: expected `array` of length <= 1 \(DecodeLimits.max_blocks",
+    ):
         decode_batch(payload, DecodeLimits(max_blocks_per_event=1))
     with pytest.raises(DecodeError, match="max_str_len"):
         decode_batch(_pack([0.0, [_stored_map(lora_name="x" * 100)]]), DecodeLimits(max_str_len=50))
@@ -379,7 +383,8 @@ def test_deep_nesting_is_rejected_even_in_ignored_fields(
     monkeypatch: pytest.MonkeyPatch, typed: bool
 ) -> None:
     if not typed:
-        monkeypatch.setattr(wire_decode, "decode_typed", lambda payload: None)
+        monkeypatch.setattr(wire_fast, "decode_native", lambda payload: None)
+        monkeypatch.setattr(wire_decode, "_strict_event", lambda *args: wire_decode._UNREAD)
     nested: Any = 1
     for _ in range(6):
         nested = [nested]
@@ -410,7 +415,8 @@ def test_token_checks_agree_on_both_paths(
     monkeypatch: pytest.MonkeyPatch, tokens: list[Any], message: str, typed: bool
 ) -> None:
     if not typed:
-        monkeypatch.setattr(wire_decode, "decode_typed", lambda payload: None)
+        monkeypatch.setattr(wire_fast, "decode_native", lambda payload: None)
+        monkeypatch.setattr(wire_decode, "_strict_event", lambda *args: wire_decode._UNREAD)
     _rejected(_pack([0.0, [_stored_map(token_ids=tokens)]]), message)
     assert len(decode_batch(_pack([0.0, [_stored_map()]])).events) == 1
 

@@ -104,7 +104,11 @@ def test_an_unknown_field_too_costly_to_build_is_never_built() -> None:
         # a million empty maps nested in extra_keys: beyond what an event holds
         ("extra_keys", _array32(1000, _array32(1000, b"\x80")), "more than"),
         # a block-hash list of lists of maps
-        ("block_hashes", _array32(1000, _array32(1000, b"\x80")), "must be ints or bins"),
+        (
+            "block_hashes",
+            _array32(1000, _array32(1000, b"\x80")),
+            "block_hashes[0]: expected `int | bytes`, got `array`",
+        ),
     ],
     ids=["token_ids", "extra_keys", "block_hashes"],
 )

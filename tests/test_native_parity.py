@@ -43,8 +43,8 @@ from hypothesis import strategies as st
 from events.wire import _wire as native_wire
 from events.wire import fast as wire_fast
 from events.wire.codec import DecodeError, decode_batch, encode_batch_msgspec
-from events.wire.decode import decode_general
-from events.wire.fast import MAX_TOKENS, decode_native, decode_structs
+from events.wire.decode import decode_general, decode_structs
+from events.wire.fast import MAX_TOKENS, decode_native
 from events.wire.model import (
     AllBlocksCleared,
     DecodedBatch,

@@ -24,8 +24,8 @@ from events.wire import _records, codec
 from events.wire import _wire as native_wire
 from events.wire import fast as wire_fast
 from events.wire.codec import DecodeError, decode_batch, encode_batch
-from events.wire.decode import decode_general
-from events.wire.fast import MAX_TOKENS, decode_typed
+from events.wire.decode import decode_general, decode_typed
+from events.wire.fast import MAX_TOKENS
 from events.wire.model import KVCacheEvent, Removed, Stored, StoredBlock
 from kvcache import _v1hash as native
 from kvcache.config import KVCacheManagerConfig, TierConfig
@@ -288,7 +288,8 @@ def test_typed_stores_hold_arrays_and_equal_the_general_paths(
     assert all(type(b.tokens) is array for b in blocks)
     assert [t for b in blocks for t in b.tokens] == tokens
     general = decode_general(payload)
-    assert all(type(b.tokens) is list for b in general.events[0].data.blocks)  # type: ignore[union-attr]
+    # every path reads the ids into an array('i'), each block a slice of it
+    assert all(type(b.tokens) is array for b in general.events[0].data.blocks)  # type: ignore[union-attr]
     assert typed == general == decode_batch(payload)
 
 

@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 from events.wire import _records, codec
 from events.wire import fast as wire_fast
 from events.wire.codec import DecodeError, decode_batch, encode_batch, encode_batch_msgspec
-from events.wire.decode import decode_general
-from events.wire.fast import decode_native, decode_structs, decode_typed
+from events.wire.decode import decode_general, decode_structs, decode_typed
+from events.wire.fast import decode_native
 from events.wire.model import (
     AllBlocksCleared,
     Created,

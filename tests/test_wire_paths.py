@@ -18,10 +18,9 @@ from hypothesis import strategies as st
 
 from events.tools.capture import read_capture
 from events.wire import decode as wire_decode
-from events.wire import fast as wire_fast
 from events.wire.codec import DecodeError, DecodeLimits, decode_batch, encode_batch
-from events.wire.decode import POSITIONAL_FIELDS, decode_general
-from events.wire.fast import decode_typed
+from events.wire.decode import POSITIONAL_FIELDS, decode_general, decode_typed
+from events.wire.limits import at_least_default
 from events.wire.model import (
     AllBlocksCleared,
     Created,
@@ -34,6 +33,7 @@ from events.wire.model import (
     Updated,
     cache_level_of,
 )
+from events.wire.structs import FAST_DEPTH, event_types
 
 ENGINES = Path(__file__).parent / "data" / "engines"
 U64 = 2**64
@@ -44,31 +44,51 @@ def _pack(obj: object) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)  # an independent encoder
 
 
-# --- the typed structs declare exactly the decoder's fields --------------------------------
+# --- the event Structs declare the format's fields, in both variants --------------------------
+
+_COMMON = {"type", "event_id", "window_size", "hash_algo", "attention_dp_rank"}
+# WIRE.md section 4, written out by hand: vLLM's fields, SGLang's, this project's extensions
+MAP_FIELDS = {
+    "BlockStored": _COMMON
+    | {"block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"}
+    | {"lora_name", "cache_salt_id", "priority", "cache_salt", "extra_keys", "group_idx"}
+    | {"kv_cache_spec_kind", "kv_cache_spec_sliding_window"},
+    "BlockRemoved": _COMMON | {"block_hashes", "medium", "group_idx"},
+    "AllBlocksCleared": _COMMON,
+    "BlockUpdated": _COMMON | {"block_hash", "cache_level", "priority"},
+    "CacheCreated": _COMMON | {"num_blocks_per_cache_level"},
+}
+# vLLM 0.11's array_like order, then the project's positional extensions
+POSITIONAL = {
+    "BlockStored": (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+    ),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+    "BlockUpdated": ("block_hash", "cache_level", "priority"),
+    "CacheCreated": ("num_blocks_per_cache_level",),
+}
 
 
-def test_typed_structs_mirror_the_field_tables() -> None:
-    maps = {
-        "BlockStored": wire_fast.MapStored,
-        "BlockRemoved": wire_fast.MapRemoved,
-        "AllBlocksCleared": wire_fast.MapCleared,
-        "BlockUpdated": wire_fast.MapUpdated,
-        "CacheCreated": wire_fast.MapCreated,
-    }
-    positional = {
-        "BlockStored": wire_fast.PosStored,
-        "BlockRemoved": wire_fast.PosRemoved,
-        "AllBlocksCleared": wire_fast.PosCleared,
-        "BlockUpdated": wire_fast.PosUpdated,
-        "CacheCreated": wire_fast.PosCreated,
-    }
-    for kind, cls in maps.items():
-        fields = {"type", *cls.__struct_fields__}
-        assert fields == wire_decode._KNOWN_FIELDS[kind], kind
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "lenient"])
+def test_event_structs_declare_the_formats_fields(strict: bool) -> None:
+    types = event_types(DecodeLimits(), strict)
+    assert wire_decode._KNOWN_FIELDS == MAP_FIELDS and POSITIONAL_FIELDS == POSITIONAL
+    for kind, fields in MAP_FIELDS.items():
+        cls = types.map_types[kind]
+        assert {"type", *cls.__struct_fields__} == fields, kind
         assert cls.__struct_config__.tag == kind
-    for kind, cls in positional.items():
-        assert cls.__struct_fields__ == POSITIONAL_FIELDS[kind], kind
-        assert cls.__struct_config__.tag == kind
+        assert cls.__struct_config__.forbid_unknown_fields is strict
+        positional = types.pos_types[kind]
+        assert positional.__struct_fields__ == POSITIONAL[kind], kind
+        assert positional.__struct_config__.tag == kind
+        assert positional.__struct_config__.array_like
 
 
 # --- generated valid payloads: the model's batch on every path -----------------------------
@@ -294,7 +314,7 @@ def _agree(payload: bytes, limits: DecodeLimits | None = None) -> None:
         general: DecodedBatch | None = decode_general(payload, limits)
     except DecodeError:
         general = None
-    if typed is not None and (limits is None or wire_decode._typed_ok(limits)):
+    if typed is not None and (limits is None or at_least_default(limits)):
         assert typed == general
     try:
         assert decode_batch(payload, limits) == general
@@ -390,14 +410,13 @@ def test_typed_nesting_is_bounded_by_its_types() -> None:
     # limits tighter than the defaults keep the typed path out: the general path refuses
     with pytest.raises(DecodeError, match="max_depth"):
         decode_batch(six_deep, DecodeLimits(max_depth=5))
-    assert wire_decode.DEFAULT_LIMITS.max_depth >= wire_fast.FAST_DEPTH
+    assert wire_decode.DEFAULT_LIMITS.max_depth >= FAST_DEPTH
 
 
 def test_typed_path_refuses_what_it_cannot_tell_apart() -> None:
     stored = {"type": "BlockStored", "block_hashes": [1], "token_ids": [1], "block_size": 1}
     cases = [
         [0.0, [stored], None, 1],  # a 4-element envelope
-        [0.0, [stored, ["BlockRemoved", [1]]]],  # a mixed batch
         [0.0, [{**stored, "token_ids": [[1, 2]]}]],  # a bigram page
         [0.0, [{**stored, "extra_keys": [[b"digest"]]}]],  # bytes in extra_keys
         [float("inf"), [stored]],
@@ -408,6 +427,10 @@ def test_typed_path_refuses_what_it_cannot_tell_apart() -> None:
         payload = _pack(top)
         assert decode_typed(payload) is None, top
         _agree(payload)
+    # each event is read on its own: a batch mixing the two forms is the strict Structs'
+    mixed = _pack([0.0, [stored, ["BlockRemoved", [1]]]])
+    assert decode_typed(mixed) == decode_general(mixed)
+    assert [type(e.data) for e in decode_general(mixed).events] == [Stored, Removed]
 
 
 def test_duplicate_keys_read_as_the_general_path_reads_them() -> None:
@@ -416,11 +439,13 @@ def test_duplicate_keys_read_as_the_general_path_reads_them() -> None:
     payload = b"\x92\xcb" + bytes(8) + b"\x91" + event
     assert decode_typed(payload) == decode_general(payload)
     assert decode_batch(payload).events[0].data == Removed([2])
-    # a second, different tag: refused by the typed path, the general path reads the last
+    # a second, different tag: the event says two types, so it is malformed (the rest stands)
     twice = b"\x82\xa4type\xacBlockRemoved\xa4type\xb0AllBlocksCleared"
-    payload = b"\x92\xcb" + bytes(8) + b"\x91" + twice
+    payload = b"\x92\xcb" + bytes(8) + b"\x92" + twice + event
     assert decode_typed(payload) is None
-    assert decode_batch(payload).events[0].data == AllBlocksCleared()
+    batch = decode_batch(payload)
+    assert [e.data for e in batch.events] == [Removed([2])]
+    assert batch.malformed == ["events[0].type: invalid value 'BlockRemoved'"]
 
 
 def test_msgspec_checks_declared_lengths_before_allocating() -> None:

@@ -7,67 +7,52 @@ raises :class:`DecodeError` with the path of the bad value, a malformed event is
 its batch and named in ``DecodedBatch.malformed``, and :class:`DecodeLimits` bound the work and
 memory one payload can cost (a payload beyond them is refused whole).
 
-Two paths give the same batches. The typed path (``events.wire.fast``) has msgspec decode the
-payload into structs that mirror the wire, checking types and ranges as it reads; it takes
-well-formed map-form or positional batches under limits at least as loose as the defaults.
-Everything else (malformed input, unknown fields or event types, bigram pages, tighter
-limits) takes the general path: the envelope and the event list are split undecoded (their
-lengths checked before anything is built), then each event in turn is decoded untyped by
-msgspec (which refuses any declared length beyond the bytes present before it allocates,
-and bounds nesting by its recursion guard), held to the limits by a walk over every array,
-map, string and bin, checked field by field here and turned into model objects before the
-next event is read. An event that may hold more than :data:`OBJECT_BUDGET` costly objects
-(an empty map is one byte on the wire and ~64 in CPython) is read one level at a time: its
-known fields each on its own, a long token or hash list typed, unknown fields never built.
-So the general path's memory is the payload, one event's objects and the batch it returns.
-Both paths build model objects by the rules in ``events.wire.values``.
+One decoder, in three steps, each a strict subset of the next:
+
+1. The common batch (map-form stores with int hashes and token ids that fill their blocks,
+   removals, clears; what this project's workers and V1 engines send) is read in one native
+   pass straight into model records (:func:`events.wire.fast.decode_native`), or not at all.
+2. Otherwise the envelope is split undecoded (its lengths checked before anything is built),
+   and each event is decoded by msgspec into the event Structs of ``events.wire.structs``,
+   their **strict** variant: unknown fields refused, every value typed and capped, so that what
+   they accept is within the limits as it stands.
+3. An event the strict Structs refuse is read again on its own: held to the limits by a walk
+   over every array, map, string and bin of it (decoded untyped; msgspec refuses any declared
+   length beyond the bytes present before it allocates, and bounds nesting by its recursion
+   guard), then decoded into the same Structs' **lenient** variant (unknown fields skipped), whose
+   validation error names the bad value. An event that may hold more than
+   :data:`OBJECT_BUDGET` costly objects (an empty map is one byte on the wire and ~64 in
+   CPython) is not decoded untyped: its typed Structs build only its known fields, and a long
+   token or hash list is read typed. So memory stays the payload, one event's objects and the
+   batch returned.
+
+The first two steps run under limits at least as loose as the defaults; any other limits take
+step 3 for every event. Every step builds model events by the rules of ``events.wire.structs``
+and ``events.wire.values``, so a payload gives the same batch whichever step read it.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Annotated, Any, Final
 
 import msgspec
 
-from events.wire.fast import (
+from events.wire import fast
+from events.wire.json_codec import DecodeError, expect_list, expect_optional_int
+from events.wire.limits import DEFAULT_LIMITS, DecodeLimits, at_least_default
+from events.wire.model import DecodedBatch, KVCacheEvent
+from events.wire.structs import (
     FAST_DEPTH,
-    MAX_BIN,
-    MAX_BLOCKS,
-    MAX_EVENTS,
-    MAX_STR,
-    MAX_TOKENS,
-    decode_typed,
-    with_group_spec,
+    POSITIONAL_FIELDS,
+    EventTypes,
+    Readers,
+    event_of,
+    event_types,
+    map_fields,
 )
-from events.wire.json_codec import (
-    DecodeError,
-    expect_int,
-    expect_list,
-    expect_optional_int,
-    expect_str,
-)
-from events.wire.model import (
-    AllBlocksCleared,
-    Created,
-    DecodedBatch,
-    EventData,
-    EventDiff,
-    KVCacheEvent,
-    Removed,
-    Stored,
-    Updated,
-    cache_level_of,
-)
-from events.wire.values import (
-    LimitError,
-    build_stored,
-    salt_from_extra_keys,
-)
-from events.wire.values import wire_hash as _hash
-from events.wire.values import wire_hashes as _hashes
+from events.wire.values import LimitError
 from kvcache.tokens import TOKEN_LIMIT
 
 # What msgspec's untyped decode may build that the format holds (ext types are not in it:
@@ -81,8 +66,9 @@ _ENVELOPE: Final = msgspec.msgpack.Decoder(Annotated[list[msgspec.Raw], msgspec.
 # The lead bytes of what costs the untyped decoder a new object of more than a pointer
 # (arrays, maps, strings, bins, floats, ints outside CPython's small-int cache, ext types).
 # A chunk of N bytes holds at most as many such objects as it has bytes of these values (they
-# also occur inside other values, so this is a bound, not a count): the general path decodes a
-# chunk untyped only when that bound is within OBJECT_BUDGET, and otherwise one level at a time.
+# also occur inside other values, so this is a bound, not a count): an event is decoded
+# untyped (and walked) only when that bound is within OBJECT_BUDGET; any other is read by its
+# typed Structs alone.
 _COSTLY_LEADS: Final = bytes(
     [
         *range(0x80, 0xC0),  # fixmap, fixarray, fixstr
@@ -96,98 +82,10 @@ _COSTLY_LEADS: Final = bytes(
 OBJECT_BUDGET: Final = 1 << 17
 _TOKEN_LIST: Final = list[Annotated[int, msgspec.Meta(ge=0, lt=TOKEN_LIMIT)]]
 
-_DEFAULT_ALGO: Final = "v1_block_key"
-_DEFAULT_PRIORITY: Final = 35
-
-
-@dataclass(frozen=True, slots=True)
-class DecodeLimits:
-    """Bounds on what one payload may cost the decoder; anything beyond raises DecodeError.
-
-    The payload size is checked before decoding, and no declared length beyond the bytes
-    present is allocated, so memory stays proportional to ``max_payload_bytes``.
-    """
-
-    max_payload_bytes: int = 16 << 20
-    max_events: int = 1 << 16
-    max_tokens_per_event: int = 1 << 20
-    max_blocks_per_event: int = 1 << 16
-    max_str_len: int = 1 << 16
-    max_bin_len: int = 1 << 16
-    max_fields: int = 64
-    #: nesting of arrays and maps, the envelope counting 1 (the format itself needs 4)
-    max_depth: int = 8
-
-    def __post_init__(self) -> None:
-        for name in self.__slots__:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"DecodeLimits.{name} must be a positive int, got {value!r}")
-        if self.max_depth < 4:
-            raise ValueError(
-                f"DecodeLimits.max_depth must be >= 4 (the format nests 4 deep), "
-                f"got {self.max_depth}"
-            )
-
-
-DEFAULT_LIMITS: Final = DecodeLimits()
-
-# the typed path's types are capped at the defaults, and nest no deeper than they allow
-assert (DEFAULT_LIMITS.max_events, DEFAULT_LIMITS.max_tokens_per_event) == (MAX_EVENTS, MAX_TOKENS)
-assert (DEFAULT_LIMITS.max_blocks_per_event, DEFAULT_LIMITS.max_str_len) == (MAX_BLOCKS, MAX_STR)
-assert DEFAULT_LIMITS.max_bin_len == MAX_BIN and DEFAULT_LIMITS.max_depth >= FAST_DEPTH
-_typed_limits: dict[DecodeLimits, bool] = {DEFAULT_LIMITS: True}
-
-
-def _typed_ok(limits: DecodeLimits) -> bool:
-    """Whether the typed path may decode under ``limits``: only when they are at least as
-    loose as the defaults, so that whatever its types accept is within them."""
-    ok = _typed_limits.get(limits)
-    if ok is None:
-        ok = all(getattr(limits, n) >= getattr(DEFAULT_LIMITS, n) for n in DecodeLimits.__slots__)
-        if len(_typed_limits) < 256:
-            _typed_limits[limits] = ok
-    return ok
-
-
-# Field order of the legacy positional form (element 0 is the type name); the encoder's
-# positional form writes vLLM 0.11's prefix of it.
-POSITIONAL_FIELDS: Final[dict[str, tuple[str, ...]]] = {
-    "BlockStored": (
-        "block_hashes",
-        "parent_block_hash",
-        "token_ids",
-        "block_size",
-        "lora_id",
-        "medium",
-        "lora_name",
-    ),
-    "BlockRemoved": ("block_hashes", "medium"),
-    "AllBlocksCleared": (),
-    "BlockUpdated": ("block_hash", "cache_level", "priority"),
-    "CacheCreated": ("num_blocks_per_cache_level",),
-}
-_COMMON_FIELDS: Final = ("type", "event_id", "window_size", "hash_algo", "attention_dp_rank")
-# The map fields each event type has here (the typed structs declare these; tests check).
-_KNOWN_FIELDS: Final[dict[str, frozenset[str]]] = {
-    "BlockStored": frozenset(
-        (
-            *_COMMON_FIELDS,
-            *POSITIONAL_FIELDS["BlockStored"],
-            "cache_salt_id",
-            "priority",
-            "cache_salt",
-            "extra_keys",
-            "group_idx",
-            "kv_cache_spec_kind",
-            "kv_cache_spec_sliding_window",
-        )
-    ),
-    "BlockRemoved": frozenset((*_COMMON_FIELDS, *POSITIONAL_FIELDS["BlockRemoved"], "group_idx")),
-    "AllBlocksCleared": frozenset(_COMMON_FIELDS),
-    "BlockUpdated": frozenset((*_COMMON_FIELDS, *POSITIONAL_FIELDS["BlockUpdated"])),
-    "CacheCreated": frozenset((*_COMMON_FIELDS, *POSITIONAL_FIELDS["CacheCreated"])),
-}
+#: the map fields each event type has (the Structs' own fields)
+_KNOWN_FIELDS: Final[dict[str, frozenset[str]]] = map_fields()
+# the strict Structs nest no deeper than the default limits allow
+assert DEFAULT_LIMITS.max_depth >= FAST_DEPTH
 
 
 def _check_size(payload: bytes | bytearray | memoryview, limits: DecodeLimits) -> int:
@@ -433,129 +331,10 @@ def _tokens(value: object, where: str, limit: int) -> list[int]:
     return items
 
 
-def _diff(value: object, where: str) -> EventDiff | None:
-    if value is None:
-        return None
-    pair = expect_list(value, where)
-    if len(pair) != 2:
-        raise DecodeError(f"{where}: expected [old, new], got {len(pair)} elements")
-    return EventDiff(expect_int(pair[0], f"{where}[0]"), expect_int(pair[1], f"{where}[1]"))
-
-
-def _medium(value: object, where: str) -> int | None:
-    return None if value is None else cache_level_of(expect_str(value, where))
-
-
-def _optional_str(value: object, where: str) -> str | None:
-    return None if value is None else expect_str(value, where)
-
-
-def _stored(f: Mapping[str, Any], where: str, limits: DecodeLimits) -> Stored | None:
-    hashes = _hashes(f.get("block_hashes"), f"{where}.block_hashes", limits.max_blocks_per_event)
-    tokens = _tokens(f.get("token_ids"), f"{where}.token_ids", limits.max_tokens_per_event)
-    block_size = expect_int(f.get("block_size"), f"{where}.block_size", 0, TOKEN_LIMIT)
-    parent = f.get("parent_block_hash")
-    parent_hash = None if parent is None else _hash(parent, f"{where}.parent_block_hash")
-    lora_id = expect_optional_int(f.get("lora_id"), f"{where}.lora_id")
-    level = _medium(f.get("medium"), f"{where}.medium")
-    salt = expect_optional_int(f.get("cache_salt_id"), f"{where}.cache_salt_id")
-    priority = expect_int(f.get("priority", _DEFAULT_PRIORITY), f"{where}.priority", 0, 101)
-    lora_name = _optional_str(f.get("lora_name"), f"{where}.lora_name")
-    group = expect_optional_int(f.get("group_idx"), f"{where}.group_idx", 0, TOKEN_LIMIT)
-    salt_name = _optional_str(f.get("cache_salt"), f"{where}.cache_salt")
-    if salt_name is None:
-        salt_name = salt_from_extra_keys(f.get("extra_keys"), lora_name, f"{where}.extra_keys")
-    fields = (lora_id, level or 0, salt, priority, lora_name, group, salt_name)
-    kind = _optional_str(f.get("kv_cache_spec_kind"), f"{where}.kv_cache_spec_kind")
-    window = expect_optional_int(
-        f.get("kv_cache_spec_sliding_window"),
-        f"{where}.kv_cache_spec_sliding_window",
-        0,
-        TOKEN_LIMIT,
-    )
-    stored = build_stored(hashes, tokens, block_size, parent_hash, fields, where)
-    return with_group_spec(stored, kind, window, tokens)
-
-
-def _data(kind: str, f: Mapping[str, Any], where: str, limits: DecodeLimits) -> EventData | None:
-    if kind == "BlockStored":
-        return _stored(f, where, limits)
-    if kind == "BlockRemoved":
-        return Removed(
-            block_hashes=_hashes(
-                f.get("block_hashes"), f"{where}.block_hashes", limits.max_blocks_per_event
-            ),
-            cache_level=_medium(f.get("medium"), f"{where}.medium"),
-            group=expect_optional_int(f.get("group_idx"), f"{where}.group_idx", 0, TOKEN_LIMIT),
-        )
-    if kind == "AllBlocksCleared":
-        return AllBlocksCleared()
-    if kind == "BlockUpdated":
-        return Updated(
-            block_hash=_hash(f.get("block_hash"), f"{where}.block_hash"),
-            cache_level=_diff(f.get("cache_level"), f"{where}.cache_level"),
-            priority=_diff(f.get("priority"), f"{where}.priority"),
-        )
-    levels = expect_list(f.get("num_blocks_per_cache_level"), f"{where}.num_blocks_per_cache_level")
-    return Created([expect_int(n, f"{where}.num_blocks_per_cache_level") for n in levels])
-
-
-def _event(
-    raw: object, index: int, dp_rank: int | None, limits: DecodeLimits
-) -> KVCacheEvent | None:
-    where = f"events[{index}]"
-    if type(raw) is dict:
-        kind = expect_str(raw.get("type"), f"{where}.type")
-        fields: Mapping[str, Any] = raw
-    elif type(raw) is list:
-        if not raw:
-            raise DecodeError(f"{where}: an event array needs its type name as element 0")
-        kind = expect_str(raw[0], f"{where}[0] (type)")
-        names = POSITIONAL_FIELDS.get(kind, ())
-        fields = dict(zip(names, raw[1:], strict=False))
-    else:
-        raise DecodeError(f"{where}: an event must be a map or an array, got {type(raw).__name__}")
-    if kind not in POSITIONAL_FIELDS:
-        return None  # an event type this decoder does not know: skipped
-    data = _data(kind, fields, where, limits)
-    if data is None:
-        return None
-    return KVCacheEvent(
-        event_id=expect_int(fields.get("event_id", index), f"{where}.event_id"),
-        data=data,
-        window_size=expect_int(fields.get("window_size", 0), f"{where}.window_size"),
-        hash_algo=expect_str(fields.get("hash_algo", _DEFAULT_ALGO), f"{where}.hash_algo"),
-        attention_dp_rank=expect_optional_int(
-            fields.get("attention_dp_rank", dp_rank), f"{where}.attention_dp_rank"
-        ),
-    )
-
-
-def decode_batch(
-    payload: bytes | bytearray | memoryview, limits: DecodeLimits | None = None
-) -> DecodedBatch:
-    """The batch in one wire payload.
-
-    Raises :class:`DecodeError` (a ``ValueError``) for anything malformed: not msgpack, wrong
-    envelope, wrong field types, token counts that do not match ``block_size``, or a payload
-    beyond ``limits``. Unknown fields and event types are skipped.
-    """
-    lim = DEFAULT_LIMITS if limits is None else limits
-    typed = lim is DEFAULT_LIMITS or _typed_ok(lim)
-    if typed and type(payload) in (bytes, bytearray, memoryview):
-        size = memoryview(payload).nbytes
-        if 0 < size <= lim.max_payload_bytes:
-            batch = decode_typed(payload)
-            if batch is not None:
-                return batch
-    return decode_general(payload, lim)
-
-
 _RAW_LISTS: dict[int, msgspec.msgpack.Decoder[list[msgspec.Raw]]] = {}
 _RAW_MAPS: dict[int, msgspec.msgpack.Decoder[dict[Any, msgspec.Raw]]] = {}
 _INT_LISTS: dict[int, msgspec.msgpack.Decoder[list[int]]] = {}
 _PAIR_LISTS: dict[int, msgspec.msgpack.Decoder[list[list[int]]]] = {}
-_HASH_LISTS: dict[int, msgspec.msgpack.Decoder[list[int | bytes]]] = {}
 _Pair = Annotated[list[int], msgspec.Meta(min_length=2, max_length=2)]
 
 
@@ -587,9 +366,89 @@ def _is_container(lead: int) -> bool:
     return 0x80 <= lead <= 0x9F or 0xDC <= lead <= 0xDF
 
 
-def _staged_event(chunk: bytes, where: str, limits: DecodeLimits) -> object:
-    """An event too costly to decode untyped at once, decoded one level at a time: its known
-    fields each on its own (unknown ones are never built), a long token or hash list typed."""
+#: the limit a length cap of the lenient Structs stands for, by the type msgspec names
+_LENGTH_LIMITS: Final = {
+    "str": "max_str_len",
+    "bytes": "max_bin_len",
+    "array": "max_blocks_per_event",
+}
+
+
+def _invalid(exc: msgspec.ValidationError, where: str) -> DecodeError:
+    """msgspec's account of a value the lenient Structs refuse, at its path in the payload;
+    a value past a length the limits set refuses the payload (:class:`LimitError`)."""
+    text = str(exc)
+    head, sep, path = text.rpartition(" - at `")
+    if not sep:
+        head, path = text, ""
+    path = path.rstrip("`")
+    at = where + path[1:] if path.startswith("$") else f"{where} ({path})" if path else where
+    message = f"{at}: {head[:1].lower()}{head[1:]}"
+    if "of length <=" in head:
+        kind = next((k for k in _LENGTH_LIMITS if f"`{k}` of length" in head), "array")
+        return LimitError(f"{message} (DecodeLimits.{_LENGTH_LIMITS[kind]})")
+    return DecodeError(message)
+
+
+def _read_tokens(raw: msgspec.Raw, where: str, limits: DecodeLimits) -> Sequence[int]:
+    """A store's token ids that are not one packed array of ints in range: ints to check one
+    by one (for the error), or SGLang's bigram pairs."""
+    chunk = bytes(raw)
+    n = _array_length(chunk)
+    if n is None:
+        return expect_list(_value(chunk, where, limits, 4), where)  # raises: not an array
+    if n > limits.max_tokens_per_event:
+        raise _too_many_tokens(where, n, limits.max_tokens_per_event)
+    try:
+        value: Any = _untyped(chunk, limits, 4)
+    except _TooCostly:
+        try:
+            value = _capped(_INT_LISTS, list[int], n).decode(chunk)
+        except msgspec.ValidationError:
+            try:
+                value = _capped(_PAIR_LISTS, list[_Pair], n).decode(chunk)
+            except msgspec.ValidationError:
+                raise DecodeError(
+                    f"{where}: token ids must be ints (or SGLang's [token, next token] pairs)"
+                ) from None
+    return _tokens(value, where, limits.max_tokens_per_event)
+
+
+def _read_extra_keys(raw: msgspec.Raw, where: str, limits: DecodeLimits) -> object:
+    """vLLM's ``extra_keys``: per block a few strings, tuples or bytes, and no more."""
+    chunk = bytes(raw)
+    try:
+        return _untyped(chunk, limits, 4)
+    except _TooCostly:
+        pass
+    cap = 4 * limits.max_blocks_per_event + OBJECT_BUDGET
+    if _costly_exceeds(chunk, cap):
+        raise LimitError(
+            f"{where}: more than {cap} arrays, maps, strings or numbers, beyond what a KV "
+            "event's field holds"
+        )
+    return _decode_checked(chunk, limits, 4)
+
+
+_readers: dict[DecodeLimits, Readers] = {}
+
+
+def _readers_of(limits: DecodeLimits) -> Readers:
+    readers = _readers.get(limits)
+    if readers is None:
+        readers = Readers(
+            lambda raw, where: _read_tokens(raw, where, limits),
+            lambda raw, where: _read_extra_keys(raw, where, limits),
+        )
+        if len(_readers) < 64:
+            _readers[limits] = readers
+    return readers
+
+
+def _costly_kind(chunk: bytes, where: str, limits: DecodeLimits) -> object:
+    """The type name of an event too costly to decode untyped, read without building the rest:
+    a map's ``type`` field (its fields counted against ``max_fields``, its keys checked), a
+    positional event's element 0."""
     size = len(chunk)
     if _is_map(chunk[0]):
         cap = min(size, limits.max_fields)
@@ -609,101 +468,82 @@ def _staged_event(chunk: bytes, where: str, limits: DecodeLimits) -> object:
         except DecodeError as exc:
             raise _Refused(str(exc)) from None
         kind = items.get("type")
-        name = None if kind is None else _value(bytes(kind), f"{where}.type", limits, 4)
-        known = _KNOWN_FIELDS.get(name) if type(name) is str else None
-        if known is None:
-            return {"type": name}  # no type, or one this decoder skips: nothing more to read
-        return {
-            k: _field(bytes(v), f"{where}.{k}", k, limits) for k, v in items.items() if k in known
-        }
-    if _array_length(chunk) is None:  # one scalar: it costs no more objects than its bytes
-        return _UNTYPED.decode(chunk)
+        return None if kind is None else _value(bytes(kind), f"{where}.type", limits, 4)
     cap = min(size, max(limits.max_events, limits.max_tokens_per_event))
     try:
         elements: list[msgspec.Raw] = _capped(_RAW_LISTS, list[msgspec.Raw], cap).decode(chunk)
     except msgspec.ValidationError:
         raise LimitError(f"{where}: an array of more than {cap} elements") from None
-    if not elements:
-        return []
-    name = _value(bytes(elements[0]), f"{where}[0]", limits, 4)
-    names = POSITIONAL_FIELDS.get(name, ()) if type(name) is str else ()
-    return [name] + [
-        _field(bytes(v), f"{where}[{i + 1}]", f, limits)
-        for i, (v, f) in enumerate(zip(elements[1:], names, strict=False))
-    ]
+    return _value(bytes(elements[0]), f"{where}[0]", limits, 4) if elements else None
 
 
-def _field(chunk: bytes, where: str, name: str, limits: DecodeLimits) -> object:
-    """One field of a costly event: untyped when within the budget, else typed as what the
-    field holds (token ids, bigram pages, block hashes); anything else is beyond the limits."""
+def _kind_name(value: object) -> str:
+    return "nothing (missing or nil)" if value is None else type(value).__name__
+
+
+def _lenient_event(
+    chunk: bytes,
+    index: int,
+    dp_rank: int | None,
+    limits: DecodeLimits,
+    types: EventTypes,
+    readers: Readers,
+) -> KVCacheEvent | None:
+    """Step 3 of the module docstring for one event: None for an event type this decoder does
+    not know (skipped) or a store that changes nothing; DecodeError for a malformed event."""
+    where = f"events[{index}]"
+    lead = chunk[0]
+    if not _is_container(lead):
+        # one scalar (no more objects than bytes), held to the format like any value
+        got = type(_decode_checked(chunk, limits, 3)).__name__
+        raise DecodeError(f"{where}: an event must be a map or an array, got {got}")
+    is_map = _is_map(lead)
+    if not is_map and _array_length(chunk) == 0:
+        raise DecodeError(f"{where}: an event array needs its type name as element 0")
     try:
-        return _untyped(chunk, limits, 4)
+        value: Any = _untyped(chunk, limits, 3)
+        kind = value.get("type") if is_map else value[0]
     except _TooCostly:
-        pass
-    n = _array_length(chunk)
-    if name == "token_ids" and n is not None:
-        if n > limits.max_tokens_per_event:
-            raise _too_many_tokens(where, n, limits.max_tokens_per_event)
-        try:
-            return _capped(_INT_LISTS, list[int], n).decode(chunk)
-        except msgspec.ValidationError:
-            pass
-        try:
-            return _capped(_PAIR_LISTS, list[_Pair], n).decode(chunk)
-        except msgspec.ValidationError:
-            raise DecodeError(
-                f"{where}: token ids must be ints (or SGLang's [token, next token] pairs)"
-            ) from None
-    if name == "block_hashes" and n is not None:
-        if n > limits.max_blocks_per_event:
-            raise LimitError(
-                f"{where}: {n} block hashes exceed DecodeLimits.max_blocks_per_event "
-                f"({limits.max_blocks_per_event})"
-            )
-        try:
-            hashes: list[int | bytes] = _capped(_HASH_LISTS, list[int | bytes], n).decode(chunk)
-        except msgspec.ValidationError:
-            raise DecodeError(f"{where}: block hashes must be ints or bins") from None
-        _hold(hashes, limits, len(chunk), 4)
-        return hashes
-    # any other field (extra_keys above all: per block a list of a few strings) may cost a few
-    # objects per block, and no more
-    cap = 4 * limits.max_blocks_per_event + OBJECT_BUDGET
-    if _costly_exceeds(chunk, cap):
-        raise LimitError(
-            f"{where}: more than {cap} arrays, maps, strings or numbers, beyond what a KV "
-            "event's field holds"
+        kind = _costly_kind(chunk, where, limits)
+    if type(kind) is not str:
+        at = f"{where}.type" if is_map else f"{where}[0] (type)"
+        raise DecodeError(f"{at}: expected a string, got {_kind_name(kind)}")
+    if kind not in POSITIONAL_FIELDS:
+        return None
+    try:
+        event = types.by_kind[(is_map, kind)].decode(chunk)
+    except msgspec.ValidationError as exc:
+        raise _invalid(exc, where) from None
+    return event_of(event, types, index, dp_rank, where, limits, readers)
+
+
+_STRICT: Final = event_types(DEFAULT_LIMITS, True)
+_UNREAD: Final = object()  # what the strict Structs left to the lenient ones
+
+
+def _strict_event(chunk: msgspec.Raw, index: int, dp_rank: int | None) -> object:
+    """Step 2 for one event: its model event (or None: it changes nothing), or ``_UNREAD``."""
+    try:
+        lead = memoryview(chunk)[0]
+        decoder = _STRICT.map_decoder if _is_map(lead) else _STRICT.pos_decoder
+        return event_of(
+            decoder.decode(chunk), _STRICT, index, dp_rank, "events", DEFAULT_LIMITS, None
         )
-    return _decode_checked(chunk, limits, 4)
+    except (msgspec.MsgspecError, RecursionError, DecodeError, IndexError):
+        return _UNREAD
 
 
-def _event_value(chunk: bytes, index: int, limits: DecodeLimits) -> object:
-    try:
-        return _untyped(chunk, limits, 3)
-    except _TooCostly:
-        return _staged_event(chunk, f"events[{index}]", limits)
-
-
-_NO_RANK: Final = object()  # a 2-element envelope
-
-
-def _top(payload: bytes | bytearray | memoryview, lim: DecodeLimits) -> tuple[Any, Any, Any, bool]:
-    """(ts, the events, the dp_rank or ``_NO_RANK``, whether the events are left undecoded).
-
-    A payload whose costly objects are within :data:`OBJECT_BUDGET` is decoded in one go; any
-    other is split undecoded, and its events are decoded one at a time by the caller."""
+def _envelope(
+    payload: bytes | bytearray | memoryview, lim: DecodeLimits
+) -> tuple[float, list[msgspec.Raw], int | None]:
+    """(ts, the events undecoded, the dp_rank) of a payload, its lengths checked before
+    anything is built."""
     _check_size(payload, lim)
-    data = bytes(payload)
-    if _array_length(data) in (2, 3) and not _costly_exceeds(data, OBJECT_BUDGET):
-        top: Any = _decode_checked(data, lim, 1)
-        events = expect_list(top[1], "payload[1] (events)")
-        if len(events) > lim.max_events:
-            raise DecodeError(
-                f"{len(events)} events exceed DecodeLimits.max_events ({lim.max_events})"
-            )
-        return top[0], events, top[2] if len(top) == 3 else _NO_RANK, False
+    data = payload if type(payload) is bytes else bytes(payload)
     parts = _unpack(data, lim)
     ts = _value(bytes(parts[0]), "payload[0] (ts)", lim, 2)
+    if type(ts) not in (float, int) or not math.isfinite(ts):  # type: ignore[arg-type]
+        raise DecodeError(f"payload[0] (ts): expected a finite number, got {ts!r:.40}")
     n = _array_length(memoryview(parts[1]))
     if n is None:
         expect_list(_value(bytes(parts[1]), "payload[1] (events)", lim, 2), "payload[1] (events)")
@@ -711,39 +551,32 @@ def _top(payload: bytes | bytearray | memoryview, lim: DecodeLimits) -> tuple[An
     if n > lim.max_events:
         raise DecodeError(f"{n} events exceed DecodeLimits.max_events ({lim.max_events})")
     chunks: list[msgspec.Raw] = _capped(_RAW_LISTS, list[msgspec.Raw], n).decode(parts[1])
-    rank = _value(bytes(parts[2]), "payload[2] (dp_rank)", lim, 2) if len(parts) == 3 else _NO_RANK
-    return ts, chunks, rank, True
+    dp_rank = None
+    if len(parts) == 3:
+        rank = _value(bytes(parts[2]), "payload[2] (dp_rank)", lim, 2)
+        dp_rank = expect_optional_int(rank, "payload[2] (dp_rank)", 0, TOKEN_LIMIT)
+    return float(ts), chunks, dp_rank  # type: ignore[arg-type]
 
 
-def decode_general(
-    payload: bytes | bytearray | memoryview, limits: DecodeLimits | None = None
-) -> DecodedBatch:
-    """:func:`decode_batch` without the typed path: every field checked one by one (what
-    decodes a payload the typed structs do not accept, and their reference in tests).
-
-    Memory stays bounded whatever the payload holds: a payload of few costly objects
-    (:data:`OBJECT_BUDGET`) is decoded at once; in any other the envelope and the event list are
-    split undecoded (their lengths checked before anything is built), and each event is
-    decoded, checked and turned into model objects before the next: untyped when it holds few
-    costly objects, else field by field."""
-    lim = DEFAULT_LIMITS if limits is None else limits
-    try:
-        ts, events, dp_value, staged = _top(payload, lim)
-        if type(ts) not in (float, int) or not math.isfinite(ts):
-            raise DecodeError(f"payload[0] (ts): expected a finite number, got {ts!r:.40}")
-        dp_rank = (
-            None
-            if dp_value is _NO_RANK
-            else expect_optional_int(dp_value, "payload[2] (dp_rank)", 0, TOKEN_LIMIT)
-        )
-        decoded: list[KVCacheEvent] = []
-        malformed: list[str] = []
-        for i, chunk in enumerate(events):
+def _decode(
+    payload: bytes | bytearray | memoryview, lim: DecodeLimits, strict: bool, lenient: bool
+) -> DecodedBatch | None:
+    """Steps 2 and 3 over a payload's events: ``strict``, each event tried on the strict
+    Structs first; ``lenient``, what they leave read by step 3 (else the batch is None)."""
+    ts, chunks, dp_rank = _envelope(payload, lim)
+    types = event_types(lim, False)
+    readers = _readers_of(lim)
+    decoded: list[KVCacheEvent] = []
+    malformed: list[str] = []
+    for i, chunk in enumerate(chunks):
+        event = _strict_event(chunk, i, dp_rank) if strict else _UNREAD
+        if event is _UNREAD:
+            if not lenient:
+                return None
             # One malformed event costs that event: the rest of the batch stands, and the
             # batch says what was left out.
             try:
-                raw = _event_value(bytes(chunk), i, lim) if staged else chunk
-                event = _event(raw, i, dp_rank, lim)
+                event = _lenient_event(bytes(chunk), i, dp_rank, lim, types, readers)
             except (LimitError, _Refused):
                 raise
             except DecodeError as exc:
@@ -752,16 +585,80 @@ def decode_general(
             except (TypeError, ValueError, KeyError, IndexError, OverflowError) as exc:
                 malformed.append(f"events[{i}]: {type(exc).__name__}: {exc}")
                 continue
-            if event is not None:
-                decoded.append(event)
-        return DecodedBatch(ts=float(ts), events=decoded, dp_rank=dp_rank, malformed=malformed)
+        if event is not None:
+            decoded.append(event)  # type: ignore[arg-type]
+    return DecodedBatch(ts=ts, events=decoded, dp_rank=dp_rank, malformed=malformed)
+
+
+def _guarded(
+    payload: bytes | bytearray | memoryview, lim: DecodeLimits, strict: bool, lenient: bool
+) -> DecodedBatch | None:
+    try:
+        return _decode(payload, lim, strict, lenient)
     except DecodeError:
         raise
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as exc:
-        # Every field is checked above; this keeps the promise of one error type regardless.
+        # Every value is checked on the way; this keeps the promise of one error type.
         raise DecodeError(f"malformed payload: {type(exc).__name__}: {exc}") from None
     except (msgspec.MsgspecError, RecursionError) as exc:
         raise DecodeError(f"not a valid msgpack payload: {exc}") from None
 
 
-__all__ = ["DEFAULT_LIMITS", "DecodeError", "DecodeLimits", "decode_batch", "decode_general"]
+def decode_batch(
+    payload: bytes | bytearray | memoryview, limits: DecodeLimits | None = None
+) -> DecodedBatch:
+    """The batch in one wire payload.
+
+    Raises :class:`DecodeError` (a ``ValueError``) for anything malformed: not msgpack, wrong
+    envelope, wrong field types, token counts that do not match ``block_size``, or a payload
+    beyond ``limits``. Unknown fields and event types are skipped.
+    """
+    lim = DEFAULT_LIMITS if limits is None else limits
+    loose = lim is DEFAULT_LIMITS or at_least_default(lim)
+    if loose and type(payload) in (bytes, bytearray, memoryview):
+        size = memoryview(payload).nbytes
+        if 0 < size <= lim.max_payload_bytes:
+            native = fast.decode_native(payload)
+            if native is not None:
+                return native
+    batch = _guarded(payload, lim, loose, True)
+    assert batch is not None
+    return batch
+
+
+def decode_general(
+    payload: bytes | bytearray | memoryview, limits: DecodeLimits | None = None
+) -> DecodedBatch:
+    """:func:`decode_batch` by step 3 alone: every event walked and read by the lenient
+    Structs (the reference the faster steps are tested against)."""
+    batch = _guarded(payload, DEFAULT_LIMITS if limits is None else limits, False, True)
+    assert batch is not None
+    return batch
+
+
+def decode_structs(payload: bytes | bytearray | memoryview) -> DecodedBatch | None:
+    """The batch, when step 2 (the strict Structs) reads every event of ``payload``; None
+    otherwise."""
+    try:
+        return _decode(payload, DEFAULT_LIMITS, True, False)
+    except (DecodeError, msgspec.MsgspecError, RecursionError):
+        return None
+
+
+def decode_typed(payload: bytes | bytearray | memoryview) -> DecodedBatch | None:
+    """The batch, when steps 1 or 2 read all of ``payload``: :func:`decode_native`, else
+    :func:`decode_structs`; None when neither does."""
+    batch = fast.decode_native(payload)
+    if batch is not None:
+        return batch
+    return decode_structs(payload)
+
+
+__all__ = [
+    "DEFAULT_LIMITS",
+    "POSITIONAL_FIELDS",
+    "DecodeError",
+    "DecodeLimits",
+    "decode_batch",
+    "decode_general",
+]

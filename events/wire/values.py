@@ -1,10 +1,10 @@
-"""Value rules of the wire decoder that its two paths share (``events.wire.decode``).
+"""Value rules of the wire decoder that the Structs cannot state (``events.wire.decode``).
 
-The typed path (``events.wire.fast``) lets msgspec check field types and ranges while it
-decodes; the general path checks the same fields one by one in Python. Both then turn the
-checked values into model objects here, so that what one path accepts the other builds
-identically: hash normalization, vLLM's cache salt inside ``extra_keys``, and how a store's
-token ids are split into blocks (placeholders, masked stores, short last blocks).
+msgspec checks field types and ranges as it decodes an event into its Structs
+(``events.wire.structs``); the rules here then turn the checked values into model objects,
+whichever step of the decoder read them: hash normalization, vLLM's cache salt inside
+``extra_keys``, and how a store's token ids are split into blocks (placeholders, masked
+stores, short last blocks).
 """
 
 from __future__ import annotations
