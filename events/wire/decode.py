@@ -63,6 +63,8 @@ _KEYS: Final = frozenset((str, bytes))
 _UNTYPED: Final = msgspec.msgpack.Decoder()
 _FRAMING: Final = msgspec.msgpack.Decoder(msgspec.Raw)  # checks framing, builds nothing
 _ENVELOPE: Final = msgspec.msgpack.Decoder(Annotated[list[msgspec.Raw], msgspec.Meta(max_length=3)])
+_TS: Final = msgspec.msgpack.Decoder(int | float)
+_RANK: Final = msgspec.msgpack.Decoder(int | None)
 # The lead bytes of what costs the untyped decoder a new object of more than a pointer
 # (arrays, maps, strings, bins, floats, ints outside CPython's small-int cache, ext types).
 # A chunk of N bytes holds at most as many such objects as it has bytes of these values (they
@@ -533,6 +535,30 @@ def _strict_event(chunk: msgspec.Raw, index: int, dp_rank: int | None) -> object
         return _UNREAD
 
 
+def _strict_batch(payload: bytes | bytearray | memoryview) -> DecodedBatch | None:
+    """Step 2 for a whole batch of one form in one msgspec call each (the common case of
+    what the native reader leaves); None when any of it is not read so (step 2 then goes
+    event by event)."""
+    for decoder in _STRICT.batch_decoders:
+        try:
+            batch = decoder.decode(payload)
+        except (msgspec.MsgspecError, RecursionError):
+            continue
+        ts, dp_rank = batch.ts, batch.dp_rank
+        if not math.isfinite(ts):
+            return None
+        events: list[KVCacheEvent] = []
+        try:
+            for i, e in enumerate(batch.events):
+                event = event_of(e, _STRICT, i, dp_rank, "events", DEFAULT_LIMITS, None)
+                if event is not None:
+                    events.append(event)
+        except (DecodeError, IndexError):
+            return None
+        return DecodedBatch(ts=ts, events=events, dp_rank=dp_rank, malformed=[])
+    return None
+
+
 def _envelope(
     payload: bytes | bytearray | memoryview, lim: DecodeLimits
 ) -> tuple[float, list[msgspec.Raw], int | None]:
@@ -541,7 +567,10 @@ def _envelope(
     _check_size(payload, lim)
     data = payload if type(payload) is bytes else bytes(payload)
     parts = _unpack(data, lim)
-    ts = _value(bytes(parts[0]), "payload[0] (ts)", lim, 2)
+    try:
+        ts: object = _TS.decode(parts[0])  # a number (what any other is, said below)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        ts = _value(bytes(parts[0]), "payload[0] (ts)", lim, 2)
     if type(ts) not in (float, int) or not math.isfinite(ts):  # type: ignore[arg-type]
         raise DecodeError(f"payload[0] (ts): expected a finite number, got {ts!r:.40}")
     n = _array_length(memoryview(parts[1]))
@@ -553,7 +582,10 @@ def _envelope(
     chunks: list[msgspec.Raw] = _capped(_RAW_LISTS, list[msgspec.Raw], n).decode(parts[1])
     dp_rank = None
     if len(parts) == 3:
-        rank = _value(bytes(parts[2]), "payload[2] (dp_rank)", lim, 2)
+        try:
+            rank: object = _RANK.decode(parts[2])  # an int or nil (what any other is, below)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            rank = _value(bytes(parts[2]), "payload[2] (dp_rank)", lim, 2)
         dp_rank = expect_optional_int(rank, "payload[2] (dp_rank)", 0, TOKEN_LIMIT)
     return float(ts), chunks, dp_rank  # type: ignore[arg-type]
 
@@ -563,6 +595,11 @@ def _decode(
 ) -> DecodedBatch | None:
     """Steps 2 and 3 over a payload's events: ``strict``, each event tried on the strict
     Structs first; ``lenient``, what they leave read by step 3 (else the batch is None)."""
+    if strict:
+        _check_size(payload, lim)
+        batch = _strict_batch(payload)
+        if batch is not None:
+            return batch
     ts, chunks, dp_rank = _envelope(payload, lim)
     types = event_types(lim, False)
     readers = _readers_of(lim)

@@ -174,6 +174,7 @@ class EventTypes:
     the positional Struct; msgspec decoders of them."""
 
     __slots__ = (
+        "batch_decoders",
         "by_kind",
         "kind",
         "map_decoder",
@@ -222,6 +223,21 @@ class EventTypes:
         self.pos_decoder: Any = msgspec.msgpack.Decoder(
             Union[tuple(self.pos_types.values())]  # noqa: UP007
         )
+        # a whole batch of one form: [ts, events, dp_rank?] (ts a number, msgspec takes an
+        # int for it; a finite one is the caller's check)
+        rank: Any = Union[Annotated[int, Meta(ge=0, lt=TOKEN_LIMIT)], None]  # noqa: UP007
+        most_events = Meta(max_length=_cap(limits.max_events, limits))
+        batches: list[Any] = []
+        for form, types in (("Map", self.map_types), ("Pos", self.pos_types)):
+            event: Any = Union[tuple(types.values())]  # noqa: UP007
+            batch_fields: list[Any] = [
+                ("ts", float),
+                ("events", Annotated[list[event], most_events]),
+                ("dp_rank", rank, None),
+            ]
+            batch = msgspec.defstruct(f"{form}Batch", batch_fields, array_like=True, **config)
+            batches.append(msgspec.msgpack.Decoder(batch))
+        self.batch_decoders: tuple[Any, ...] = tuple(batches)
 
 
 _types: dict[tuple[DecodeLimits, bool], EventTypes] = {}
