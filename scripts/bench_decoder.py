@@ -19,9 +19,9 @@ decodes it repeatedly and prints, from one run:
   (map form, 1-3 events per batch, 1-16 blocks of 512 tokens per store, token ids anywhere
   in [0, 2**31), as ``router-sim run`` on the Mooncake trace publishes them), the same with
   32-token blocks (1-64 blocks per store), and every payload of the engine captures in
-  tests/data/engines/. The "objects only" column is msgspec building the payload's Python
-  objects and nothing else: the part of any decoder's cost that checks cannot remove (one
-  Python int per token id).
+  tests/data/engines/ (25 times over, so that a round is long enough to time). The "objects
+  only" column is msgspec building the payload's Python objects and nothing else: the part of
+  any decoder's cost that checks cannot remove (one Python int per token id).
 
 Usage: ``python scripts/bench_decoder.py [--payloads 20000] [--rounds 5] [--seed 1]
 [--reference DIR]``.
@@ -190,7 +190,8 @@ def side_by_side(rng: random.Random, rounds: int, reference: Path | None) -> Non
     sets = {
         "sim-like, 512-token blocks": sim_like(rng, 400, 512, 16),
         "sim-like, 32-token blocks": sim_like(rng, 400, 32, 64),
-        "engine captures": engine_payloads(),
+        # repeated, so that a round is long enough to time (41 payloads take ~0.5 ms)
+        "engine captures": engine_payloads() * 25,
     }
     paths: dict[str, Callable[[bytes], object]] = {
         "decode_batch": decode_batch,
