@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import msgspec
 import pytest
 
 from events.tools.capture import read_capture
@@ -185,3 +186,31 @@ def test_reading_field_by_field_gives_what_reading_at_once_gives(
     staged = [decode_general(p) for p in payloads]
     assert staged == at_once
     assert sum(len(b.events) for b in staged) > 100
+
+
+def test_payloads_declaring_many_lengths_do_not_each_build_a_decoder(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Length-capped decoders are made per limit. Made per declared length, a stream of
+    # batches of 1, 2, 3, ... events (or a garbage stream declaring any length) would build a
+    # new msgspec Decoder for most payloads once the small cache of them is full.
+    made: list[object] = []
+    real = msgspec.msgpack.Decoder
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        made.append(args)
+        return real(*args, **kwargs)
+
+    def batch_of(n: int) -> bytes:
+        # a malformed event (a medium that is not a string) sends each batch through the
+        # event-by-event steps, which split the event list by its declared length
+        good = ["BlockStored", [n], None, [1, 2, 3, 4], 4, None, "gpu"]
+        return msgpack.packb([0.0, [good] * n + [["BlockRemoved", [1], 7]]])
+
+    monkeypatch.setattr(wire_decode, "_RAW_LISTS", {})
+    decode_batch(batch_of(1))  # the first one makes what every later one uses
+    monkeypatch.setattr(msgspec.msgpack, "Decoder", counting)
+    for n in range(2, 101):
+        batch = decode_batch(batch_of(n))
+        assert len(batch.events) == n and len(batch.malformed) == 1
+    assert made == [], f"{len(made)} decoders made for 99 payloads"

@@ -50,6 +50,7 @@ from events.wire.structs import (
     Readers,
     event_of,
     event_types,
+    length_cap,
     map_fields,
 )
 from events.wire.values import LimitError
@@ -401,14 +402,15 @@ def _read_tokens(raw: msgspec.Raw, where: str, limits: DecodeLimits) -> Sequence
         return expect_list(_value(chunk, where, limits, 4), where)  # raises: not an array
     if n > limits.max_tokens_per_event:
         raise _too_many_tokens(where, n, limits.max_tokens_per_event)
+    cap = length_cap(limits.max_tokens_per_event, limits)  # one decoder per limit, not per n
     try:
         value: Any = _untyped(chunk, limits, 4)
     except _TooCostly:
         try:
-            value = _capped(_INT_LISTS, list[int], n).decode(chunk)
+            value = _capped(_INT_LISTS, list[int], cap).decode(chunk)
         except msgspec.ValidationError:
             try:
-                value = _capped(_PAIR_LISTS, list[_Pair], n).decode(chunk)
+                value = _capped(_PAIR_LISTS, list[_Pair], cap).decode(chunk)
             except msgspec.ValidationError:
                 raise DecodeError(
                     f"{where}: token ids must be ints (or SGLang's [token, next token] pairs)"
@@ -453,7 +455,7 @@ def _costly_kind(chunk: bytes, where: str, limits: DecodeLimits) -> object:
     positional event's element 0."""
     size = len(chunk)
     if _is_map(chunk[0]):
-        cap = min(size, limits.max_fields)
+        cap = length_cap(limits.max_fields, limits)  # one decoder per limit, not per size
         try:
             items: dict[Any, msgspec.Raw] = _capped(_RAW_MAPS, dict[Any, msgspec.Raw], cap).decode(
                 chunk
@@ -471,7 +473,7 @@ def _costly_kind(chunk: bytes, where: str, limits: DecodeLimits) -> object:
             raise _Refused(str(exc)) from None
         kind = items.get("type")
         return None if kind is None else _value(bytes(kind), f"{where}.type", limits, 4)
-    cap = min(size, max(limits.max_events, limits.max_tokens_per_event))
+    cap = length_cap(max(limits.max_events, limits.max_tokens_per_event), limits)
     try:
         elements: list[msgspec.Raw] = _capped(_RAW_LISTS, list[msgspec.Raw], cap).decode(chunk)
     except msgspec.ValidationError:
@@ -579,7 +581,10 @@ def _envelope(
         raise AssertionError("unreachable: a non-array is not a list")  # pragma: no cover
     if n > lim.max_events:
         raise DecodeError(f"{n} events exceed DecodeLimits.max_events ({lim.max_events})")
-    chunks: list[msgspec.Raw] = _capped(_RAW_LISTS, list[msgspec.Raw], n).decode(parts[1])
+    # capped at the limit (n is within it), not at n: one decoder per limit, so that
+    # payloads declaring many different lengths do not each make one
+    cap = length_cap(lim.max_events, lim)
+    chunks: list[msgspec.Raw] = _capped(_RAW_LISTS, list[msgspec.Raw], cap).decode(parts[1])
     dp_rank = None
     if len(parts) == 3:
         try:

@@ -86,7 +86,7 @@ _POSITIONAL_REQUIRED: Final = {
 _Field = tuple[str, Any, Any]
 
 
-def _cap(length: int, limits: DecodeLimits) -> int:
+def length_cap(length: int, limits: DecodeLimits) -> int:
     """A length cap as a Struct declares it: no value is longer than the payload's bytes, so
     capping at them changes nothing (and keeps a huge limit within what msgspec takes)."""
     return min(length, limits.max_payload_bytes, 1 << 62)
@@ -98,17 +98,17 @@ def _table(limits: DecodeLimits, strict: bool) -> dict[str, list[_Field]]:
     u64 = Annotated[int, Meta(ge=0)]
     small = Annotated[int, Meta(ge=0, lt=TOKEN_LIMIT)]
     chars = limits.max_str_len // 4 if strict else limits.max_str_len
-    text = Annotated[str, Meta(max_length=_cap(chars, limits))]
+    text = Annotated[str, Meta(max_length=length_cap(chars, limits))]
     if strict:  # what wire_hash takes; the lenient types leave the length rule to it
         binary: Any = Annotated[bytes, Meta(min_length=1, max_length=MAX_BIN_HASH)]
     else:
-        binary = Annotated[bytes, Meta(max_length=_cap(limits.max_bin_len, limits))]
+        binary = Annotated[bytes, Meta(max_length=length_cap(limits.max_bin_len, limits))]
     block_hash = Union[int, binary]  # noqa: UP007
-    most_blocks = _cap(limits.max_blocks_per_event, limits)
+    most_blocks = length_cap(limits.max_blocks_per_event, limits)
     hashes = Annotated[list[block_hash], Meta(max_length=most_blocks)]
     diff = Union[tuple[u64, u64], None]  # noqa: UP007
     most = max(limits.max_events, limits.max_tokens_per_event)
-    counts = Annotated[list[u64], Meta(max_length=_cap(most, limits))]
+    counts = Annotated[list[u64], Meta(max_length=length_cap(most, limits))]
     if strict:
         # vLLM's extra_keys: per block, None or a list of str (LoRA name, cache salt) and (mm
         # hash, offset) tuples; no deeper. A union holds one str-like type, so a store whose
@@ -226,7 +226,7 @@ class EventTypes:
         # a whole batch of one form: [ts, events, dp_rank?] (ts a number, msgspec takes an
         # int for it; a finite one is the caller's check)
         rank: Any = Union[Annotated[int, Meta(ge=0, lt=TOKEN_LIMIT)], None]  # noqa: UP007
-        most_events = Meta(max_length=_cap(limits.max_events, limits))
+        most_events = Meta(max_length=length_cap(limits.max_events, limits))
         batches: list[Any] = []
         for form, types in (("Map", self.map_types), ("Pos", self.pos_types)):
             event: Any = Union[tuple(types.values())]  # noqa: UP007
@@ -313,7 +313,7 @@ def _stored(
             salt = salt_from_extra_keys(extra, e.lora_name, f"{where}.extra_keys")
     level = 0 if e.medium is None else cache_level_of(e.medium)
     tokens: Sequence[int] | None = packed_tokens(
-        e.token_ids, _cap(limits.max_tokens_per_event, limits)
+        e.token_ids, length_cap(limits.max_tokens_per_event, limits)
     )
     if tokens is None:
         if readers is None:
