@@ -25,7 +25,7 @@
  *                           the indexer's device-tier store / eviction loops (see below)
  *   .words                  64-bit words per mask;  len(table): keys held
  *
- * It also writes the simulator's prompts and answers as array('i') (expand_array, id_run).
+ * It also writes the simulator's prompts as array('i') (expand_array).
  *
  * Linear probing; a key's home slot is a keyed mix of it (two rounds of the splitmix64
  * finalizer around a random key drawn when the module loads), so that neither sequential nor
@@ -1207,38 +1207,9 @@ static PyObject *expand_array(PyObject *self, PyObject *const *args, Py_ssize_t 
     return Py_NewRef(args[0]);
 }
 
-/* id_run(out, base, count) -> out, an array('i') of count items, filled with base, base + 1,
-   ..., base + count - 1: a generated answer (router_sim.sim.workloads.Request.output_tokens),
-   every id in [0, 2**31). */
-static PyObject *id_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "id_run(out, base, count) -> out");
-        return NULL;
-    }
-    long long base = PyLong_AsLongLong(args[1]);
-    long long count = PyLong_AsLongLong(args[2]);
-    if (PyErr_Occurred())
-        return NULL;
-    if (base < 0 || count < 0 || base > INT32_MAX || count > (long long)INT32_MAX + 1 - base) {
-        PyErr_SetString(PyExc_ValueError, "id_run: the ids must lie in [0, 2**31)");
-        return NULL;
-    }
-    Py_buffer view;
-    uint32_t *t = int32_storage(args[0], (Py_ssize_t)count, &view);
-    if (t == NULL)
-        return NULL;
-    for (long long j = 0; j < count; j++)
-        t[j] = (uint32_t)(base + j);
-    PyBuffer_Release(&view);
-    return Py_NewRef(args[0]);
-}
-
 static PyMethodDef module_methods[] = {
     {"expand_array", (PyCFunction)(void (*)(void))expand_array, METH_FASTCALL,
      "the simulator's prompt of hash ids written into an array('i') (router_sim.sim.workloads)."},
-    {"id_run", (PyCFunction)(void (*)(void))id_run, METH_FASTCALL,
-     "count consecutive ids from base written into an array('i') (router_sim.sim.workloads)."},
     {NULL, NULL, 0, NULL},
 };
 

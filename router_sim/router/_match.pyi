@@ -99,7 +99,3 @@ def expand_array(
     """``out`` (an ``array('i')`` of ``count`` items) filled with the prompt's tokens: token
     ``j`` of the block of id ``h`` is ``(j << shift) | (h & mask)``, blocks in id order (the
     last one cut short)."""
-
-def id_run(out: array[int], base: int, count: int, /) -> array[int]:
-    """``out`` (an ``array('i')`` of ``count`` items) filled with ``base, base + 1, ...,
-    base + count - 1`` (ids in [0, 2**31))."""
