@@ -256,6 +256,48 @@ def test_recent_key_memory_is_trimmed_to_the_newest_mappings() -> None:
     check_mirror(ix)
 
 
+def test_recent_key_memory_is_trimmed_where_a_whole_removal_is_the_common_eviction() -> None:
+    """A keyed worker evicts 20,000 blocks in removals of 50, each block held on the device
+    tier only (the batched eviction, the memory passing its bound inside a removal): the
+    memory of dropped blocks' keys is trimmed as documented, at the same points as one
+    insertion at a time (past 2 * RECENT_KEYS mappings, all but the newest RECENT_KEYS go)."""
+    ix = KvIndexer(TPB, key_by_tokens=True)
+    expected: dict[BlockHash, int] = {}  # the documented memory, in insertion order
+    for start in range(0, 20_000, 50):
+        hashes: list[BlockHash] = list(range(start + 1, start + 51))
+        t = start % 7 + 1
+        ix.apply_batch(0, batch(store(hashes, tokens=t), remove(hashes)))
+        key = 0
+        for h in hashes:  # the V1 chain of the blocks' tokens: their keys
+            key = v1_block_hash([t] * TPB, key)
+            expected[h] = key
+            if len(expected) > 2 * RECENT_KEYS:
+                for old in list(expected)[:-RECENT_KEYS]:
+                    del expected[old]
+        assert list(ix._recent[0].items()) == list(expected.items())
+    check_mirror(ix)
+    assert ix.total_entries() == 0 and sum(ix.anomalies.values()) == 0
+    assert ix._keys[0] == {} and len(ix._table) == 0
+
+
+def test_a_store_with_a_slower_block_inside_a_device_run() -> None:
+    """Hand-derived: a store whose middle block lands on the slower tier 1 (levels 0, 1, 0)
+    and whose last names a block the worker already held on tier 1: the device run around
+    the slower block, the held block keeping its copy there."""
+    ix = KvIndexer(TPB)
+    ix.apply_batch(5, batch(store([40], level=1)))
+    ids = [1] * TPB
+    blocks = [StoredBlock(41, ids), StoredBlock(42, ids, cache_level=1)]
+    blocks += [StoredBlock(43, ids), StoredBlock(40, ids)]
+    ix.apply_batch(5, batch(KVCacheEvent(0, Stored(None, blocks, TPB))))
+    assert [ix.holds(5, h) for h in (40, 41, 42, 43)] == [(0, 1), (0,), (1,), (0,)]
+    bit = 1 << ix._bit_of[5]
+    assert [ix._table.device_get(h) for h in (40, 41, 42, 43)] == [bit, bit, 0, bit]
+    assert ix._slower == {40: bit, 42: bit}
+    assert ix.find_matches([41, 42, 43]) == {5: 3}
+    check_mirror(ix)
+
+
 def test_tiers_of_a_worker_past_bit_64() -> None:
     """Hand-derived details for workers on the second mask word: worker 170 holds blocks
     11 (device), 12 (slower tier only), 13 (both), 14 (device); worker 171 holds 11 and 12 on

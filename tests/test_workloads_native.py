@@ -1,7 +1,7 @@
-"""The native writers of router_sim/_match.c give what the plain forms give: the simulator's
-prompts and answers (``expand_array`` the per-token formula, as tests/_reference.py writes it;
-``id_run`` Python's ``range``), and the index's match
-details set through their slots the details their class makes."""
+"""The native writer of router_sim/_match.c gives what the plain form gives: the simulator's
+prompts (``expand_array`` the per-token formula, as tests/_reference.py writes it), and the
+index's match details set through their slots the details their class makes. The simulator's
+answers (``Request.output_tokens``) are checked against their formula."""
 
 from __future__ import annotations
 
@@ -43,38 +43,43 @@ def test_expand_array_refuses_what_it_cannot_expand() -> None:
         _match.expand_array(_zeros(1), [1], 1, 4, 22, 2**22 - 1)
 
 
-def test_the_writers_fill_only_an_int32_array_of_the_count() -> None:
+def test_the_writer_fills_only_an_int32_array_of_the_count() -> None:
     for out in (_zeros(3), _zeros(5), array("l", [0] * 4), bytearray(16), b"\0" * 16):
-        with pytest.raises((ValueError, TypeError, BufferError)):
-            _match.id_run(out, 0, 4)
         with pytest.raises((ValueError, TypeError, BufferError)):
             _match.expand_array(out, (1,), 4, 4, 22, 2**22 - 1)
     out = _zeros(4)
-    assert _match.id_run(out, 7, 4) is out and out.tolist() == [7, 8, 9, 10]
+    assert _match.expand_array(out, (5,), 4, 4, 22, 2**22 - 1) is out
+    assert out.tolist() == [5, 1 << 22 | 5, 2 << 22 | 5, 3 << 22 | 5]
 
 
-@given(st.integers(0, 2**31 - 1), st.integers(0, 3000))
-def test_id_run_is_the_range(base: int, count: int) -> None:
-    count = min(count, 2**31 - base)
-    out = _match.id_run(_zeros(count), base, count)
-    assert type(out) is array and out.typecode == "i"
-    assert out == array("i", range(base, base + count))
+def test_the_native_writers_are_only_the_prompt_expansion() -> None:
+    assert not hasattr(_match, "id_run")  # the answers' ids come from numpy
 
 
-def test_id_run_refuses_ids_past_int32() -> None:
-    assert _match.id_run(_zeros(2), 2**31 - 2, 2).tolist() == [2**31 - 2, 2**31 - 1]
-    for base, count in [(2**31 - 2, 3), (-1, 1), (0, -1), (2**31, 0)]:
-        with pytest.raises(ValueError):
-            _match.id_run(_zeros(max(count, 0)), base, count)
+def _answer_base(rid: int, length: int) -> int:
+    """The first id of a generated answer: 2**30 plus the request id times 4099, modulo the
+    ids left above 2**30 for a run of ``length``."""
+    return 2**30 + (rid * 4099) % (2**30 - length)
 
 
 @pytest.mark.parametrize("rid, length", [(0, 1), (7, 90), (123456, 4000), (2**40, 17)])
 def test_answers_are_a_run_of_ids_above_the_prompts(rid: int, length: int) -> None:
     out = Request(rid, 0.0, 10, length, hash_ids=(1,)).output_tokens()
     assert type(out) is array and out.typecode == "i"
-    assert out == array("i", range(out[0], out[0] + length))
+    base = _answer_base(rid, length)
+    assert out.tolist() == list(range(base, base + length))
     assert min(out) >= 2**30
     assert Request(rid, 5.0, 3, length, hash_ids=(2,)).output_tokens() == out  # the id's run
+
+
+def test_the_highest_answer_run_ends_below_2_to_the_31() -> None:
+    for length in (1, 2, 400):
+        # the request id whose run starts as high as the formula allows: 4099 * rid is
+        # -1 modulo 2**30 - length, so the last id is 2**31 - 2
+        m = 2**30 - length
+        rid = (m - 1) * pow(4099, -1, m) % m
+        out = Request(rid, 0.0, 10, length, hash_ids=(1,)).output_tokens()
+        assert out.tolist() == list(range(2**31 - 1 - length, 2**31 - 1))
 
 
 def test_match_details_made_through_their_slots_are_plain_match_details() -> None:

@@ -1,6 +1,6 @@
 /*
- * Native match loop of router_sim.router.indexer: an open-addressing table key -> worker mask, and
- * the indexer's common per-block updates done in one call per event.
+ * Native match loop of router_sim.router.indexer: an open-addressing table key -> worker mask
+ * (each event's keys handed over in one call).
  *
  * KvIndexer's dicts stay the source of truth; this table mirrors, for every key that is an int
  * in [0, 2**64), the mask of workers holding the block on any tier (bit b set iff the worker
@@ -20,12 +20,11 @@
  *   .set_bit(keys, bit) / .clear_bit(keys, bit)   the same where every key is / none is held
  *   .runs(keys, worker_of_bit) -> {worker: run length} as KvIndexer.find_matches, or None
  *                           when a key before the cut is not an int in [0, 2**64)
- *   .store(blocks, keys, start, bit, bitobj, held, device) -> index
- *   .evict(hashes, start, bit, bitobj, held, device, keys, recent, recent_max) -> index
- *                           the indexer's device-tier store / eviction loops (see below)
+ *   .detailed(keys, worker_of_bit, make[, fields]) -> {worker: make(...)} (see below)
+ *   .device_bit(keys, bit, on) / .device_get(key)   the device-tier masks
  *   .words                  64-bit words per mask;  len(table): keys held
  *
- * It also writes the simulator's prompts and answers as array('i') (expand_array, id_run).
+ * It also writes the simulator's prompts as array('i') (expand_array).
  *
  * Linear probing; a key's home slot is a keyed mix of it (two rounds of the splitmix64
  * finalizer around a random key drawn when the module loads), so that neither sequential nor
@@ -311,17 +310,15 @@ static inline int as_key(PyObject *o, uint64_t *out) {
     return 1;
 }
 
-/* d.pop(key) with one lookup: a new reference, Py_None (new) when absent, NULL on error */
-static inline PyObject *dict_pop(PyObject *d, PyObject *key) {
-#if PY_VERSION_HEX >= 0x030D0000
-    PyObject *v = NULL;
-    int found = PyDict_Pop(d, key, &v);
-    if (found < 0)
-        return NULL;
-    return found ? v : Py_NewRef(Py_None);
-#else
-    return _PyDict_Pop(d, key, Py_None);
-#endif
+/* prefetch_key for an int key in [0, 2**64) (both masks); nothing for others, and no error
+   (a key that fails as_key fails again, with its error, where it is applied) */
+static inline void prefetch_obj(const MaskTable *t, PyObject *o) {
+    uint64_t key;
+    int ok = as_key(o, &key);
+    if (ok > 0)
+        prefetch_key(t, key, 1);
+    else if (ok < 0)
+        PyErr_Clear();
 }
 
 static long as_bit(PyObject *o) {
@@ -341,6 +338,7 @@ static PyObject *update(MaskTable *t, PyObject *keys_arg, PyObject *bit_arg, PyO
     if (bit < 0)
         return NULL;
     const int by_dict = held != Py_True && held != Py_False;
+    const int clears = held != Py_True; /* a cleared bit's device bit goes with it */
     if (by_dict && !PyDict_Check(held)) {
         PyErr_SetString(PyExc_TypeError, "held must be a dict");
         return NULL;
@@ -366,11 +364,11 @@ static PyObject *update(MaskTable *t, PyObject *keys_arg, PyObject *bit_arg, PyO
             goto fail_keys;
         is_key[i] = (int8_t)ok;
         if (ok && i < AHEAD)
-            prefetch_key(t, keys[i], 0);
+            prefetch_key(t, keys[i], clears);
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i + AHEAD < n && is_key[i + AHEAD])
-            prefetch_key(t, keys[i + AHEAD], 0);
+            prefetch_key(t, keys[i + AHEAD], clears);
         if (!is_key[i])
             continue;
         int present = by_dict ? PyDict_Contains(held, items[i]) : held == Py_True;
@@ -675,260 +673,6 @@ fail:
     goto out;
 }
 
-/* ------------------------------------------------ the indexer's per-block update loops */
-
-static PyObject *str_cache_level, *str_block_hash, *one;
-
-/* Touch what an update loop is about to read, for keys items[from:to]: the table slots are
-   prefetched and the dict entries looked up (`map` first maps a key, as evict does). These
-   lookups do not depend on one another, so the CPU overlaps their cache misses, where the
-   update loop's dependent steps would take them one after the other; the loop then finds
-   them cached. A hint only: nothing is changed. */
-static void warm(const MaskTable *t, PyObject *const *items, Py_ssize_t from, Py_ssize_t to,
-                 PyObject *map, PyObject *d1, PyObject *d2) {
-    for (Py_ssize_t i = from; i < to; i++) {
-        PyObject *h = items[i];
-        if (map != NULL) {
-            PyObject *k = PyDict_GetItemWithError(map, h);
-            if (k != NULL)
-                h = k;
-        }
-        uint64_t key;
-        int ok = as_key(h, &key);
-        if (ok > 0)
-            prefetch_key(t, key, 1);
-        /* the device dict holds only keys the table does not */
-        if (ok < 0 || PyDict_GetItemWithError(d1, h) == NULL ||
-            (!ok && PyDict_GetItemWithError(d2, h) == NULL)) {
-            PyErr_Clear(); /* an unhashable key fails again, with its error, in the loop */
-        }
-    }
-}
-
-/* store(blocks, keys, start, bit, bitobj, held, device) -> index
-
-   KvIndexer's store of blocks on the device tier for the worker whose bit is `bit`
-   (`bitobj` == 1 << bit), from blocks[start] on: each block's key is keys[i] (or its
-   block_hash when keys is None); held[key] |= 1, and the worker's device bit set: in the
-   table (with its any-tier bit) for an int key in [0, 2**64), else in device[key]. Stops at
-   the first block whose cache_level is not 0 (the caller handles it and calls again) and
-   returns its index, else len(blocks). */
-static PyObject *MaskTable_store(MaskTable *t, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 7 || !PyList_Check(args[0]) || (args[1] != Py_None && !PyList_Check(args[1])) ||
-        !PyDict_Check(args[5]) || !PyDict_Check(args[6])) {
-        PyErr_SetString(PyExc_TypeError,
-                        "store(blocks: list, keys: list | None, start, bit, bitobj, held: dict, "
-                        "device: dict)");
-        return NULL;
-    }
-    PyObject *blocks = args[0], *keys = args[1], *bitobj = args[4];
-    PyObject *held = args[5], *device = args[6];
-    Py_ssize_t n = PyList_GET_SIZE(blocks);
-    if (keys != Py_None && PyList_GET_SIZE(keys) != n) {
-        PyErr_SetString(PyExc_ValueError, "keys and blocks differ in length");
-        return NULL;
-    }
-    Py_ssize_t i = PyLong_AsSsize_t(args[2]);
-    if (i == -1 && PyErr_Occurred())
-        return NULL;
-    long bit = as_bit(args[3]);
-    if (bit < 0)
-        return NULL;
-    if (i < 0)
-        i = 0;
-    if (keys != Py_None)
-        warm(t, PySequence_Fast_ITEMS(keys), i, n, NULL, held, device);
-    for (; i < n; i++) {
-        PyObject *block = PyList_GET_ITEM(blocks, i);
-        PyObject *level = PyObject_GetAttr(block, str_cache_level);
-        if (level == NULL)
-            return NULL;
-        int deeper = PyObject_IsTrue(level);
-        Py_DECREF(level);
-        if (deeper < 0)
-            return NULL;
-        if (deeper)
-            break;
-        PyObject *h;
-        if (keys == Py_None) {
-            h = PyObject_GetAttr(block, str_block_hash);
-            if (h == NULL)
-                return NULL;
-        } else {
-            h = PyList_GET_ITEM(keys, i);
-            Py_INCREF(h);
-        }
-        Py_ssize_t size = PyDict_GET_SIZE(held);
-        PyObject *old = PyDict_SetDefault(held, h, one); /* borrowed */
-        if (old == NULL)
-            goto fail_h;
-        if (PyDict_GET_SIZE(held) == size) { /* the worker knew the block */
-            if (!PyLong_Check(old)) {
-                PyErr_SetString(PyExc_TypeError, "held levels must be ints");
-                goto fail_h;
-            }
-            if (PyLong_AsUnsignedLongLongMask(old) & 1) {
-                Py_DECREF(h);
-                continue; /* already on the device tier */
-            }
-            PyObject *levels = PyNumber_Or(old, one);
-            if (levels == NULL)
-                goto fail_h;
-            int err = PyDict_SetItem(held, h, levels);
-            Py_DECREF(levels);
-            if (err < 0)
-                goto fail_h;
-        }
-        uint64_t key;
-        int ok = as_key(h, &key);
-        if (ok < 0)
-            goto fail_h;
-        if (ok) { /* the table holds both masks */
-            if (table_put(t, key, bit, 1, 1) < 0) /* the any-tier bit with it */
-                goto fail_h;
-            Py_DECREF(h);
-            continue;
-        }
-        PyObject *m = PyDict_SetDefault(device, h, bitobj); /* borrowed */
-        if (m == NULL)
-            goto fail_h;
-        if (m != bitobj) {
-            PyObject *mm = PyNumber_Or(m, bitobj);
-            if (mm == NULL)
-                goto fail_h;
-            int err = PyDict_SetItem(device, h, mm);
-            Py_DECREF(mm);
-            if (err < 0)
-                goto fail_h;
-        }
-        Py_DECREF(h);
-        continue;
-    fail_h:
-        Py_DECREF(h);
-        return NULL;
-    }
-    return PyLong_FromSsize_t(i);
-}
-
-/* evict(hashes, start, bit, bitobj, held, device, keys, recent, recent_max) -> index
-
-   KvIndexer's common eviction (a removal that covers the device tier) for the worker whose
-   bit is `bit`, from hashes[start] on: each hash names its key through `keys` (popped:
-   engine hash -> key; None: the hash is the key); a block the worker holds on the device
-   tier only is dropped from held and from device[key] (and the table), and its mapping goes
-   to `recent`. Stops and returns the index of the first hash that needs the general path
-   (held elsewhere or not held: its mapping is put back), or the index after the mapping that
-   took `recent` past `recent_max` (the caller trims it), else len(hashes). */
-static PyObject *MaskTable_evict(MaskTable *t, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 9 || !PyList_Check(args[0]) || !PyDict_Check(args[4]) ||
-        !PyDict_Check(args[5]) || (args[6] != Py_None && !PyDict_Check(args[6])) ||
-        (args[7] != Py_None && !PyDict_Check(args[7]))) {
-        PyErr_SetString(PyExc_TypeError,
-                        "evict(hashes: list, start, bit, bitobj, held: dict, device: dict, "
-                        "keys: dict | None, recent: dict | None, recent_max)");
-        return NULL;
-    }
-    PyObject *hashes = args[0], *bitobj = args[3], *held = args[4], *device = args[5];
-    PyObject *keys = args[6], *recent = args[7];
-    Py_ssize_t n = PyList_GET_SIZE(hashes);
-    Py_ssize_t i = PyLong_AsSsize_t(args[1]);
-    if (i == -1 && PyErr_Occurred())
-        return NULL;
-    long bit = as_bit(args[2]);
-    if (bit < 0)
-        return NULL;
-    Py_ssize_t recent_max = PyLong_AsSsize_t(args[8]);
-    if (recent_max == -1 && PyErr_Occurred())
-        return NULL;
-    if (i < 0)
-        i = 0;
-    PyObject *keep = PyNumber_Invert(bitobj);
-    if (keep == NULL)
-        return NULL;
-    warm(t, PySequence_Fast_ITEMS(hashes), i, n, keys == Py_None ? NULL : keys, held, device);
-    for (; i < n; i++) {
-        PyObject *eh = PyList_GET_ITEM(hashes, i);
-        PyObject *h = NULL;
-        /* the mapping and the levels are popped (one lookup each) and put back in the rare
-           case that the general path must take the block */
-        if (keys != Py_None) {
-            h = dict_pop(keys, eh); /* keys map to ints, never None */
-            if (h == NULL)
-                goto fail;
-            if (h == Py_None) {
-                Py_DECREF(h);
-                h = NULL;
-            }
-        }
-        if (h == NULL) {
-            h = eh;
-            Py_INCREF(h);
-        }
-        PyObject *old = dict_pop(held, h); /* levels are ints, never None */
-        if (old == NULL)
-            goto fail_h;
-        int only_device = 0;
-        if (PyLong_CheckExact(old)) {
-            int overflow;
-            long v = PyLong_AsLongAndOverflow(old, &overflow);
-            only_device = !overflow && v == 1;
-        }
-        if (!only_device) {
-            int err = old == Py_None ? 0 : PyDict_SetItem(held, h, old); /* put back */
-            Py_DECREF(old);
-            if (err < 0 || (h != eh && PyDict_SetItem(keys, eh, h) < 0))
-                goto fail_h;
-            Py_DECREF(h);
-            break;
-        }
-        Py_DECREF(old);
-        uint64_t key;
-        int ok = as_key(h, &key);
-        if (ok < 0)
-            goto fail_h;
-        PyObject *m = NULL;
-        if (ok) { /* the table holds both masks */
-            if (table_put(t, key, bit, 0, 0) < 0) /* the device bit with it */
-                goto fail_h;
-        } else {
-            m = PyDict_GetItemWithError(device, h); /* borrowed */
-            if (m == NULL && PyErr_Occurred())
-                goto fail_h;
-        }
-        if (m != NULL) {
-            PyObject *mm = PyNumber_And(m, keep);
-            if (mm == NULL)
-                goto fail_h;
-            int truth = PyObject_IsTrue(mm);
-            int err = truth < 0 ? -1
-                      : truth   ? PyDict_SetItem(device, h, mm)
-                                : PyDict_DelItem(device, h);
-            Py_DECREF(mm);
-            if (err < 0)
-                goto fail_h;
-        }
-        if (h != eh && recent != Py_None) {
-            if (PyDict_SetItem(recent, eh, h) < 0)
-                goto fail_h;
-            if (PyDict_GET_SIZE(recent) > recent_max) {
-                Py_DECREF(h);
-                i++;
-                break;
-            }
-        }
-        Py_DECREF(h);
-        continue;
-    fail_h:
-        Py_DECREF(h);
-        goto fail;
-    }
-    Py_DECREF(keep);
-    return PyLong_FromSsize_t(i);
-fail:
-    Py_DECREF(keep);
-    return NULL;
-}
-
 /* ------------------------------------------------------------ the device-tier masks */
 
 /* the device mask of key as a Python int (0 when absent) */
@@ -989,8 +733,14 @@ static PyObject *MaskTable_device_bit(MaskTable *t, PyObject *const *args, Py_ss
     PyObject *bitobj = NULL, *keep = NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
+    /* while key i is applied, the slots of key i + AHEAD are fetched (a hint only), so an
+       event's misses overlap */
+    for (Py_ssize_t i = 0; i < n && i < AHEAD; i++)
+        prefetch_obj(t, items[i]);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *h = items[i];
+        if (i + AHEAD < n)
+            prefetch_obj(t, items[i + AHEAD]);
         uint64_t key;
         int ok = as_key(h, &key);
         if (ok < 0)
@@ -1039,46 +789,6 @@ fail:
     return NULL;
 }
 
-/* remember(blocks, keys, keys_map) -> bool
-
-   True when each block's block_hash equals its key (a worker hashing as the router does:
-   nothing to map); else keys_map[block_hash] = key for every block, and False. What
-   KvIndexer._stored_keys does with a store keyed from its tokens, one call per event. */
-static PyObject *MaskTable_remember(MaskTable *t, PyObject *const *args, Py_ssize_t nargs) {
-    (void)t;
-    if (nargs != 3 || !PyList_Check(args[0]) || !PyList_Check(args[1]) ||
-        !PyDict_Check(args[2]) || PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[1])) {
-        PyErr_SetString(PyExc_TypeError,
-                        "remember(blocks: list, keys: list of the same length, keys_map: dict)");
-        return NULL;
-    }
-    PyObject *blocks = args[0], *keys = args[1], *map = args[2];
-    Py_ssize_t n = PyList_GET_SIZE(blocks), i;
-    for (i = 0; i < n; i++) {
-        PyObject *h = PyObject_GetAttr(PyList_GET_ITEM(blocks, i), str_block_hash);
-        if (h == NULL)
-            return NULL;
-        int eq = PyObject_RichCompareBool(h, PyList_GET_ITEM(keys, i), Py_EQ);
-        Py_DECREF(h);
-        if (eq < 0)
-            return NULL;
-        if (!eq)
-            break;
-    }
-    if (i == n)
-        Py_RETURN_TRUE;
-    for (i = 0; i < n; i++) {
-        PyObject *h = PyObject_GetAttr(PyList_GET_ITEM(blocks, i), str_block_hash);
-        if (h == NULL)
-            return NULL;
-        int err = PyDict_SetItem(map, h, PyList_GET_ITEM(keys, i));
-        Py_DECREF(h);
-        if (err < 0)
-            return NULL;
-    }
-    Py_RETURN_FALSE;
-}
-
 static Py_ssize_t MaskTable_len(MaskTable *t) { return (Py_ssize_t)t->count; }
 
 static PyObject *MaskTable_get_words(MaskTable *t, void *closure) {
@@ -1114,15 +824,6 @@ static PyMethodDef MaskTable_methods[] = {
     {"detailed", (PyCFunction)(void (*)(void))MaskTable_detailed, METH_FASTCALL,
      "detailed(keys, worker_of_bit, make) -> {worker: make(run, device run, on device, "
      "slower)}, or None (general path needed)."},
-    {"remember", (PyCFunction)(void (*)(void))MaskTable_remember, METH_FASTCALL,
-     "remember(blocks, keys, keys_map) -> True when every block's hash is its key, else "
-     "maps each hash to its key."},
-    {"store", (PyCFunction)(void (*)(void))MaskTable_store, METH_FASTCALL,
-     "store(blocks, keys, start, bit, bitobj, held, device) -> index of the first block not "
-     "on the device tier."},
-    {"evict", (PyCFunction)(void (*)(void))MaskTable_evict, METH_FASTCALL,
-     "evict(hashes, start, bit, bitobj, held, device, keys, recent, recent_max) -> index "
-     "where the general path is needed."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1207,38 +908,9 @@ static PyObject *expand_array(PyObject *self, PyObject *const *args, Py_ssize_t 
     return Py_NewRef(args[0]);
 }
 
-/* id_run(out, base, count) -> out, an array('i') of count items, filled with base, base + 1,
-   ..., base + count - 1: a generated answer (router_sim.sim.workloads.Request.output_tokens),
-   every id in [0, 2**31). */
-static PyObject *id_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "id_run(out, base, count) -> out");
-        return NULL;
-    }
-    long long base = PyLong_AsLongLong(args[1]);
-    long long count = PyLong_AsLongLong(args[2]);
-    if (PyErr_Occurred())
-        return NULL;
-    if (base < 0 || count < 0 || base > INT32_MAX || count > (long long)INT32_MAX + 1 - base) {
-        PyErr_SetString(PyExc_ValueError, "id_run: the ids must lie in [0, 2**31)");
-        return NULL;
-    }
-    Py_buffer view;
-    uint32_t *t = int32_storage(args[0], (Py_ssize_t)count, &view);
-    if (t == NULL)
-        return NULL;
-    for (long long j = 0; j < count; j++)
-        t[j] = (uint32_t)(base + j);
-    PyBuffer_Release(&view);
-    return Py_NewRef(args[0]);
-}
-
 static PyMethodDef module_methods[] = {
     {"expand_array", (PyCFunction)(void (*)(void))expand_array, METH_FASTCALL,
      "the simulator's prompt of hash ids written into an array('i') (router_sim.sim.workloads)."},
-    {"id_run", (PyCFunction)(void (*)(void))id_run, METH_FASTCALL,
-     "count consecutive ids from base written into an array('i') (router_sim.sim.workloads)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1272,13 +944,8 @@ PyMODINIT_FUNC PyInit__match(void) {
         return NULL;
     if (draw_place_key() < 0)
         return NULL;
-    str_cache_level = PyUnicode_InternFromString("cache_level");
-    str_block_hash = PyUnicode_InternFromString("block_hash");
-    one = PyLong_FromLong(1);
     empty_tuple = PyTuple_New(0);
     if (empty_tuple == NULL)
-        return NULL;
-    if (str_cache_level == NULL || str_block_hash == NULL || one == NULL)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)

@@ -56,41 +56,6 @@ class MaskTable:
         ``fields``: ``make``'s four data descriptors (``make`` a class whose ``__init__`` only
         sets them, in this order): each value is set through them, without calling ``make``."""
 
-    def remember(self, blocks: list[Any], keys: list[Any], keys_map: dict[Any, int]) -> bool:
-        """True when each block's ``block_hash`` equals its key; else maps every block's hash
-        to its key in ``keys_map`` and returns False."""
-
-    def store(
-        self,
-        blocks: list[Any],
-        keys: list[Any] | None,
-        start: int,
-        bit: int,
-        bitobj: int,
-        held: dict[Any, int],
-        device: dict[Any, int],
-    ) -> int:
-        """KvIndexer's device-tier store loop from ``blocks[start]`` (keys: each block's key,
-        None: its ``block_hash``); returns the index of the first block whose ``cache_level``
-        is not 0, else ``len(blocks)``."""
-
-    def evict(
-        self,
-        hashes: list[Any],
-        start: int,
-        bit: int,
-        bitobj: int,
-        held: dict[Any, int],
-        device: dict[Any, int],
-        keys: dict[Any, int] | None,
-        recent: dict[Any, int] | None,
-        recent_max: int,
-    ) -> int:
-        """KvIndexer's eviction of blocks held on the device tier only, from
-        ``hashes[start]``; returns the index of the first hash needing the general path, or
-        the one after the mapping that took ``recent`` past ``recent_max``, else
-        ``len(hashes)``."""
-
     def __len__(self) -> int: ...
 
 def expand_array(
@@ -99,7 +64,3 @@ def expand_array(
     """``out`` (an ``array('i')`` of ``count`` items) filled with the prompt's tokens: token
     ``j`` of the block of id ``h`` is ``(j << shift) | (h & mask)``, blocks in id order (the
     last one cut short)."""
-
-def id_run(out: array[int], base: int, count: int, /) -> array[int]:
-    """``out`` (an ``array('i')`` of ``count`` items) filled with ``base, base + 1, ...,
-    base + count - 1`` (ids in [0, 2**31))."""

@@ -26,14 +26,15 @@ workers, 48 up to 128, ...), and a request's slots are fetched ahead so their mi
 matching loop (``_find_matches_general``) serves requests naming keys the table does not hold
 (strings, ints outside [0, 2**64)).
 
-The same extension runs the two per-block loops that dominate a busy stream, one call per
-event: storing blocks on the device tier (``MaskTable.store``: held, device mask and table)
-and evicting blocks held on the device tier only (``MaskTable.evict``: the engine hash ->
-key map too). Each stops at the first block that needs anything else (a slower tier, a copy
-kept elsewhere, an unknown block), which the Python code below handles before handing the
-rest back. Removals naming a KV-cache group or a slower tier only take the Python loops
-whole. The tests check all of it against a plain model of who holds what
-(``tests/_reference.py``).
+Updates are Python, and the two that dominate a busy stream run as passes over each
+event's blocks in C (dict methods, ``map``, one table call per event): storing blocks on the
+device tier (``_store_device``) and evicting blocks held on the device tier only (the common
+case of ``_evict``). A store's block at another level goes through ``_store_deeper``; a
+removal naming anything else (a slower tier, a copy kept elsewhere, an unknown block, a
+block twice) takes the per-block removal loop whole, as do removals naming a KV-cache group
+or a slower tier only. (Native store and eviction loops were measured at 1.28-1.33x on the
+keyed index updates of ``scripts/bench_router.py``: below the bar for native code.) The tests
+check all of it against a plain model of who holds what (``tests/_reference.py``).
 
 Matching exploits that a prefix-AND of worker bitmasks is numerically non-increasing (a
 subset of a set of bits is never a larger integer): ``accumulate(masks, and_)`` gives, at
@@ -63,10 +64,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 from bisect import bisect_right
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, islice, repeat, takewhile
-from operator import and_, attrgetter, neg, or_
+from itertools import accumulate, compress, islice, repeat, takewhile
+from operator import and_, attrgetter, is_not, neg, or_
 from typing import Final, TypeAlias, cast
 
 from events.wire.model import (
@@ -187,7 +189,12 @@ class WorkerStatus:
 
 
 _ZEROS: Final = repeat(0)
+_ONES: Final = repeat(1)
+_NONES: Final = repeat(None)
+_SINK: Final[deque[object]] = deque(maxlen=0)
+_consume: Final = _SINK.extend  # runs an iterator to its end in C
 _BLOCK_HASH: Final = attrgetter("block_hash")
+_CACHE_LEVEL: Final = attrgetter("cache_level")
 _TOKENS: Final = attrgetter("tokens")
 
 #: what the index is keyed by: the router's key of a block (an int), or a worker's own hash
@@ -573,14 +580,8 @@ class KvIndexer:
             except (TypeError, ValueError, OverflowError):
                 computed = []
         n = len(computed)
-        if n == len(blocks) and not gmask and type(blocks) is list:
-            # the common case below, natively
-            counts[0] += n
-            if self._table.remember(blocks, computed, keys):  # hashes as the router does
-                counts[2] += n
-            return computed  # type: ignore[return-value]
         if n == len(blocks):  # the common case: every block keyed from its tokens at once
-            hashes = [b.block_hash for b in blocks]
+            hashes = list(map(_BLOCK_HASH, blocks))
             counts[0] += n
             if gmask:
                 computed = [k ^ gmask for k in computed]
@@ -707,22 +708,36 @@ class KvIndexer:
     ) -> None:
         """Store ``blocks`` under ``keys`` (None: their own hashes); ``counting``: repeated
         announcements on a slower tier are counted (keyed streams: vLLM's offload chunks)."""
-        t = self._table
-        # the native loop stores device-tier blocks (any key: the device masks of keys the
-        # table does not hold go to _device) and stops at any other; that one goes through
-        # _store_deeper here, mirrored, and the loop resumes after it
-        if type(blocks) is not list:
-            blocks = list(blocks)
-        b = bit.bit_length() - 1
-        device = self._device
-        n = len(blocks)
-        i = t.store(blocks, keys, 0, b, bit, held, device)
-        while i < n:
-            block = blocks[i]
-            h = block.block_hash if keys is None else keys[i]
-            self._store_deeper(worker, bit, held, block.cache_level, h, counting)
-            t.sync([h], b, held)
-            i = t.store(blocks, keys, i + 1, b, bit, held, device)
+        if keys is None:
+            keys = list(map(_BLOCK_HASH, blocks))
+        levels = list(map(_CACHE_LEVEL, blocks))
+        if not any(levels):  # the common case: every block on the device tier
+            self._store_device(bit, held, keys)
+            return
+        # runs of device-tier blocks in one call each; a block at another level (a slower
+        # tier, or a negative level read as the device tier) through _store_deeper, mirrored
+        start = 0
+        for i, level in enumerate(levels):
+            if level:
+                if start < i:
+                    self._store_device(bit, held, keys[start:i])
+                h = keys[i]
+                self._store_deeper(worker, bit, held, level, h, counting)
+                self._mirror([h], bit, held)
+                start = i + 1
+        if start < len(keys):
+            self._store_device(bit, held, keys[start:])
+
+    def _store_device(self, bit: int, held: dict[IndexKey, int], keys: list[IndexKey]) -> None:
+        """Store blocks ``keys`` on the worker's device tier: level bit 1 in ``held``, the
+        worker's device bit (with its any-tier bit) in the table, or in ``_device`` for keys
+        the table does not hold. Passes over the keys in C (dict and table calls), one each."""
+        olds = list(map(held.get, keys, _ZEROS))
+        if any(olds):  # some the worker knew (on any tier): their levels kept
+            held.update(zip(keys, map(or_, olds, _ONES), strict=True))
+        else:
+            held.update(dict.fromkeys(keys, 1))
+        self._table.device_bit(keys, bit.bit_length() - 1, True)
 
     def _store_deeper(
         self,
@@ -821,29 +836,32 @@ class KvIndexer:
         level: int | None,
         keyed: bool,
     ) -> int:
-        """A removal covering the device tier, natively: ``MaskTable.evict`` drops each block
-        held on the device tier only and stops at any other, which the Python loop handles
-        before the native one resumes. Returns the count of unknown blocks."""
-        t = self._table
-        if type(hashes) is not list:
-            hashes = list(hashes)
-        b = bit.bit_length() - 1
-        device = self._device
-        keys = self._keys[worker] if keyed else None
-        recent = self._recent[worker] if keyed else None
-        limit = 2 * RECENT_KEYS
-        remove_one = self._remove_keys if keyed else self._remove_hashes
-        unknown = 0
+        """A removal covering the device tier. The common one, where every block named is
+        held on the device tier only (each once), in passes over the blocks in C (dict and
+        table calls); any other through the removal loop. Returns the count of unknown
+        blocks."""
         n = len(hashes)
-        i = 0
-        while i < n:
-            i = t.evict(hashes, i, b, bit, held, device, keys, recent, limit)
-            if recent is not None and len(recent) > limit:
-                self._trim(recent)  # the native loop stopped right after the insertion
-            elif i < n:
-                unknown += remove_one(worker, bit, held, hashes[i : i + 1], level, None)
-                i += 1
-        return unknown
+        keys = self._keys[worker] if keyed else None
+        hs: Sequence[IndexKey] = hashes if not keys else list(map(keys.get, hashes, hashes))
+        if list(map(held.get, hs)).count(1) == n and len(set(hs)) == n:
+            t = self._table
+            b = bit.bit_length() - 1
+            _consume(map(held.__delitem__, hs))
+            t.clear_bit(hs, b)  # the table's device bits with the any-tier ones
+            if self._device:  # keys the table does not hold have their device masks there
+                t.device_bit(hs, b, False)
+            if keys:
+                recent = self._recent[worker]
+                moved = list(compress(zip(hashes, hs, strict=True), map(is_not, hashes, hs)))
+                _consume(map(keys.pop, hashes, _NONES))
+                if len(recent) + len(moved) <= 2 * RECENT_KEYS:
+                    recent.update(moved)  # type: ignore[arg-type]
+                else:
+                    for ek, h in moved:
+                        self._retire(recent, ek, h)  # type: ignore[arg-type]
+            return 0
+        remove = self._remove_keys if keyed else self._remove_hashes
+        return remove(worker, bit, held, hashes, level, None)
 
     def _remove_keys(
         self,

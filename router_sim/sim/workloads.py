@@ -25,8 +25,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final
 
+import numpy
+
 from kvcache.scope import ReuseScope
-from router_sim.router._match import expand_array, id_run
+from router_sim.router._match import expand_array
 
 
 def _hash_ids_needed(hash_ids: tuple[int, ...], input_length: int, n: int) -> int:
@@ -40,7 +42,7 @@ def _hash_ids_needed(hash_ids: tuple[int, ...], input_length: int, n: int) -> in
     return k
 
 
-_ZERO: Final = array("i", [0])  # repeated: a new zeroed array('i') for the native writers
+_ZERO: Final = array("i", [0])  # repeated: a new zeroed array('i') for the native writer
 
 VOCAB_SIZE: Final = 32_000
 """Synthetic token ids are drawn from [0, VOCAB_SIZE) (a Llama-2-sized vocabulary)."""
@@ -130,12 +132,14 @@ class Request:
         """The answer's token ids: the fixed ones, or a run unique to this request.
 
         Generated tokens live at and above 2**30 so they never collide with prompt tokens of the
-        trace expansion or the synthetic vocabulary.
+        trace expansion or the synthetic vocabulary (numpy writes the run: ``array('i',
+        range(...))`` takes a Python int per id, about 60x as long for ids this large).
         """
         if self.output is not None:
             return self.output
         base = (1 << 30) + (self.request_id * 4099) % ((1 << 30) - self.output_length)
-        return id_run(_ZERO * self.output_length, base, self.output_length)  # filled natively
+        ids = numpy.arange(base, base + self.output_length, dtype=numpy.int32)
+        return array("i", ids.tobytes())
 
 
 @dataclass(slots=True)
