@@ -13,6 +13,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
+from router_sim.service import protocol
 from router_sim.service.app import build_app, freeze_heap
 from router_sim.service.core import RouterService
 from router_sim.service.fleet import FleetFile
@@ -43,6 +44,46 @@ def test_no_worker_is_a_503_with_a_json_error() -> None:
             assert (await resp.json())["error"]["type"] == "service_unavailable"
 
     run(scenario)
+
+
+JSON = {"Content-Type": "application/json"}
+BAD_IDS = [
+    [-1],
+    [2**31],
+    [3, 2**63],
+    [5, 2**64 + 1],
+    [1] * 16 + [2**31],  # in the tail after the last full block, which is not hashed
+    [1] * 32 + [-5],
+    [1] * 40 + [-(2**63) - 1],
+    [1] * 17,  # in range: the other errors
+    [2**31 - 1] * 17,
+]
+
+
+@pytest.mark.parametrize("algo", ["v1_block_key", "v2_sha256", "v2_sha256_64"])
+def test_json_prompts_read_unchecked_are_answered_as_when_read_checked(
+    algo: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``POST /route`` reads a JSON prompt's ids without their range and lets the hashing
+    refuse them; every answer is still the one of the checked reading (an id out of range
+    reported as such, before an unknown adapter or the lack of a worker)."""
+
+    async def answers() -> list[tuple[int, Any]]:
+        fleet = FleetFile(tokens_per_block=16, hash_algo=algo, loras={"known": 4})
+        svc = RouterService(fleet, health_interval_s=0.05, probe_timeout_s=0.5)
+        out = []
+        async with TestClient(TestServer(build_app(svc))) as client:
+            for ids in BAD_IDS:
+                for extra in ({}, {"lora_name": "unknown"}, {"lora_name": "known"}):
+                    raw = json.dumps({"prompt": ids, **extra}).encode()
+                    resp = await client.post("/route", data=raw, headers=JSON)
+                    out.append((resp.status, await resp.json()))
+        return out
+
+    unchecked = asyncio.run(answers())
+    assert {status for status, _ in unchecked} == {400, 503}
+    monkeypatch.setattr(protocol, "UNCHECKED_IDS_MAX_BYTES", 0)  # every body read checked
+    assert asyncio.run(answers()) == unchecked
 
 
 def test_a_worker_that_does_not_answer_is_listed_down_and_never_chosen() -> None:

@@ -16,8 +16,10 @@ from service_procs import Proc, _start, get_json, request
 
 from router_sim.service.app import _runner
 from router_sim.service.protocol import (
+    UNCHECKED_IDS_MAX_BYTES,
     BadRequest,
     RouteBody,
+    RouteRequest,
     json_answer,
     parse_body,
     parse_route_body,
@@ -207,6 +209,49 @@ def _route_bodies(draw: st.DrawFn) -> bytes:
 @given(_route_bodies())
 def test_route_bodies_in_any_spelling_are_read_like_the_pydantic_model(raw: bytes) -> None:
     _read_like_the_pydantic_model(raw)
+
+
+def _read_unchecked_like_the_checked_reading(raw: bytes) -> None:
+    """``parse_route_body(raw, check_ids=False)`` reads what the checked reading reads, with
+    the same values, and besides only bodies whose every other member reads as in the
+    checked reading and whose prompt holds an int outside the token ids' range."""
+    try:
+        want: RouteRequest | None = parse_route_body(raw)
+    except BadRequest:
+        want = None
+    try:
+        got: RouteRequest | None = parse_route_body(raw, check_ids=False)
+    except BadRequest:
+        got = None
+    if want is not None:
+        assert got == want
+    elif got is not None:
+        assert any(type(t) is not int or not 0 <= t < 2**31 for t in got.prompt)
+        ok = json.dumps({**json.loads(raw), "prompt": [0]}).encode()
+        assert parse_route_body(ok)[1:] == got[1:]
+
+
+@settings(max_examples=600, deadline=None)
+@given(_route_bodies())
+def test_route_bodies_read_unchecked_are_those_read_checked_or_with_an_id_out_of_range(
+    raw: bytes,
+) -> None:
+    _read_unchecked_like_the_checked_reading(raw)
+
+
+def test_ids_out_of_range_are_read_unchecked_only_when_asked_and_in_a_small_body() -> None:
+    raw = json.dumps({"prompt": [1, -1, 2**31, 2**64], "lora_id": 3}).encode()
+    with pytest.raises(BadRequest, match=r"Expected `int` >= 0 - at `\$.prompt\[1\]`"):
+        parse_route_body(raw)
+    got = parse_route_body(raw, check_ids=False)
+    assert got == RouteRequest([1, -1, 2**31, 2**64], 3, None, None)
+    # a larger body is read checked: its ids are refused at the first bad one
+    big = json.dumps({"prompt": [-1] + [7] * (UNCHECKED_IDS_MAX_BYTES // 3)}).encode()
+    assert len(big) > UNCHECKED_IDS_MAX_BYTES
+    with pytest.raises(BadRequest, match="Expected `int` >= 0"):
+        parse_route_body(big, check_ids=False)
+    good = json.dumps({"prompt": [7] * (UNCHECKED_IDS_MAX_BYTES // 3)}).encode()
+    assert len(parse_route_body(good, check_ids=False).prompt) == UNCHECKED_IDS_MAX_BYTES // 3
 
 
 def test_json_answers_encode_like_the_standard_library() -> None:

@@ -73,8 +73,9 @@ from router_sim.service.tokenizer import PromptTokenizer
 
 async def route(request: web.Request) -> web.Response:
     """``POST /route``: the request path that runs at high rates, so it does the least it
-    can: one read of the body, the query validated only when there is one, the answer
-    encoded by msgspec (see :func:`~router_sim.service.protocol.json_answer`)."""
+    can: one read of the body, the query validated only when there is one, a JSON prompt's
+    ids read without their range (the hashing checks it; see the ``except BadRequest``), the
+    answer encoded by msgspec (see :func:`~router_sim.service.protocol.json_answer`)."""
     svc = request.app[SERVICE]
     raw = await request.read()
     prompt: Sequence[int]
@@ -91,20 +92,38 @@ async def route(request: web.Request) -> web.Response:
             lora_id, lora_name, salt = query.lora_id, query.lora_name, query.cache_salt
     else:
         try:
-            body = parse_route_body(raw)
-        except BadRequest:
-            text = await proxy.route_text(svc, raw)  # text, a batch or chat messages
-            if text is None:
-                raise
-            return text
+            body = parse_route_body(raw, check_ids=False)
+        except BadRequest as exc:  # the checked reading refuses it too, with this message
+            return await _json_route(svc, raw, exc)
         prompt = body.prompt
         lora_id, lora_name, salt = body.lora_id, body.lora_name, body.cache_salt
-    lora = lora_id if lora_name is None else svc.resolve_lora(lora_id, lora_name)
     try:
+        lora = lora_id if lora_name is None else svc.resolve_lora(lora_id, lora_name)
         decision = svc.decide(prompt, lora, salt)
     except NoWorkersError as exc:
         return proxy.no_workers(exc)
+    except BadRequest:
+        if form == "packed":
+            raise
+        # a JSON prompt read unchecked and refused after (an id the hashing refuses, an
+        # unknown adapter): answered as the checked reading answers it, so that an id out
+        # of range is reported as it always was, before anything else
+        try:
+            parse_route_body(raw)
+        except BadRequest as exc:
+            return await _json_route(svc, raw, exc)
+        raise
     return json_answer(svc.explain(decision))
+
+
+async def _json_route(svc: RouterService, raw: bytes, refused: BadRequest) -> web.Response:
+    """A JSON ``POST /route`` body that the token-id reading refuses (``refused``): a text
+    prompt, a batch or chat messages (:func:`~router_sim.service.proxy.route_text`), else
+    ``refused`` raised."""
+    text = await proxy.route_text(svc, raw)
+    if text is None:
+        raise refused
+    return text
 
 
 async def list_workers(request: web.Request) -> web.Response:
