@@ -88,7 +88,6 @@ def test_v2_hash_algorithm_end_to_end() -> None:
     assert all(isinstance(h, str) and len(h) == 64 for h in d.block_hashes)
 
 
-@pytest.mark.pure
 def test_counters_record_locality_given_up(monkeypatch: pytest.MonkeyPatch) -> None:
     ticks = iter(range(1000))
     step = 2.0**-17  # seconds per read of the fake perf_counter: exact in binary
