@@ -1,12 +1,13 @@
 /*
- * The native msgpack wire reader of the event path (WIRE.md) and its token arrays, each
- * function with its reference in msgspec:
+ * The native msgpack wire codec of the event path (WIRE.md), each function with its readable
+ * pure-Python reference beside its caller:
  *
  *   tokens_from_msgpack(data, limit), pack_tokens(tokens): a block's token ids read from, and
- *     written as, a msgpack array straight into / from an array('i') (events/wire/fast.py,
- *     events/wire/codec.py; msgspec reads and writes the same ints as a list);
- *   decode_events(kit, payload): the whole common batch read in one pass (beside the event
- *     Structs of events/wire/structs.py, which read every batch).
+ *     written as, a msgpack array straight into / from an array('i') (events/wire_fast.py,
+ *     events/codec.py);
+ *   decode_events(kit, payload), encode_events(kinds, events, ts, dp_rank): the whole common
+ *     batch read and written in one pass each way (beside events.wire.fast.decode_structs and
+ *     events.wire.codec.encode_batch_msgspec).
  *
  * Token ids, most of a payload's bytes, go four at a time through SSSE3 byte shuffles where
  * the CPU has them (simd() says so and turns them off, for tests), else through portable loops
@@ -404,13 +405,14 @@ static PyObject *pack_tokens(PyObject *self, PyObject *obj) {
     return out;
 }
 
-/* ---- whole-batch wire reader ------------------------------------------------------------
+/* ---- whole-batch wire codec -------------------------------------------------------------
  *
- * The subscriber's decode, one call: decode_events reads the common batch straight into the
- * records the event Structs of events/wire/structs.py give (the record types and their field
- * descriptors are passed in). It takes a strict subset of what the Structs take and answers
- * None for everything else, which the caller then hands to them (they name errors): nothing
- * here raises on the data. */
+ * The simulator's event round trip, one call each way: encode_events writes a batch of this
+ * project's events as the bytes events.wire.codec's msgspec path writes, and decode_events reads
+ * the common batch straight into the records events.wire.fast's msgspec structs give (the
+ * record types and their field descriptors are passed in). Each takes a
+ * strict subset of what its Python path takes and answers None for everything else, which the
+ * caller then hands to that path (which names errors): nothing here raises on the data. */
 
 /* A cursor over a msgpack buffer: every read checks the bytes left first. */
 typedef struct {
@@ -1014,6 +1016,627 @@ done:
     return result;
 }
 
+/* A growing bytes object the encoder writes into (its length trimmed at the end). */
+typedef struct {
+    PyObject *obj;
+    Py_ssize_t len, cap;
+} mp_writer;
+
+/* Room for extra more bytes: a pointer to write them at, or NULL with an exception set. */
+static unsigned char *mw_room(mp_writer *w, Py_ssize_t extra) {
+    if (w->len + extra > w->cap) {
+        Py_ssize_t cap = w->cap * 2 > w->len + extra ? w->cap * 2 : w->len + extra;
+        if (_PyBytes_Resize(&w->obj, cap) < 0) {
+            return NULL;
+        }
+        w->cap = cap;
+    }
+    return (unsigned char *)PyBytes_AS_STRING(w->obj) + w->len;
+}
+
+static int mw_int(mp_writer *w, int neg, uint64_t ux) {
+    unsigned char *o = mw_room(w, 9);
+    if (o == NULL) {
+        return -1;
+    }
+    w->len += put_int(o, neg, ux);
+    return 0;
+}
+
+static int mw_byte(mp_writer *w, unsigned char b) {
+    unsigned char *o = mw_room(w, 1);
+    if (o == NULL) {
+        return -1;
+    }
+    *o = b;
+    w->len++;
+    return 0;
+}
+
+/* An array (base 0x90, wide 0xdc) or map (0x80, 0xde) header as msgspec writes it. */
+static int mw_header(mp_writer *w, unsigned char base, unsigned char wide, uint64_t n) {
+    unsigned char *o = mw_room(w, 5);
+    if (o == NULL) {
+        return -1;
+    }
+    if (n < 16) {
+        o[0] = (unsigned char)(base | n);
+        w->len += 1;
+    } else if (n <= 0xffff) {
+        o[0] = wide, o[1] = (unsigned char)(n >> 8), o[2] = (unsigned char)n;
+        w->len += 3;
+    } else {
+        o[0] = (unsigned char)(wide + 1);
+        for (int k = 0; k < 4; k++) {
+            o[1 + k] = (unsigned char)(n >> (8 * (3 - k)));
+        }
+        w->len += 5;
+    }
+    return 0;
+}
+
+/* A str as msgspec writes it: fixstr, then str8, str16, str32 as the length needs. */
+static int mw_str(mp_writer *w, const char *s, Py_ssize_t len) {
+    unsigned char *o = mw_room(w, 5 + len);
+    if (o == NULL) {
+        return -1;
+    }
+    Py_ssize_t head;
+    if (len < 32) {
+        o[0] = (unsigned char)(0xa0 | len), head = 1;
+    } else if (len < 256) {
+        o[0] = 0xd9, o[1] = (unsigned char)len, head = 2;
+    } else if (len < 65536) {
+        o[0] = 0xda, o[1] = (unsigned char)(len >> 8), o[2] = (unsigned char)len, head = 3;
+    } else {
+        o[0] = 0xdb, head = 5;
+        for (int k = 0; k < 4; k++) {
+            o[1 + k] = (unsigned char)((uint64_t)len >> (8 * (3 - k)));
+        }
+    }
+    memcpy(o + head, s, (size_t)len);
+    w->len += head + len;
+    return 0;
+}
+
+#define MW_KEY(w, lit) mw_str(w, lit, (Py_ssize_t)sizeof(lit) - 1)
+
+/* An int or None as read for the encoder. */
+typedef struct {
+    int state; /* 1 None, 2 an int, 3 another object (take_opt) */
+    int neg;
+    uint64_t ux;
+} py_opt;
+
+/* Reads obj (None, or an exact int in [-2**63, 2**64) when ints_only is 0; an exact int in
+ * [0, 2**64) when it is 1): 1, or 0 for anything else (which msgspec's path writes or refuses);
+ * ints_only 2: as 0, anything else read as itself (state 3, equal to the same object only).
+ * Takes the reference to obj (new from a getattr; NULL when that failed: -1). */
+static int take_opt(PyObject *obj, py_opt *v, int ints_only) {
+    if (obj == NULL) {
+        return -1;
+    }
+    int ok = 1;
+    if (obj == Py_None) {
+        v->state = 1, v->neg = 0, v->ux = 0;
+        ok = !ints_only;
+    } else if (PyLong_CheckExact(obj)) {
+        int overflow = 0;
+        long long x = PyLong_AsLongLongAndOverflow(obj, &overflow);
+        v->state = 2, v->neg = overflow == 0 && x < 0, v->ux = (uint64_t)x;
+        if (overflow > 0) {
+            v->ux = PyLong_AsUnsignedLongLong(obj);
+            if (PyErr_Occurred()) {
+                PyErr_Clear();
+                ok = 0;
+            }
+        }
+        ok = ok && overflow >= 0 && !(ints_only == 1 && v->neg);
+    } else {
+        ok = 0;
+    }
+    if (!ok && ints_only == 2) {
+        v->state = 3, v->neg = 0, v->ux = (uint64_t)(uintptr_t)obj, ok = 1;
+    }
+    Py_DECREF(obj);
+    return ok;
+}
+
+static int same_opt(const py_opt *a, const py_opt *b) {
+    return a->state == b->state && a->neg == b->neg && a->ux == b->ux;
+}
+
+static int mw_opt(mp_writer *w, const py_opt *v) {
+    return v->state == 1 ? mw_byte(w, 0xc0) : mw_int(w, v->neg, v->ux);
+}
+
+static const char *const MEDIUM_NAMES[] = {"GPU", "CPU", "DISK"}; /* events.wire.model.MEDIUMS */
+
+/* A block as the encoder reads it. */
+typedef struct {
+    PyObject *tokens; /* an array('i') */
+    Py_ssize_t n;
+    py_opt hash, lora, level, priority, salt;
+} enc_block;
+
+/* The event's common fields, read once. */
+typedef struct {
+    py_opt event_id, window, rank;
+    PyObject *algo_obj; /* held while the event is written */
+    const char *algo;
+    Py_ssize_t algo_len;
+    int algo_default, rank_differs;
+} enc_common;
+
+static PyObject *STR_EVENT_ID, *STR_DATA, *STR_WINDOW_SIZE, *STR_HASH_ALGO, *STR_DP_RANK,
+    *STR_PARENT_HASH, *STR_BLOCKS, *STR_BLOCK_SIZE, *STR_BLOCK_HASHES;
+
+/* Writes the common fields after an event's own: hash_algo (when with_algo), event_id,
+ * window_size (when not 0) and attention_dp_rank (when not the batch's). */
+static int mw_common(mp_writer *w, const enc_common *c, int with_algo) {
+    if (with_algo && (MW_KEY(w, "hash_algo") < 0 || mw_str(w, c->algo, c->algo_len) < 0)) {
+        return -1;
+    }
+    if (MW_KEY(w, "event_id") < 0 || mw_opt(w, &c->event_id) < 0) {
+        return -1;
+    }
+    if (c->window.ux != 0 && (MW_KEY(w, "window_size") < 0 || mw_opt(w, &c->window) < 0)) {
+        return -1;
+    }
+    if (c->rank_differs && (MW_KEY(w, "attention_dp_rank") < 0 || mw_opt(w, &c->rank) < 0)) {
+        return -1;
+    }
+    return 0;
+}
+
+static int mw_medium(mp_writer *w, const py_opt *level) {
+    if (level->state == 1) {
+        return mw_byte(w, 0xc0);
+    }
+    const char *name = MEDIUM_NAMES[level->ux];
+    return mw_str(w, name, (Py_ssize_t)strlen(name));
+}
+
+/* A cache level the encoder names itself: None (when allowed) or 0..2. */
+static int plain_level(const py_opt *level, int none_ok) {
+    return level->state == 1 ? none_ok : !level->neg && level->ux < 3;
+}
+
+/* Reads the fields a block shares with the others of its wire event (same_event): 1, 0 for a
+ * value that is not None or an int in [-2**63, 2**64) (any: read as itself), -1 on error. */
+static int read_run_fields(PyObject *block, enc_block *b, int any) {
+    int rc, mode = any ? 2 : 0;
+    if ((rc = take_opt(PyObject_GetAttr(block, STR_LORA_ID), &b->lora, mode)) != 1 ||
+        (rc = take_opt(PyObject_GetAttr(block, STR_CACHE_LEVEL), &b->level, mode)) != 1 ||
+        (rc = take_opt(PyObject_GetAttr(block, STR_PRIORITY), &b->priority, mode)) != 1 ||
+        (rc = take_opt(PyObject_GetAttr(block, STR_CACHE_SALT_ID), &b->salt, mode)) != 1) {
+        return rc;
+    }
+    return 1;
+}
+
+/* The run rule, its one statement (WIRE.md section 4): block b travels in the same BlockStored
+ * wire event as block a, its predecessor in a Stored event, when a is full (only an event's last
+ * block may be short) and both have one LoRA id, medium, priority and salt. */
+static int same_event(const enc_block *a, const enc_block *b, Py_ssize_t block_size) {
+    return a->n == block_size && same_opt(&a->lora, &b->lora) && same_opt(&a->level, &b->level) &&
+           same_opt(&a->priority, &b->priority) && same_opt(&a->salt, &b->salt);
+}
+
+/* The end of each wire event's blocks among bs[0, n), in ends; their count. */
+static Py_ssize_t split_runs(const enc_block *bs, Py_ssize_t n, Py_ssize_t block_size,
+                             Py_ssize_t *ends) {
+    Py_ssize_t count = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + 1 == n || !same_event(&bs[i], &bs[i + 1], block_size)) {
+            ends[count++] = i + 1;
+        }
+    }
+    return count;
+}
+
+/* Reads a block; 1, 0 when the encoder leaves it to msgspec's path, -1 on error. */
+static int read_enc_block(PyObject *block, enc_block *b) {
+    int rc;
+    b->tokens = NULL;
+    if ((rc = take_opt(PyObject_GetAttr(block, STR_BLOCK_HASH), &b->hash, 1)) != 1 ||
+        (rc = read_run_fields(block, b, 0)) != 1) {
+        return rc;
+    }
+    /* a level whose medium is named here */
+    if (!plain_level(&b->level, 0)) {
+        return 0;
+    }
+    PyObject *tokens = PyObject_GetAttr(block, STR_TOKENS);
+    if (tokens == NULL) {
+        return -1;
+    }
+    Py_buffer view;
+    int packed = int32_view(tokens, &view);
+    if (packed <= 0) {
+        Py_DECREF(tokens);
+        return packed; /* a list of ids: msgspec's path */
+    }
+    b->n = view.len / 4;
+    PyBuffer_Release(&view);
+    b->tokens = tokens;
+    return 1;
+}
+
+/* Writes the token ids of blocks[lo, hi) as one msgpack array of total ints. */
+static int mw_tokens(mp_writer *w, const enc_block *blocks, Py_ssize_t lo, Py_ssize_t hi,
+                     Py_ssize_t total) {
+    if (mw_header(w, 0x90, 0xdc, (uint64_t)total) < 0) {
+        return -1;
+    }
+    unsigned char *o = mw_room(w, 5 * total + 3); /* 5 bytes per int32 at most, and scratch */
+    if (o == NULL) {
+        return -1;
+    }
+    unsigned char *start = o;
+    for (Py_ssize_t i = lo; i < hi; i++) {
+        Py_buffer view;
+        if (PyObject_GetBuffer(blocks[i].tokens, &view, PyBUF_SIMPLE) < 0) {
+            return -1;
+        }
+        if (view.len != 4 * blocks[i].n) {
+            PyBuffer_Release(&view);
+            PyErr_SetString(PyExc_RuntimeError, "encode_events: a block's tokens changed");
+            return -1;
+        }
+        o = put_token_ids(o, (const unsigned char *)view.buf, blocks[i].n);
+        PyBuffer_Release(&view);
+    }
+    w->len += o - start;
+    return 0;
+}
+
+/* Writes a Stored event as its BlockStored wire events (events.wire.codec._encode_stored); counts
+ * them in *n_wire. 1, 0 when left to msgspec's path, -1 on error. */
+static int encode_stored(mp_writer *w, PyObject *data, const enc_common *c, Py_ssize_t *n_wire) {
+    PyObject *blocks = PyObject_GetAttr(data, STR_BLOCKS);
+    if (blocks == NULL) {
+        return -1;
+    }
+    int rc = 0;
+    py_opt parent, size;
+    enc_block *bs = NULL;
+    Py_ssize_t n = 0, got = 0, *ends = NULL;
+    if (!PyList_CheckExact(blocks) ||
+        (rc = take_opt(PyObject_GetAttr(data, STR_PARENT_HASH), &parent, 0)) != 1 ||
+        (rc = take_opt(PyObject_GetAttr(data, STR_BLOCK_SIZE), &size, 0)) != 1) {
+        goto done;
+    }
+    rc = 0;
+    n = PyList_GET_SIZE(blocks);
+    if (n == 0) {
+        rc = 1; /* nothing stored: nothing to announce */
+        goto done;
+    }
+    if (parent.neg || (size.state == 2 && (size.neg || size.ux < 1 || size.ux > INT32_MAX))) {
+        goto done;
+    }
+    bs = PyMem_Calloc((size_t)n, sizeof(enc_block));
+    ends = PyMem_Calloc((size_t)n, sizeof(Py_ssize_t));
+    if (bs == NULL || ends == NULL) {
+        PyErr_NoMemory();
+        rc = -1;
+        goto done;
+    }
+    for (; got < n; got++) {
+        if (got >= PyList_GET_SIZE(blocks)) { /* a getattr ran code that shrank the list */
+            goto done;
+        }
+        if ((rc = read_enc_block(PyList_GET_ITEM(blocks, got), &bs[got])) != 1) {
+            goto done; /* holding no tokens */
+        }
+    }
+    Py_ssize_t block_size = size.state == 2 ? (Py_ssize_t)size.ux : bs[0].n;
+    Py_ssize_t ids = 0;
+    rc = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!(0 < bs[i].n && bs[i].n <= block_size)) {
+            goto done; /* msgspec's path raises */
+        }
+        ids += bs[i].n;
+    }
+    Py_ssize_t n_runs = split_runs(bs, n, block_size, ends);
+    /* room for the whole event at once (5 bytes an id, 9 a hash, the fields of a wire event
+     * per block at most, about 280 bytes with its hash_algo), so that it is never moved while
+     * written (the room is a reservation: a write past it still grows the buffer) */
+    if (mw_room(w, 5 * ids + 3 + n * (9 + 320 + c->algo_len)) == NULL) {
+        rc = -1;
+        goto done;
+    }
+    Py_ssize_t start = 0;
+    for (Py_ssize_t r = 0; r < n_runs; r++) {
+        /* blocks [start, end) travel as one BlockStored */
+        Py_ssize_t end = ends[r], total = 0;
+        for (Py_ssize_t k = start; k < end; k++) {
+            total += bs[k].n;
+        }
+        const enc_block *first = &bs[start];
+        if (mw_header(w, 0x80, 0xde, 12 + (c->window.ux != 0) + c->rank_differs) < 0 ||
+            MW_KEY(w, "type") < 0 || MW_KEY(w, "BlockStored") < 0 ||
+            MW_KEY(w, "block_hashes") < 0 || mw_header(w, 0x90, 0xdc, end - start) < 0) {
+            rc = -1;
+            goto done;
+        }
+        for (Py_ssize_t k = start; k < end; k++) {
+            if (mw_opt(w, &bs[k].hash) < 0) {
+                rc = -1;
+                goto done;
+            }
+        }
+        if (MW_KEY(w, "parent_block_hash") < 0 || mw_opt(w, &parent) < 0 ||
+            MW_KEY(w, "token_ids") < 0 || mw_tokens(w, bs, start, end, total) < 0 ||
+            MW_KEY(w, "block_size") < 0 || mw_int(w, 0, (uint64_t)block_size) < 0 ||
+            MW_KEY(w, "lora_id") < 0 || mw_opt(w, &first->lora) < 0 ||
+            MW_KEY(w, "medium") < 0 || mw_medium(w, &first->level) < 0 ||
+            MW_KEY(w, "lora_name") < 0 || mw_byte(w, 0xc0) < 0 ||
+            MW_KEY(w, "cache_salt_id") < 0 || mw_opt(w, &first->salt) < 0 ||
+            MW_KEY(w, "hash_algo") < 0 || mw_str(w, c->algo, c->algo_len) < 0 ||
+            MW_KEY(w, "priority") < 0 || mw_opt(w, &first->priority) < 0 ||
+            mw_common(w, c, 0) < 0) {
+            rc = -1;
+            goto done;
+        }
+        ++*n_wire;
+        parent = bs[end - 1].hash;
+        start = end;
+    }
+    rc = 1;
+done:
+    for (Py_ssize_t i = 0; i < got; i++) {
+        Py_XDECREF(bs[i].tokens);
+    }
+    PyMem_Free(bs);
+    PyMem_Free(ends);
+    Py_DECREF(blocks);
+    return rc;
+}
+
+/* Writes a Removed event's BlockRemoved; 1, 0 when left to msgspec's path, -1 on error. */
+static int encode_removed(mp_writer *w, PyObject *data, const enc_common *c) {
+    py_opt level, h;
+    int rc = take_opt(PyObject_GetAttr(data, STR_CACHE_LEVEL), &level, 0);
+    if (rc != 1 || !plain_level(&level, 1)) {
+        return rc < 0 ? -1 : 0;
+    }
+    PyObject *hashes = PyObject_GetAttr(data, STR_BLOCK_HASHES);
+    if (hashes == NULL) {
+        return -1;
+    }
+    rc = 0;
+    if (!PyList_CheckExact(hashes)) {
+        goto done;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(hashes);
+    int keys = 4 + !c->algo_default + (c->window.ux != 0) + c->rank_differs;
+    if (mw_header(w, 0x80, 0xde, (uint64_t)keys) < 0 || MW_KEY(w, "type") < 0 ||
+        MW_KEY(w, "BlockRemoved") < 0 || MW_KEY(w, "block_hashes") < 0 ||
+        mw_header(w, 0x90, 0xdc, (uint64_t)n) < 0) {
+        rc = -1;
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) { /* reading an int runs no Python code */
+        if ((rc = take_opt(Py_NewRef(PyList_GET_ITEM(hashes, i)), &h, 1)) != 1 ||
+            mw_opt(w, &h) < 0) {
+            rc = rc == 1 ? -1 : rc;
+            goto done;
+        }
+    }
+    rc = MW_KEY(w, "medium") < 0 || mw_medium(w, &level) < 0 || mw_common(w, c, !c->algo_default) < 0
+             ? -1
+             : 1;
+done:
+    Py_DECREF(hashes);
+    return rc;
+}
+
+/* Reads an event's common fields; 1, 0 when left to msgspec's path, -1 on error. The caller
+ * releases c->algo_obj (when set) after writing the event. */
+static int read_common(PyObject *event, const py_opt *batch_rank, enc_common *c) {
+    int rc;
+    if ((rc = take_opt(PyObject_GetAttr(event, STR_EVENT_ID), &c->event_id, 0)) != 1 ||
+        (rc = take_opt(PyObject_GetAttr(event, STR_WINDOW_SIZE), &c->window, 0)) != 1 ||
+        (rc = take_opt(PyObject_GetAttr(event, STR_DP_RANK), &c->rank, 0)) != 1) {
+        return rc;
+    }
+    if (c->event_id.state != 2 || c->window.state != 2) {
+        return 0;
+    }
+    c->rank_differs = !same_opt(&c->rank, batch_rank);
+    PyObject *algo = PyObject_GetAttr(event, STR_HASH_ALGO);
+    if (algo == NULL) {
+        return -1;
+    }
+    c->algo_obj = algo;
+    rc = 0;
+    if (PyUnicode_CheckExact(algo)) {
+        c->algo = PyUnicode_AsUTF8AndSize(algo, &c->algo_len);
+        if (c->algo == NULL) {
+            PyErr_Clear(); /* a lone surrogate: msgspec's path names it */
+        } else {
+            c->algo_default = c->algo_len == 12 && memcmp(c->algo, "v1_block_key", 12) == 0;
+            rc = 1;
+        }
+    }
+    return rc;
+}
+
+/* encode_events(kinds, events, ts, dp_rank) -> bytes | None: the payload events.wire.codec's
+ * encode_batch writes (map form, no extension events) for a list of events whose data are
+ * Stored (int hashes, blocks of packed token ids on tiers 0-2), Removed and AllBlocksCleared
+ * (kinds: those three classes); None for anything else, which msgspec's path writes or
+ * refuses. */
+static PyObject *encode_events(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "encode_events takes 4 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *kinds = args[0], *events = args[1], *ts_obj = args[2];
+    if (!PyTuple_CheckExact(kinds) || PyTuple_GET_SIZE(kinds) != 3 || !PyList_Check(events)) {
+        PyErr_SetString(PyExc_TypeError, "encode_events(kinds, events: list, ts, dp_rank)");
+        return NULL;
+    }
+    double ts;
+    if (PyFloat_CheckExact(ts_obj)) {
+        ts = PyFloat_AS_DOUBLE(ts_obj);
+    } else if (PyLong_CheckExact(ts_obj)) {
+        ts = PyLong_AsDouble(ts_obj);
+        if (ts == -1.0 && PyErr_Occurred()) {
+            PyErr_Clear();
+            Py_RETURN_NONE;
+        }
+    } else {
+        Py_RETURN_NONE;
+    }
+    py_opt rank;
+    if (take_opt(Py_NewRef(args[3]), &rank, 0) != 1) {
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t count = PyList_GET_SIZE(events);
+    mp_writer w = {PyBytes_FromStringAndSize(NULL, 256 + 64 * count), 0, 256 + 64 * count};
+    if (w.obj == NULL) {
+        return NULL;
+    }
+    /* [ts, events, dp_rank]; the events' array header is written when their count is known,
+     * in the byte kept for it (moving the events when it needs more) */
+    unsigned char *o = mw_room(&w, 11);
+    if (o == NULL) {
+        return NULL;
+    }
+    uint64_t bits;
+    memcpy(&bits, &ts, 8);
+    o[0] = 0x93, o[1] = 0xcb;
+    for (int k = 0; k < 8; k++) {
+        o[2 + k] = (unsigned char)(bits >> (8 * (7 - k)));
+    }
+    w.len = 11;
+    Py_ssize_t body = 10, n_wire = 0;
+    int rc = 1;
+    for (Py_ssize_t i = 0; rc == 1 && i < PyList_GET_SIZE(events); i++) {
+        PyObject *event = Py_NewRef(PyList_GET_ITEM(events, i));
+        PyObject *data = PyObject_GetAttr(event, STR_DATA);
+        enc_common c;
+        c.algo_obj = NULL;
+        rc = data == NULL ? -1 : read_common(event, &rank, &c);
+        if (rc == 1) {
+            if (Py_IS_TYPE(data, (PyTypeObject *)PyTuple_GET_ITEM(kinds, 0))) {
+                rc = encode_stored(&w, data, &c, &n_wire);
+            } else if (Py_IS_TYPE(data, (PyTypeObject *)PyTuple_GET_ITEM(kinds, 1))) {
+                rc = encode_removed(&w, data, &c);
+                n_wire += rc == 1;
+            } else if (Py_IS_TYPE(data, (PyTypeObject *)PyTuple_GET_ITEM(kinds, 2))) {
+                int keys = 2 + !c.algo_default + (c.window.ux != 0) + c.rank_differs;
+                rc = mw_header(&w, 0x80, 0xde, (uint64_t)keys) < 0 || MW_KEY(&w, "type") < 0 ||
+                             MW_KEY(&w, "AllBlocksCleared") < 0 ||
+                             mw_common(&w, &c, !c.algo_default) < 0
+                         ? -1
+                         : 1;
+                n_wire += rc == 1;
+            } else {
+                rc = 0; /* Updated, Created: msgspec's path */
+            }
+        }
+        Py_XDECREF(c.algo_obj);
+        Py_XDECREF(data);
+        Py_DECREF(event);
+    }
+    if (rc == -1 && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        PyErr_Clear(); /* not an event record: msgspec's path names what is missing */
+        rc = 0;
+    }
+    if (rc != 1 || mw_opt(&w, &rank) < 0) {
+        Py_XDECREF(w.obj);
+        if (rc == 0) {
+            Py_RETURN_NONE;
+        }
+        return NULL;
+    }
+    /* the events' header goes between the ts and the events written after it */
+    Py_ssize_t head_len = n_wire < 16 ? 1 : n_wire <= 0xffff ? 3 : 5;
+    if (mw_room(&w, head_len - 1) == NULL) {
+        return NULL;
+    }
+    unsigned char *buf = (unsigned char *)PyBytes_AS_STRING(w.obj) + body;
+    if (head_len > 1) {
+        memmove(buf + head_len, buf + 1, (size_t)(w.len - body - 1));
+        w.len += head_len - 1;
+    }
+    if (head_len == 1) {
+        buf[0] = (unsigned char)(0x90 | n_wire);
+    } else if (head_len == 3) {
+        buf[0] = 0xdc, buf[1] = (unsigned char)(n_wire >> 8), buf[2] = (unsigned char)n_wire;
+    } else {
+        buf[0] = 0xdd;
+        for (int k = 0; k < 4; k++) {
+            buf[1 + k] = (unsigned char)((uint64_t)n_wire >> (8 * (3 - k)));
+        }
+    }
+    if (_PyBytes_Resize(&w.obj, w.len) < 0) {
+        return NULL;
+    }
+    return w.obj;
+}
+
+/* wire_runs(blocks, block_size) -> list[int]: the end of each BlockStored wire event's blocks
+ * (same_event) among a Stored event's blocks, for msgspec's path and the simulated engines (a
+ * field other than None or a 64-bit int equals the same object only). */
+static PyObject *wire_runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2 || !PyLong_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "wire_runs(blocks: list, block_size: int)");
+        return NULL;
+    }
+    Py_ssize_t block_size = PyLong_AsSsize_t(args[1]);
+    if (block_size == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    /* a tuple holds the blocks while their getattrs run (a list could be changed by them) */
+    PyObject *blocks = PySequence_Tuple(args[0]);
+    if (blocks == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(blocks), count = 0;
+    enc_block *bs = PyMem_Calloc((size_t)n + 1, sizeof(enc_block));
+    Py_ssize_t *ends = PyMem_Calloc((size_t)n + 1, sizeof(Py_ssize_t));
+    PyObject *out = NULL;
+    if (bs == NULL || ends == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *block = PyTuple_GET_ITEM(blocks, i);
+        if (read_run_fields(block, &bs[i], 1) != 1) {
+            goto done;
+        }
+        PyObject *tokens = PyObject_GetAttr(block, STR_TOKENS);
+        bs[i].n = tokens == NULL ? -1 : PyObject_Size(tokens);
+        Py_XDECREF(tokens);
+        if (bs[i].n < 0) {
+            goto done;
+        }
+    }
+    count = split_runs(bs, n, block_size, ends);
+    out = PyList_New(count);
+    for (Py_ssize_t k = 0; out != NULL && k < count; k++) {
+        PyObject *end = PyLong_FromSsize_t(ends[k]);
+        if (end == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, k, end);
+    }
+done:
+    PyMem_Free(bs);
+    PyMem_Free(ends);
+    Py_DECREF(blocks);
+    return out;
+}
+
 /* simd(on=None) -> bool: whether the token ids go through the SSSE3 loops (False where the CPU
  * or the build has none); on: use them (when there are) or not, so that tests compare both
  * ways on one machine. */
@@ -1052,12 +1675,18 @@ static PyMethodDef methods[] = {
     {"decode_events", (PyCFunction)(void (*)(void))decode_events, METH_FASTCALL,
      "decode_events(kit, payload) -> DecodedBatch | None: the common map-form batch read "
      "straight into its records; None for anything else."},
+    {"encode_events", (PyCFunction)(void (*)(void))encode_events, METH_FASTCALL,
+     "encode_events(kinds, events, ts, dp_rank) -> bytes | None: the map-form payload of a "
+     "list of Stored / Removed / AllBlocksCleared events; None for anything else."},
+    {"wire_runs", (PyCFunction)(void (*)(void))wire_runs, METH_FASTCALL,
+     "wire_runs(blocks, block_size) -> list[int]: the end of each BlockStored wire event's "
+     "blocks among a Stored event's blocks."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_wire",
-    "Native msgpack wire reader and token arrays (see events.wire.fast).", -1, methods, NULL, NULL,
+    "Native msgpack wire codec (see events.wire.codec, events.wire.fast).", -1, methods, NULL, NULL,
     NULL, NULL,
 };
 
@@ -1069,7 +1698,16 @@ PyMODINIT_FUNC PyInit__wire(void) {
     __builtin_cpu_init();
     have_ssse3 = __builtin_cpu_supports("ssse3");
 #endif
-    if ((STR_DEFAULT_ALGO = PyUnicode_InternFromString("v1_block_key")) == NULL) {
+    if ((STR_EVENT_ID = PyUnicode_InternFromString("event_id")) == NULL ||
+        (STR_DATA = PyUnicode_InternFromString("data")) == NULL ||
+        (STR_WINDOW_SIZE = PyUnicode_InternFromString("window_size")) == NULL ||
+        (STR_HASH_ALGO = PyUnicode_InternFromString("hash_algo")) == NULL ||
+        (STR_DP_RANK = PyUnicode_InternFromString("attention_dp_rank")) == NULL ||
+        (STR_PARENT_HASH = PyUnicode_InternFromString("parent_hash")) == NULL ||
+        (STR_BLOCKS = PyUnicode_InternFromString("blocks")) == NULL ||
+        (STR_BLOCK_SIZE = PyUnicode_InternFromString("block_size")) == NULL ||
+        (STR_BLOCK_HASHES = PyUnicode_InternFromString("block_hashes")) == NULL ||
+        (STR_DEFAULT_ALGO = PyUnicode_InternFromString("v1_block_key")) == NULL) {
         return NULL;
     }
     return PyModule_Create(&module);
