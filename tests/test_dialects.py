@@ -19,7 +19,7 @@ import msgspec
 import pytest
 import zmq
 
-from events.wire.codec import decode_batch
+from events.wire.codec import decode_batch, encode_batch
 from events.wire.model import KVCacheEvent, Removed, Stored, StoredBlock
 from kvcache.hashing import chain_hashes
 from kvcache.scope import ReuseScope
@@ -68,8 +68,12 @@ def _worker_frames(engine: str, worker_id: int = 0) -> list[Frame]:
 
 
 def _frames(engine: str, worker_id: int = 0) -> list[list[Any]]:
-    """The raw payloads ``[ts, events, dp_rank]`` one simulated worker publishes."""
-    payloads = [p for _, p, _, _ in _worker_frames(engine, worker_id)]
+    """The raw payloads ``[ts, events, dp_rank]`` one simulated worker publishes (a batch the
+    memory transport hands over unwritten: as the ZeroMQ transports write it)."""
+    payloads = [
+        p if b is None else encode_batch(b.events, b.ts, b.dp_rank)
+        for _, p, _, b in _worker_frames(engine, worker_id)
+    ]
     for p in payloads:
         decode_batch(p)  # this project's decoder reads every dialect
     return [msgspec.msgpack.decode(p) for p in payloads]
@@ -77,9 +81,10 @@ def _frames(engine: str, worker_id: int = 0) -> list[list[Any]]:
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_the_memory_transport_hands_over_what_the_payload_decodes_to(engine: str) -> None:
-    """The memory transport gives the router a native worker's records without decoding its
-    payload: they must be what decoding gives (salted, LoRA and host-tier blocks included);
-    an engine's payload, and a batch holding events the wire writes otherwise, is decoded."""
+    """The memory transport gives the router a native worker's records without writing them:
+    they must be what writing and decoding them gives (salted, LoRA and host-tier blocks
+    included); an engine's payload, and a batch holding events the wire writes otherwise, is
+    written and decoded."""
     frames = _worker_frames(engine)
     batches = [(payload, batch) for _, payload, kind, batch in frames if kind == "batch"]
     assert len(batches) > 3
@@ -92,7 +97,8 @@ def test_the_memory_transport_hands_over_what_the_payload_decodes_to(engine: str
     for payload, batch in batches:
         if batch is None:
             continue
-        assert decode_batch(payload) == batch
+        assert payload == b""  # never written
+        assert decode_batch(encode_batch(batch.events, batch.ts)) == batch
         levels |= {b.cache_level for e in batch.events for b in getattr(e.data, "blocks", [])}
     assert levels == {0, 1}  # stores to the host tier travelled too
 

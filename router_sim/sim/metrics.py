@@ -55,7 +55,9 @@ class WireStats:
 
     batches: int = 0
     events: int = 0
-    bytes: int = 0
+    bytes: int | None = 0
+    """What the ZeroMQ transports sent (topic, seq and payload of each frame); None with the
+    memory transport, which hands the router the batches without writing them."""
     dropped_frames: int = 0
     """Live frames removed by fault injection."""
     gaps: int = 0
@@ -112,7 +114,7 @@ class SummaryFields(TypedDict):
     preemptions: int
     wire_batches: int
     wire_events: int
-    wire_bytes: int
+    wire_bytes: int | None
     dropped_frames: int
     gaps: int
     replayed: int

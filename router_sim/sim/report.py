@@ -105,8 +105,8 @@ def format_table(report: Report) -> str:
         row = [name]
         for key, _, fmt in _TABLE_COLUMNS:
             value = fields.get(key, 0)
-            if key in _WIRE_COLUMNS and fields.get("events") is False:
-                row.append("-")  # no event stream in this run: not measured
+            if (key in _WIRE_COLUMNS and fields.get("events") is False) or value is None:
+                row.append("-")  # no event stream in this run (or no bytes written): not measured
                 continue
             if key == "wire_bytes":
                 value = value / 1e6

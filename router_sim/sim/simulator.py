@@ -7,12 +7,15 @@ the router applies the batches whose publish time + ``event_delay_ms`` is at mos
 the router decides from its index and the workers' load, and the chosen worker queues the
 request.
 
-Delivery: with the ``memory`` transport (the default of offline runs) each worker's encoded
-frames are handed over in process and decoded with the wire codec, so the router still sees
-only what the wire carries, without a socket round trip per frame. With ``inproc`` or ``tcp``
-each worker runs a real ZeroMQ publisher and the subscriber is drained until every frame sent
-live has arrived (a dropped frame is recovered through replay when the next frame reveals the
-gap; the simulator never sleeps, it polls with a deadline). Both give the same report.
+Delivery: with the ``memory`` transport (the default of offline runs) each worker's batches
+are handed over in process: this project's stores, removals and clears as the records the
+wire would carry (never written), anything else written and decoded with the wire codec, so
+the router still sees only what the wire carries, without a socket round trip or a write per
+frame. With ``inproc`` or ``tcp`` each worker runs a real ZeroMQ publisher and the subscriber
+is drained until every frame sent live has arrived (a dropped frame is recovered through
+replay when the next frame reveals the gap; the simulator never sleeps, it polls with a
+deadline). Both give the same report, but for the wire bytes, which only the ZeroMQ
+transports write (None with the memory transport).
 
 Determinism: workers, policies and fault injection draw from seeded generators, the order of
 operations depends only on simulated time, and delivery is gated by simulated time, not by
@@ -578,6 +581,7 @@ class Simulation:
 
     def _wire_stats(self) -> WireStats:
         stats = WireStats(
+            bytes=None if self._memory else 0,  # the memory transport writes no bytes
             gaps=self._carried.gaps,
             replayed=self._carried.replayed,
             recovered=self._carried.recovered,
@@ -587,7 +591,8 @@ class Simulation:
         for w in self.workers:
             stats.batches += w.published
             stats.events += w.events_published
-            stats.bytes += w.bytes_published
+            if stats.bytes is not None:
+                stats.bytes += w.bytes_published
             stats.dropped_frames += w.dropped_frames
             if w.events is not None:
                 stats.overflowed_events += w.events.dropped_events

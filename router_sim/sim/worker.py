@@ -370,12 +370,12 @@ class SimWorker:
 
     def take_frames(self) -> list[Frame]:
         """Memory transport: the (seq, payload, kind, batch) frames published since the last
-        call, in order. Payloads are the bytes a ZeroMQ subscriber would receive (less topic
-        and seq); kind is ``"batch"``, or, after the event buffer lost events, ``"resync"``
-        (empty payload) followed by the ``"snapshot"`` parts that a subscriber would receive.
-        ``batch``: what decoding the payload gives, where the worker knows it without decoding
-        (this project's own events, whose records are the wire's: ``decode_batch`` of the
-        payload equals them), else None."""
+        call, in order. kind is ``"batch"``, or, after the event buffer lost events,
+        ``"resync"`` (empty payload) followed by the ``"snapshot"`` parts that a subscriber
+        would receive. ``batch``: the batch itself where the worker knows what decoding its
+        payload would give (this project's own stores, removals and clears, whose records are
+        the wire's), with an empty payload (it is never written); else None, and the payload
+        is the bytes a ZeroMQ subscriber would receive (less topic and seq)."""
         frames, self._outbox = self._outbox, []
         return frames
 
@@ -447,7 +447,6 @@ class SimWorker:
         self._outbox.append((seq, b"", "resync", None))
         for part in split_parts(snapshot):
             payload = self.dialect.encode(part, self.clock_ms / 1000.0, snapshot=True)
-            self.bytes_published += len(payload) + 8
             self._outbox.append((seq, payload, "snapshot", None))
 
     def _send(self, batch: list[KVCacheEvent]) -> None:
@@ -456,24 +455,19 @@ class SimWorker:
         if self.config.events != "publish":
             return
         ts = self.clock_ms / 1000.0
-        payload = self.dialect.encode(batch, ts)
         self.published += 1
         self.events_published += len(batch)
         if self.publisher is None:
-            # what the wire would carry: empty topic, 8-byte seq, payload
-            self.bytes_published += len(payload) + 8
-            # this project's stores, removals and clears travel as they are (the payload
-            # decodes to them: tests/test_dialects.py); tier moves and an engine dialect's
-            # events only through their bytes
-            native = (
-                DecodedBatch(ts, list(batch))
-                if self._native_wire and all(type(e.data) in WRITTEN_AS_IS for e in batch)
-                else None
-            )
-            self._outbox.append((self._next_seq, payload, "batch", native))
+            # this project's stores, removals and clears travel as they are, never written
+            # (what the payload would decode to: tests/test_dialects.py); tier moves and an
+            # engine dialect's events only through their bytes
+            if self._native_wire and all(type(e.data) in WRITTEN_AS_IS for e in batch):
+                self._outbox.append((self._next_seq, b"", "batch", DecodedBatch(ts, list(batch))))
+            else:
+                self._outbox.append((self._next_seq, self.dialect.encode(batch, ts), "batch", None))
             self._next_seq += 1
             return
-        self._publish_zmq(self.publisher, payload)
+        self._publish_zmq(self.publisher, self.dialect.encode(batch, ts))
 
     def _publish_zmq(self, publisher: ZmqEventPublisher, payload: bytes) -> bool:
         """Publish ``payload`` on ZeroMQ, counting its wire bytes; False when the injected

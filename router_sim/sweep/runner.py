@@ -48,6 +48,7 @@ ROW_METRICS: Final[tuple[str, ...]] = (
     "preemptions",
     "completed",
     "requests",
+    "wire_events",
     "wire_bytes",
     "events",
     "decision_us_p50",
