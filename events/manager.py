@@ -33,7 +33,6 @@ from typing import Final, Literal
 
 from events.loss import loss_marker
 from events.wire._records import v1_stored_block, v1_stored_chain
-from events.wire.fast import wire_runs
 from events.wire.model import (
     AllBlocksCleared,
     BlockHash,
@@ -46,6 +45,7 @@ from events.wire.model import (
     StoredBlock,
     TokenIds,
     Updated,
+    wire_runs,
 )
 from kvcache.hashing import KEY_HASHES, BlockKey, HashAlgo, v1_block_hash
 from kvcache.scope import ReuseScope
@@ -66,7 +66,7 @@ def _token_ids(tokens: Sequence[int]) -> TokenIds:
 def _continues(tail: StoredBlock, parent_hash: BlockHash | None, sb: StoredBlock) -> bool:
     """Whether ``sb`` extends the Stored chain ending in ``tail``: it is ``tail``'s child and
     alike in all but tokens (tier, LoRA, salt, priority), so one event can carry both
-    (:func:`events.wire.fast.wire_runs`: ``tail`` is a full block of its own length)."""
+    (:func:`events.wire.model.wire_runs`: ``tail`` is a full block of its own length)."""
     return (
         parent_hash is not None
         and tail.block_hash == parent_hash

@@ -42,7 +42,7 @@ from hypothesis import strategies as st
 
 from events.wire import _wire as native_wire
 from events.wire import fast as wire_fast
-from events.wire.codec import DecodeError, decode_batch, encode_batch_msgspec
+from events.wire.codec import DecodeError, decode_batch, encode_batch
 from events.wire.decode import decode_general, decode_structs
 from events.wire.fast import MAX_TOKENS, decode_native
 from events.wire.model import (
@@ -75,7 +75,7 @@ def _captured() -> dict[str, list[bytes]]:
 
 CAPTURED = _captured()
 OWN = [
-    encode_batch_msgspec(
+    encode_batch(
         [
             KVCacheEvent(
                 2**63,
@@ -87,7 +87,7 @@ OWN = [
         1.25,
         3,
     ),
-    encode_batch_msgspec([KVCacheEvent(0, Stored(None, [StoredBlock(9, [1] * 70)], 70))], 0.0),
+    encode_batch([KVCacheEvent(0, Stored(None, [StoredBlock(9, [1] * 70)], 70))], 0.0),
 ]
 SEEDS = [p for ps in CAPTURED.values() for p in ps]
 SEEDS += [p.read_bytes() for p in sorted((DATA / "wire").glob("*.msgpack"))] + OWN

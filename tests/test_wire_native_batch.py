@@ -1,11 +1,11 @@
-"""The native whole-batch codec (``events.wire._wire.encode_events`` / ``decode_events``) agrees
-with the msgspec paths it stands in front of: the writer gives, byte for byte, what
-``encode_batch_msgspec`` (msgspec) writes, and the reader gives batches equal to those of the typed
-structs (``decode_structs``) and the general path, on this project's payloads and on payloads
-written by an independent encoder (msgpack) in shapes this project never sends. What either
-does not take it answers None for (the msgspec path then writes, reads or names it); on
-mutated or hostile bytes the reader raises nothing and never answers differently from the
-structs."""
+"""The native whole-batch reader (``events.wire._wire.decode_events``) agrees with the event
+Structs it stands in front of: it gives batches equal to those of the strict Structs
+(``decode_structs``) and the general path, on this project's payloads and on payloads written
+by an independent encoder (msgpack) in shapes this project never sends. What it does not take
+it answers None for (the Structs then read or name it); on mutated or hostile bytes it raises
+nothing and never answers differently from the Structs. The writer is msgspec's, with its
+token ids packed natively (``pack_tokens``): checked here against hand-derived bytes and
+msgspec's own output."""
 
 from __future__ import annotations
 
@@ -20,21 +20,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from events.wire import _records, codec
+from events.wire import _records
 from events.wire import fast as wire_fast
-from events.wire.codec import DecodeError, decode_batch, encode_batch, encode_batch_msgspec
+from events.wire.codec import DecodeError, decode_batch, encode_batch
 from events.wire.decode import decode_general, decode_structs, decode_typed
 from events.wire.fast import decode_native
 from events.wire.model import (
     AllBlocksCleared,
-    Created,
     DecodedBatch,
-    EventDiff,
     KVCacheEvent,
     Removed,
     Stored,
     StoredBlock,
-    Updated,
 )
 
 U64 = 2**64
@@ -43,11 +40,6 @@ SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[Heal
 
 def _pack(obj: object) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)  # an independent encoder
-
-
-def _native_encode(events: list[KVCacheEvent], ts: float, dp_rank: int | None) -> bytes | None:
-    out: bytes | None = codec.encode_events(codec._NATIVE_KINDS, events, ts, dp_rank)
-    return out
 
 
 # --- generated batches of this project's events ---------------------------------------------
@@ -104,21 +96,11 @@ DP_RANK = st.sampled_from([None, 0, 2])
 
 @SETTINGS
 @given(events=BATCH, ts=TS, dp_rank=DP_RANK)
-def test_native_writer_gives_msgspec_bytes(
-    events: list[KVCacheEvent], ts: float, dp_rank: int | None
-) -> None:
-    want = encode_batch_msgspec(events, ts, dp_rank)
-    assert _native_encode(events, ts, dp_rank) == want  # taken, not left to msgspec
-    assert encode_batch(events, ts, dp_rank) == want
-    assert encode_batch(iter(events), ts, dp_rank) == want  # any iterable
-
-
-@SETTINGS
-@given(events=BATCH, ts=TS, dp_rank=DP_RANK)
 def test_native_reader_gives_the_structs_batch(
     events: list[KVCacheEvent], ts: float, dp_rank: int | None
 ) -> None:
-    payload = encode_batch_msgspec(events, ts, dp_rank)
+    payload = encode_batch(events, ts, dp_rank)
+    assert encode_batch(iter(events), ts, dp_rank) == payload  # any iterable
     got = decode_native(payload)
     assert got is not None  # taken, not left to the structs
     want = decode_structs(payload)
@@ -158,88 +140,14 @@ def test_hand_derived_payload() -> None:
         + b"\xc0"  # ], None]
     )
     assert encode_batch([event], 1.5) == want
-    assert encode_batch_msgspec([event], 1.5) == want
     batch = decode_batch(want)
     blocks = event.data.blocks  # type: ignore[union-attr]
     assert batch.events == [KVCacheEvent(5, Stored(None, blocks, 2))]  # the size travels
     assert [list(b.tokens) for b in batch.events[0].data.blocks] == [[1, 2], [70000]]  # type: ignore[union-attr]
 
 
-# --- what the writer leaves to msgspec -------------------------------------------------------
-
-
 def _block(h: Any = 1, tokens: Any = None, **kw: Any) -> StoredBlock:
     return StoredBlock(h, array("i", [1, 2]) if tokens is None else tokens, **kw)
-
-
-LEFT_TO_MSGSPEC = {
-    "list tokens": [KVCacheEvent(0, Stored(None, [_block(tokens=[1, 2])]))],
-    "hex hash": [KVCacheEvent(0, Stored(None, [_block("ab" * 32)]))],
-    "engine medium": [KVCacheEvent(0, Stored(None, [_block(cache_level=64)]))],
-    "bool lora": [KVCacheEvent(0, Stored(None, [_block(lora_id=True)]))],
-    "updated": [KVCacheEvent(0, Updated(1, EventDiff(0, 1)))],
-    "created": [KVCacheEvent(0, Created([4, 4]))],
-    "removed hex": [KVCacheEvent(0, Removed(["cd" * 32]))],
-    "removed tuple": [KVCacheEvent(0, Removed((1, 2)))],  # type: ignore[arg-type]
-    "str event id": [KVCacheEvent("7", AllBlocksCleared())],  # type: ignore[arg-type]
-}
-
-
-@pytest.mark.parametrize("name", sorted(LEFT_TO_MSGSPEC))
-def test_writer_leaves_other_batches_to_msgspec(name: str) -> None:
-    events = LEFT_TO_MSGSPEC[name]
-    assert _native_encode(events, 1.0, None) is None
-    assert encode_batch(events, 1.0) == encode_batch_msgspec(events, 1.0)
-
-
-def _raised(fn: Any) -> tuple[str, str]:
-    try:
-        fn()
-    except (TypeError, ValueError, OverflowError, AttributeError) as exc:
-        return type(exc).__name__, str(exc)
-    raise AssertionError("did not raise")
-
-
-@pytest.mark.parametrize(
-    "events",
-    [
-        [KVCacheEvent(0, Stored(None, [_block(tokens=array("i", [1, 2, 3]))], block_size=2))],
-        [KVCacheEvent(0, Stored(None, [_block(tokens=array("i"))]))],
-        [KVCacheEvent(0, Stored(None, [_block()], block_size=0))],
-        [KVCacheEvent(0, Stored(None, [_block(h=-1)]))],
-        [KVCacheEvent(0, Stored(U64, [_block()]))],
-        [KVCacheEvent(0, Removed([U64]))],
-        [KVCacheEvent(0, Stored(None, [_block(lora_id=U64)]))],
-    ],
-)
-def test_writer_errors_are_msgspecs(events: list[KVCacheEvent]) -> None:
-    assert _native_encode(events, 0.0, None) is None
-    assert _raised(lambda: encode_batch(events, 0.0)) == _raised(
-        lambda: encode_batch_msgspec(events, 0.0)
-    )
-
-
-def test_writer_leaves_objects_that_are_not_records_to_msgspec() -> None:
-    class Bare:
-        pass
-
-    batches: list[Any] = [[Bare()], [KVCacheEvent(0, Stored(None, [Bare()]))]]  # type: ignore[list-item]
-    for events in batches:
-        assert _native_encode(events, 0.0, None) is None
-        got = _raised(lambda e=events: encode_batch(e, 0.0))
-        assert got == _raised(lambda e=events: encode_batch_msgspec(e, 0.0))
-
-
-def test_writer_counts_wire_events_past_a_fixarray() -> None:
-    """Sixteen and more wire events take a 3-byte array header (the writer moves what it
-    wrote after the one byte it kept)."""
-    for n in (15, 16, 40):
-        events = [KVCacheEvent(i, Removed([i])) for i in range(n)]
-        assert _native_encode(events, 2.0, 1) == encode_batch_msgspec(events, 2.0, 1)
-    # one Stored event splitting into 20 wire events (a short block ends each run)
-    blocks = [_block(h=i, tokens=array("i", [i])) for i in range(20)]
-    events = [KVCacheEvent(0, Stored(None, blocks, block_size=2))]
-    assert _native_encode(events, 2.0, None) == encode_batch_msgspec(events, 2.0)
 
 
 # --- the reader on shapes this project's writer never sends ----------------------------------
@@ -392,7 +300,7 @@ def _outcome(payload: bytes) -> Any:
 
 
 def test_reader_takes_other_buffers() -> None:
-    payload = encode_batch_msgspec([KVCacheEvent(1, Removed([1, 2]))], 3.0)
+    payload = encode_batch([KVCacheEvent(1, Removed([1, 2]))], 3.0)
     want = decode_structs(payload)
     assert decode_native(bytearray(payload)) == want
     assert decode_native(memoryview(payload)) == want
@@ -406,7 +314,7 @@ def test_reader_takes_other_buffers() -> None:
 def test_reader_on_mutated_bytes(events: list[KVCacheEvent], data: st.DataObject) -> None:
     """Flipped, cut and inserted bytes: the reader raises nothing, and what it takes the
     structs read the same."""
-    payload = bytearray(encode_batch_msgspec(events, 1.0, None))
+    payload = bytearray(encode_batch(events, 1.0, None))
     for _ in range(data.draw(st.integers(1, 4))):
         op = data.draw(st.sampled_from(["flip", "cut", "insert"]))
         at = data.draw(st.integers(0, len(payload)))
@@ -439,14 +347,13 @@ def test_reader_refuses_hostile_lengths_without_allocating_them() -> None:
         assert decode_structs(payload) is None
 
 
-# --- the msgspec paths alone (what every batch the native code leaves takes) -----------------
+# --- the Structs alone (what every batch the native reader leaves takes) ----------------------
 
 
-@pytest.fixture(params=["native", "pure"])
+@pytest.fixture(params=["native", "structs"])
 def path(request: pytest.FixtureRequest) -> Iterator[str]:
     with pytest.MonkeyPatch.context() as m:
-        if request.param == "pure":  # the native writer and reader leave every batch
-            m.setattr(codec, "encode_events", lambda *args: None)
+        if request.param == "structs":  # the native reader leaves every batch
             m.setattr(wire_fast, "decode_native", lambda payload: None)
         yield request.param
 
@@ -462,10 +369,9 @@ def test_round_trip_on_either_path(path: str) -> None:
         KVCacheEvent(3, AllBlocksCleared(), 0, "v2_sha256_64", 1),
     ]
     payload = encode_batch(events, 4.0, 0)
-    assert payload == encode_batch_msgspec(events, 4.0, 0)
     batch = decode_typed(payload)
     assert batch == DecodedBatch(4.0, events, 0, []) == decode_general(payload)
-    assert (wire_fast.decode_native(payload) is None) == (path == "pure")
+    assert (wire_fast.decode_native(payload) is None) == (path == "structs")
 
 
 def test_record_setters_follow_the_fields() -> None:
@@ -487,10 +393,9 @@ def test_native_codec_releases_buffers_and_references() -> None:
     blocks = [StoredBlock(2**40 + i, t) for i, t in enumerate(tokens)]  # uncached ints
     events = [KVCacheEvent(2**41, Stored(2**42, blocks, 9)), KVCacheEvent(3, Removed([2**43]))]
     counts = [sys.getrefcount(x) for x in (*tokens, *blocks, *events)]
-    payload = bytearray(encode_batch_msgspec(events, 1.0))
+    payload = bytearray(encode_batch(events, 1.0))
     for _ in range(3):
-        assert _native_encode(events, 1.0, None) == bytes(payload)
-        assert _native_encode([*events, KVCacheEvent(0, Created([1]))], 1.0, None) is None
+        assert encode_batch(events, 1.0) == bytes(payload)
         assert decode_native(payload) is not None
         assert decode_native(payload[:-1]) is None
     assert [sys.getrefcount(x) for x in (*tokens, *blocks, *events)] == counts
@@ -500,13 +405,13 @@ def test_native_codec_releases_buffers_and_references() -> None:
 
 
 def test_decoded_records_are_left_out_of_the_cycle_collector() -> None:
-    payload = encode_batch_msgspec([KVCacheEvent(0, Stored(None, [_block(), _block(2)], 2))], 0.0)
+    payload = encode_batch([KVCacheEvent(0, Stored(None, [_block(), _block(2)], 2))], 0.0)
     batch = decode_native(payload)
     assert batch is not None
     for b in batch.events[0].data.blocks:  # type: ignore[union-attr]
         assert not gc.is_tracked(b.tokens) and not gc.is_tracked(b)
     # a lone block holds the store's whole array (no slice of it is made)
-    one = decode_native(encode_batch_msgspec([KVCacheEvent(0, Stored(None, [_block()], 4))], 0.0))
+    one = decode_native(encode_batch([KVCacheEvent(0, Stored(None, [_block()], 4))], 0.0))
     assert one is not None and list(one.events[0].data.blocks[0].tokens) == [1, 2]  # type: ignore[union-attr]
 
 
@@ -522,8 +427,8 @@ def test_token_runs_of_every_width(runs: list[tuple[int, int]]) -> None:
     """Ids written and read four at a time where four uint32s follow one another, one at a
     time elsewhere: runs of each width at every alignment."""
     ids = array("i", [v - k % 3 for n, v in runs for k in range(n)])
+    assert wire_fast.pack_tokens(ids) == msgpack.packb(list(ids))  # an independent writer
     event = KVCacheEvent(0, Stored(None, [StoredBlock(1, ids)], len(ids)))
-    payload = encode_batch_msgspec([event], 0.0)
-    assert _native_encode([event], 0.0, None) == payload
+    payload = encode_batch([event], 0.0)
     batch = decode_native(payload)
     assert batch is not None and batch == decode_structs(payload)

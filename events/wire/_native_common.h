@@ -1,6 +1,6 @@
 /*
  * Helpers of the msgpack wire codec (_wire.c, which alone builds records): the token-array
- * builders, the limit-argument check, the record builder and the interned field names. Every
+ * builders, the limit-argument check and the record builder. Every
  * function is static inline; the module-level objects below are set by native_common_init()
  * from the extension's PyInit. (The V1 hash extension, kvcache/_v1hash.c, needs none of this:
  * it includes only <Python.h> and kvcache/_v1core.h.)
@@ -60,8 +60,8 @@ static inline int int32_array_init(void) {
  *
  * The event path carries a block's token ids as an array('i') (native int32s) from the cache to
  * the wire and back, instead of one Python int per token: the records keep the cache's arrays,
- * the wire encoder writes a msgpack array straight from the int32s, and the typed wire decoder
- * reads one straight into an array. */
+ * token writer (pack_tokens) writes a msgpack array straight from the int32s, and the wire
+ * reader reads one straight into an array. */
 
 #define ARRAY_TYPE INT32_ARRAY_TYPE /* array.array (set by int32_array_init) */
 
@@ -143,21 +143,7 @@ static inline PyObject *new_record(PyObject *cls, PyObject *setters, PyObject *c
     return new_record_n(cls, setters, values, RECORD_FIELDS);
 }
 
-/* The interned names of a block record's fields: encode_events (_wire.c) reads them. */
-static PyObject *STR_BLOCK_HASH, *STR_TOKENS, *STR_LORA_ID, *STR_CACHE_LEVEL, *STR_PRIORITY,
-    *STR_CACHE_SALT_ID;
-
 /* Sets this extension's copies of the objects above: 0, or -1 with an exception set. */
-static inline int native_common_init(void) {
-    if ((STR_BLOCK_HASH = PyUnicode_InternFromString("block_hash")) == NULL ||
-        (STR_TOKENS = PyUnicode_InternFromString("tokens")) == NULL ||
-        (STR_LORA_ID = PyUnicode_InternFromString("lora_id")) == NULL ||
-        (STR_CACHE_LEVEL = PyUnicode_InternFromString("cache_level")) == NULL ||
-        (STR_PRIORITY = PyUnicode_InternFromString("priority")) == NULL ||
-        (STR_CACHE_SALT_ID = PyUnicode_InternFromString("cache_salt_id")) == NULL) {
-        return -1;
-    }
-    return int32_array_init();
-}
+static inline int native_common_init(void) { return int32_array_init(); }
 
 #endif /* EVENTS_NATIVE_COMMON_H */

@@ -35,15 +35,10 @@ unknown fields and every field they require is present (``lora_id``, ``lora_name
 ``medium``); tests check it against the structs recorded from their releases
 (``tests/data/engines/decoder_rules.json``).
 
-The payload is written by msgspec (:func:`encode_batch_msgspec`); the native extension
-``events.wire._wire`` writes token ids that come packed (``array('i')``, as the event manager's
-records hold them) as a msgpack array straight from the int32s, byte for byte what msgspec
-writes for the same ints as a list, handed to msgspec as ``msgspec.Raw``: no Python int per
-token. The common batch (``Stored`` with uint64 hashes, packed token ids and tiers 0-2,
-``Removed``, ``AllBlocksCleared``; the map form without extension events) is written by the
-extension's ``encode_events`` in one pass, without the wire dicts, runs and Raw arrays: the
-same bytes (tested against :func:`encode_batch_msgspec`), and None for any other batch, which
-msgspec then writes (or refuses, naming the error).
+The payload is written by msgspec; the native extension ``events.wire._wire`` writes token ids
+that come packed (``array('i')``, as the event manager's records hold them) as a msgpack array
+straight from the int32s, byte for byte what msgspec writes for the same ints as a list, handed
+to msgspec as ``msgspec.Raw``: no Python int per token.
 
 Hashes travel as uint64. A ``v2_sha256`` hash (64 hex characters) travels as a 32-byte msgpack
 ``bin`` and decodes back to its hex string: an extension, since 64-bit integers cannot hold it.
@@ -63,7 +58,7 @@ from typing import Any, Final, cast
 import msgspec
 
 from events.wire.decode import DEFAULT_LIMITS, POSITIONAL_FIELDS, DecodeLimits, decode_batch
-from events.wire.fast import encode_events, pack_tokens, wire_runs
+from events.wire.fast import pack_tokens
 from events.wire.json_codec import (
     DecodeError,
     from_json,
@@ -81,6 +76,7 @@ from events.wire.model import (
     TokenIds,
     Updated,
     medium_of,
+    wire_runs,
 )
 from kvcache.scope import U64_LIMIT
 
@@ -145,7 +141,7 @@ def _joined(parts: list[TokenIds]) -> TokenIds:
 
 
 def _stored_runs(blocks: list[StoredBlock], block_size: int) -> list[_Run]:
-    """The wire events of a Stored event's blocks (:func:`events.wire.fast.wire_runs`) as
+    """The wire events of a Stored event's blocks (:func:`events.wire.model.wire_runs`) as
     ``(end, token_ids, hashes)``: the run's token ids (packed when every block's are) and
     hashes concatenated in order."""
     for i, block in enumerate(blocks):
@@ -291,8 +287,6 @@ def _positional(wire: list[dict[str, Any]]) -> list[list[Any]]:
     return out
 
 
-_NATIVE_KINDS: Final = (Stored, Removed, AllBlocksCleared)
-
 WRITTEN_AS_IS: Final = (Stored, Removed, AllBlocksCleared)
 """The event kinds :func:`encode_batch` writes as one wire event each, which
 :func:`decode_batch` gives back equal, a ``Stored`` provided its blocks form one run (as the
@@ -318,32 +312,7 @@ def encode_batch(
     Raises ``ValueError`` for a hash that is not a uint64 or v2_sha256 hex digest, a stored
     block with no tokens or more than ``block_size``, an unknown ``form``, or an extension
     event in the positional form.
-
-    The map form of a batch of ``Stored`` (uint64 hashes, packed token
-    ids, tiers 0-2), ``Removed`` and ``AllBlocksCleared`` events is written in one native pass
-    (``encode_events``: no wire dicts, runs or Raw token arrays), byte for byte what
-    :func:`encode_batch_msgspec` writes (tested); any other batch is written by msgspec.
     """
-    # any other form is refused by encode_batch_msgspec below
-    if form == "map" and not extensions:
-        if type(events) is not list:
-            events = list(events)
-        payload: bytes | None = encode_events(_NATIVE_KINDS, events, ts, dp_rank)
-        if payload is not None:
-            return payload
-    return encode_batch_msgspec(events, ts, dp_rank, form=form, extensions=extensions)
-
-
-def encode_batch_msgspec(
-    events: Iterable[KVCacheEvent],
-    ts: float,
-    dp_rank: int | None = None,
-    *,
-    form: str = "map",
-    extensions: bool = False,
-) -> bytes:
-    """:func:`encode_batch` written by msgspec alone: what writes every batch the native
-    writer leaves (any form, extension events, hashes other than uint64, ...)."""
     if form not in ("map", "positional"):
         raise ValueError(f"form must be 'map' or 'positional', got {form!r}")
     wire: list[dict[str, Any]] = []

@@ -8,15 +8,14 @@
   subset of what the strict Structs take, and its batches equal theirs (tested).
 - :func:`packed_tokens`: a store's token ids read from their msgpack bytes into an
   ``array('i')``, no Python int per token (the Structs hand them over undecoded).
-- :func:`pack_tokens`, :func:`encode_events`: the writers of ``events.wire.codec``.
-- :func:`wire_runs`: the BlockStored run rule, stated once.
+- :func:`pack_tokens`: packed token ids written as msgpack for ``events.wire.codec``.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Sequence
-from typing import Any, Final, TypeAlias
+from collections.abc import Callable
+from typing import Final
 
 from msgspec import Raw
 
@@ -48,19 +47,6 @@ def packed_tokens(data: Raw | bytes, limit: int = MAX_TOKENS) -> array[int] | No
 pack_tokens: Callable[[object], bytes | None] = _wire.pack_tokens
 """The msgpack array of an ``array('i')`` or a list of ints, byte for byte what msgspec writes
 for the same ints as a list; None for anything else (``events.wire.codec.wire_tokens``)."""
-
-_Kinds: TypeAlias = tuple[type[Any], type[Any], type[Any]]
-encode_events: Callable[[_Kinds, list[Any], float, int | None], bytes | None] = _wire.encode_events
-"""The native writer of a common map-form batch (``events.wire.codec.encode_batch``)."""
-
-wire_runs: Callable[[Sequence[StoredBlock], int], list[int]] = _wire.wire_runs
-"""The BlockStored wire events a Stored event's blocks travel in, as the end of each one's
-blocks: ``blocks[previous end:end]`` share one LoRA id, medium (``cache_level``), priority and
-cache salt, and only an event's last block may hold fewer than ``block_size`` tokens (WIRE.md
-section 4). The rule's one statement (``_wire.c``'s ``same_event``): the native writer splits
-by it, and msgspec's path, the event manager and the simulated engines ask this function.
-``[]`` for no blocks; a field that is not None or a 64-bit int equals the same object only."""
-
 
 # what the native reader builds its records with: each record type and its slot descriptors,
 # in field order (the way events.wire._records builds StoredBlock records), and the medium rule

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import Final, TypeAlias
 
 import msgspec
@@ -142,6 +143,32 @@ class StoredBlock(_Record, frozen=True, eq=False):
         return equal if equal is NotImplemented else not equal
 
     __hash__ = None  # type: ignore[assignment]
+
+
+_RUN_FIELDS: Final = attrgetter("lora_id", "cache_level", "priority", "cache_salt_id")
+_TOKENS: Final = attrgetter("tokens")
+
+
+def wire_runs(blocks: Sequence[StoredBlock], block_size: int) -> list[int]:
+    """The BlockStored wire events a Stored event's blocks travel in, as the end of each one's
+    blocks: ``blocks[previous end:end]`` share one LoRA id, medium (``cache_level``), priority
+    and cache salt, and only an event's last block may hold fewer than ``block_size`` tokens
+    (WIRE.md section 4). The rule's one statement: the writer (``events.wire.codec``), the
+    event manager and the simulated engines ask this function. ``[]`` for no blocks."""
+    blocks = tuple(blocks)  # read as they are now, whatever their attributes do to a list
+    n = len(blocks)
+    fields = list(map(_RUN_FIELDS, blocks))
+    full = list(map(block_size.__eq__, map(len, map(_TOKENS, blocks))))
+    if n and fields.count(fields[0]) == n and full.count(False) <= (not full[-1]):
+        return [n]  # the common case: one run (two C passes over the blocks)
+    ends = [
+        i
+        for i, (whole, a, b) in enumerate(zip(full, fields, fields[1:], strict=False), 1)
+        if not (whole and a == b)
+    ]
+    if n:
+        ends.append(n)
+    return ends
 
 
 class Stored(_Record, frozen=True):

@@ -68,7 +68,6 @@ from typing import Any, Final
 import msgspec
 
 from events.wire.codec import encode_batch, wire_tokens
-from events.wire.fast import wire_runs
 from events.wire.model import (
     AllBlocksCleared,
     BlockHash,
@@ -78,6 +77,7 @@ from events.wire.model import (
     StoredBlock,
     cache_level_of,
     medium_of,
+    wire_runs,
 )
 from kvcache.scope import ReuseScope, cache_salt_id
 from router_sim.router.indexer import engine_clear_scope
@@ -316,7 +316,7 @@ class _EngineDialect(Dialect):
 
     def _runs(self, blocks: list[StoredBlock]) -> list[list[StoredBlock]]:
         """Blocks as the engine's stores: this project's wire events
-        (:func:`events.wire.fast.wire_runs`), a trailing partial block in one of its own (the
+        (:func:`events.wire.model.wire_runs`), a trailing partial block in one of its own (the
         engines send it with its own length as ``block_size``: vLLM 0.33's and SGLang's
         captures)."""
         tpb = self.tokens_per_block
