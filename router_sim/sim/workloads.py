@@ -42,7 +42,7 @@ def _hash_ids_needed(hash_ids: tuple[int, ...], input_length: int, n: int) -> in
     return k
 
 
-_ZERO: Final = array("i", [0])  # repeated: a new zeroed array('i') for the native writer
+_ZERO: Final = array("i", [0])  # repeated: a new zeroed array('i') for expand_array to fill
 
 VOCAB_SIZE: Final = 32_000
 """Synthetic token ids are drawn from [0, VOCAB_SIZE) (a Llama-2-sized vocabulary)."""
