@@ -53,6 +53,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable
+from operator import attrgetter
 from typing import Any, Final, cast
 
 import msgspec
@@ -123,6 +124,9 @@ def _common(event: KVCacheEvent, out: dict[str, Any], dp_rank: int | None) -> di
 
 
 _Run = tuple[int, TokenIds, list[BlockHash]]
+_TOKENS: Final = attrgetter("tokens")
+_BLOCK_HASH: Final = attrgetter("block_hash")
+_TYPECODE: Final = attrgetter("typecode")
 
 
 def _packed(tokens: TokenIds) -> bool:
@@ -131,12 +135,11 @@ def _packed(tokens: TokenIds) -> bool:
 
 def _joined(parts: list[TokenIds]) -> TokenIds:
     """A run's token ids in one container: an ``array('i')`` when every part is one, else a
-    list."""
-    if all(map(_packed, parts)):
-        joined = array("i")
-        for part in parts:
-            joined += cast("array[int]", part)
-        return joined
+    list (a lone part as it is: the writer only reads it)."""
+    if set(map(type, parts)) == {array} and set(map(_TYPECODE, parts)) == {"i"}:
+        return (
+            parts[0] if len(parts) == 1 else array("i", b"".join(cast("list[array[int]]", parts)))
+        )
     return [t for part in parts for t in part]
 
 
@@ -144,18 +147,18 @@ def _stored_runs(blocks: list[StoredBlock], block_size: int) -> list[_Run]:
     """The wire events of a Stored event's blocks (:func:`events.wire.model.wire_runs`) as
     ``(end, token_ids, hashes)``: the run's token ids (packed when every block's are) and
     hashes concatenated in order."""
-    for i, block in enumerate(blocks):
-        n = len(block.tokens)
-        if not 0 < n <= block_size:
-            raise ValueError(
-                f"stored block {i} has {n} tokens; blocks must hold 1..block_size "
-                f"({block_size}) tokens"
-            )
+    tokens = list(map(_TOKENS, blocks))
+    sizes = list(map(len, tokens))
+    if min(sizes) < 1 or max(sizes) > block_size:
+        i, n = next((i, n) for i, n in enumerate(sizes) if not 0 < n <= block_size)
+        raise ValueError(
+            f"stored block {i} has {n} tokens; blocks must hold 1..block_size ({block_size}) tokens"
+        )
+    hashes = list(map(_BLOCK_HASH, blocks))
     runs: list[_Run] = []
     start = 0
     for end in wire_runs(blocks, block_size):
-        run = blocks[start:end]
-        runs.append((end, _joined([b.tokens for b in run]), [b.block_hash for b in run]))
+        runs.append((end, _joined(tokens[start:end]), hashes[start:end]))
         start = end
     return runs
 
