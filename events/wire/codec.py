@@ -129,10 +129,6 @@ _BLOCK_HASH: Final = attrgetter("block_hash")
 _TYPECODE: Final = attrgetter("typecode")
 
 
-def _packed(tokens: TokenIds) -> bool:
-    return type(tokens) is array and tokens.typecode == "i"
-
-
 def _joined(parts: list[TokenIds]) -> TokenIds:
     """A run's token ids in one container: an ``array('i')`` when every part is one, else a
     list (a lone part as it is: the writer only reads it)."""

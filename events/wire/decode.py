@@ -564,9 +564,8 @@ def _strict_batch(payload: bytes | bytearray | memoryview) -> DecodedBatch | Non
 def _envelope(
     payload: bytes | bytearray | memoryview, lim: DecodeLimits
 ) -> tuple[float, list[msgspec.Raw], int | None]:
-    """(ts, the events undecoded, the dp_rank) of a payload, its lengths checked before
-    anything is built."""
-    _check_size(payload, lim)
+    """(ts, the events undecoded, the dp_rank) of a payload whose size is checked, its
+    lengths checked before anything is built."""
     data = payload if type(payload) is bytes else bytes(payload)
     parts = _unpack(data, lim)
     try:
@@ -600,8 +599,8 @@ def _decode(
 ) -> DecodedBatch | None:
     """Steps 2 and 3 over a payload's events: ``strict``, each event tried on the strict
     Structs first; ``lenient``, what they leave read by step 3 (else the batch is None)."""
+    _check_size(payload, lim)
     if strict:
-        _check_size(payload, lim)
         batch = _strict_batch(payload)
         if batch is not None:
             return batch
