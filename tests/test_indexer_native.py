@@ -217,6 +217,19 @@ def test_native_updates_and_matches_equal_the_model(
         assert ix._table.runs(ints, ix._worker_of_bit) == model.find_matches(ints)
 
 
+def _remember_keys(expected: dict[BlockHash, int], hashes: list[BlockHash], t: int) -> None:
+    """The documented memory of dropped blocks' keys after ``hashes`` (blocks of token ``t``,
+    keyed by the V1 chain of their tokens) are dropped in order: past 2 * RECENT_KEYS
+    mappings, all but the newest RECENT_KEYS go."""
+    key = 0
+    for h in hashes:
+        key = v1_block_hash([t] * TPB, key)
+        expected[h] = key
+        if len(expected) > 2 * RECENT_KEYS:
+            for old in list(expected)[:-RECENT_KEYS]:
+                del expected[old]
+
+
 def test_recent_key_memory_is_trimmed_to_the_newest_mappings() -> None:
     """A keyed worker evicts 20,000 blocks (one in 50 also on a slower tier, so the native
     loop stops and the general one takes it): the bounded memory of dropped blocks' keys is
@@ -236,13 +249,7 @@ def test_recent_key_memory_is_trimmed_to_the_newest_mappings() -> None:
                 remove(hashes),
             ),
         )
-        key = 0
-        for h in hashes:  # the V1 chain of the blocks' tokens: their keys
-            key = v1_block_hash([t] * TPB, key)
-            expected[h] = key
-            if len(expected) > 2 * RECENT_KEYS:
-                for old in list(expected)[:-RECENT_KEYS]:
-                    del expected[old]
+        _remember_keys(expected, hashes, t)
         assert list(ix._recent[0].items()) == list(expected.items())
     check_mirror(ix)
     assert ix.total_entries() == 0 and sum(ix.anomalies.values()) == 0
@@ -267,13 +274,7 @@ def test_recent_key_memory_is_trimmed_where_a_whole_removal_is_the_common_evicti
         hashes: list[BlockHash] = list(range(start + 1, start + 51))
         t = start % 7 + 1
         ix.apply_batch(0, batch(store(hashes, tokens=t), remove(hashes)))
-        key = 0
-        for h in hashes:  # the V1 chain of the blocks' tokens: their keys
-            key = v1_block_hash([t] * TPB, key)
-            expected[h] = key
-            if len(expected) > 2 * RECENT_KEYS:
-                for old in list(expected)[:-RECENT_KEYS]:
-                    del expected[old]
+        _remember_keys(expected, hashes, t)
         assert list(ix._recent[0].items()) == list(expected.items())
     check_mirror(ix)
     assert ix.total_entries() == 0 and sum(ix.anomalies.values()) == 0
