@@ -23,6 +23,14 @@ other policy with its ``kv_router``.
 
     python scripts/bench_sim.py --against-dynamo /path/to/venv/bin/python \\
         --policies round_robin kv_overlap predicted_ttft --speedups 1,4 --repeats 3
+
+``--against-pure`` runs the same configurations on this install's compiled modules (mypyc, in
+this process) and on their Python source (a child process under ``scripts/pure_python.py``),
+alternating run by run, and prints both walls and the ratio pure / compiled per row: what the
+compiled group pays on the simulator. Both must give the same report (checked per run).
+
+    python scripts/bench_sim.py --against-pure --policies round_robin kv_overlap \\
+        predicted_ttft --speedups 1,4 --repeats 3
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import itertools
 import json
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -189,6 +198,105 @@ def against_dynamo(args: argparse.Namespace) -> None:
                 )
 
 
+def _config(args: argparse.Namespace, spec: str) -> tuple[str, SimConfig]:
+    policy, _, options = spec.partition(":")
+    config = SimConfig(
+        workers=args.workers,
+        tokens_per_block=int(args.tokens_per_block.split(",")[0]),
+        device_blocks=int(args.device_blocks.split(",")[0]),
+        policy_options={policy: json.loads(options)} if options else {},
+        events=args.events,
+    )
+    return policy, config
+
+
+def _serve_runs(args: argparse.Namespace) -> None:
+    """The child of ``--against-pure``: one line per run asked on stdin (``SPEEDUP POLICY``),
+    one JSON line of :func:`_ours` back per run; traces are loaded once per speed-up."""
+    traces: dict[float, list[Any]] = {}
+    print(json.dumps({"build": _build()}), flush=True)
+    for line in sys.stdin:
+        speedup_text, spec = line.rstrip("\n").split(" ", 1)
+        speedup = float(speedup_text)
+        if speedup not in traces:
+            traces[speedup] = load_trace(
+                args.trace, speedup=speedup, max_requests=args.max_requests
+            )
+        policy, config = _config(args, spec)
+        print(json.dumps(_ours(traces[speedup], policy, config)), flush=True)
+
+
+def against_pure(args: argparse.Namespace) -> None:
+    if not is_compiled():
+        raise SystemExit("--against-pure: this install runs the Python source already")
+    root = Path(__file__).resolve().parent
+    argv = [sys.executable, str(root / "pure_python.py"), str(Path(__file__).resolve())]
+    argv += ["--serve-runs", "--trace", args.trace, "--workers", str(args.workers)]
+    argv += ["--tokens-per-block", args.tokens_per_block, "--device-blocks", args.device_blocks]
+    argv += ["--events", args.events]
+    if args.max_requests is not None:
+        argv += ["--max-requests", str(args.max_requests)]
+    child = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdin is not None and child.stdout is not None
+    pure_build = json.loads(child.stdout.readline())["build"]
+    if "pure Python" not in pure_build:
+        raise SystemExit(f"--against-pure: the child did not run the source ({pure_build})")
+
+    def pure(speedup: float, spec: str) -> dict[str, float]:
+        assert child.stdin is not None and child.stdout is not None
+        child.stdin.write(f"{speedup!r} {spec}\n")
+        child.stdin.flush()
+        line = child.stdout.readline()
+        if not line:
+            raise SystemExit("--against-pure: the pure-Python child stopped")
+        out: dict[str, float] = json.loads(line)
+        return out
+
+    print(
+        f"trace {args.trace}, {args.workers} workers, {args.tokens_per_block}-token blocks, "
+        f"{args.device_blocks} device blocks per worker; {args.repeats} run(s) each, compiled "
+        f"and pure alternating; medians"
+    )
+    print(
+        f"{'speedup':>7} {'policy':<24}{'compiled':>9}{'pure':>7}{'ratio':>7}"
+        f"{'CPU ratio':>10}  pure / compiled wall per repeat: median (range)"
+    )
+    try:
+        for speedup in (float(x) for x in (args.speedups or "1,4").split(",")):
+            requests = load_trace(args.trace, speedup=speedup, max_requests=args.max_requests)
+            for spec in args.policies:
+                policy, config = _config(args, spec)
+                compiled_runs, pure_runs = [], []
+                for r in range(args.repeats):
+                    # which goes first alternates, so a drifting host hits both alike
+                    if r % 2:
+                        pure_runs.append(pure(speedup, spec))
+                        compiled_runs.append(_ours(requests, policy, config))
+                    else:
+                        compiled_runs.append(_ours(requests, policy, config))
+                        pure_runs.append(pure(speedup, spec))
+                    a, b = compiled_runs[-1], pure_runs[-1]
+                    same = ("hit", "p50", "p99", "completed")
+                    if any(a[k] != b[k] for k in same):
+                        raise SystemExit(
+                            f"--against-pure: the builds disagree on {spec} at {speedup:g}x: "
+                            f"{ {k: a[k] for k in same} } against { {k: b[k] for k in same} }"
+                        )
+                c, p = _median(compiled_runs), _median(pure_runs)
+                pairs = [
+                    b["wall"] / a["wall"] for a, b in zip(compiled_runs, pure_runs, strict=True)
+                ]
+                print(
+                    f"{speedup:>7g} {spec:<24}{c['wall']:>9.2f}{p['wall']:>7.2f}"
+                    f"{p['wall'] / c['wall']:>7.2f}{p['cpu'] / c['cpu']:>10.2f}"
+                    f"  {statistics.median(pairs):.2f} ({min(pairs):.2f}-{max(pairs):.2f})",
+                    flush=True,
+                )
+    finally:
+        child.stdin.close()
+        child.wait(timeout=60)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", default="mooncake")
@@ -210,15 +318,30 @@ def main() -> None:
         "--speedups",
         help="arrival speed-up factors, comma-separated (default 1; with --against-dynamo 1,4)",
     )
-    parser.add_argument("--repeats", type=int, default=1, help="with --against-dynamo")
+    parser.add_argument(
+        "--against-pure",
+        action="store_true",
+        help="compare this install's compiled modules with their Python source, run by run",
+    )
+    parser.add_argument("--serve-runs", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="with --against-dynamo or --against-pure"
+    )
     parser.add_argument(
         "--events",
         choices=("auto", "on", "off"),
         default="auto",
-        help="with --against-dynamo: our event stream (SimConfig.events; auto leaves it out "
-        "for policies that never read the index, as Dynamo's round_robin replay does)",
+        help="with --against-dynamo or --against-pure: our event stream (SimConfig.events; auto "
+        "leaves it out for policies that never read the index, as Dynamo's round_robin replay "
+        "does)",
     )
     args = parser.parse_args()
+    if args.serve_runs:
+        _serve_runs(args)
+        return
+    if args.against_pure:
+        against_pure(args)
+        return
     if args.against_dynamo:
         against_dynamo(args)
         return
