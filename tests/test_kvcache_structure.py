@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from layout_helpers import cycle
 
 import kvcache
 
@@ -101,42 +102,20 @@ def _imports(tree: ast.Module) -> set[str]:
     return out
 
 
-def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    state: dict[str, int] = {}
-    path: list[str] = []
-
-    def visit(n: str) -> list[str] | None:
-        state[n] = 1
-        path.append(n)
-        for m in sorted(graph.get(n, ())):
-            if state.get(m) == 1:
-                return [*path[path.index(m) :], m]
-            if m not in state and (found := visit(m)):
-                return found
-        path.pop()
-        state[n] = 2
-        return None
-
-    for n in sorted(graph):
-        if n not in state and (found := visit(n)):
-            return found
-    return None
-
-
 def test_no_import_circle_inside_the_package() -> None:
     graph = {name: _imports(tree) - {"__init__.py"} for name, tree in _modules().items()}
-    assert _cycle(graph) is None, _cycle(graph)
+    assert cycle(graph) is None, cycle(graph)
     assert "manager.py" not in graph["sequence.py"] | graph["verify.py"]
 
 
 def test_the_circle_check_finds_a_circle() -> None:
-    assert _cycle({"a.py": {"b.py"}, "b.py": {"c.py"}, "c.py": {"a.py"}}) == [
+    assert cycle({"a.py": {"b.py"}, "b.py": {"c.py"}, "c.py": {"a.py"}}) == [
         "a.py",
         "b.py",
         "c.py",
         "a.py",
     ]
-    assert _cycle({"a.py": {"b.py"}, "b.py": set()}) is None
+    assert cycle({"a.py": {"b.py"}, "b.py": set()}) is None
 
 
 def _imports_above(tree: ast.Module) -> set[str]:

@@ -1,0 +1,204 @@
+"""The three packages' layout rules, read from the source (the kvcache package's own rules are
+in ``test_kvcache_structure.py``):
+
+- no import circle anywhere in the project: the modules of ``kvcache``, ``events`` and
+  ``router_sim`` import each other in one direction only, counting every import (top level,
+  inside functions, under ``TYPE_CHECKING``, ``importlib.import_module`` of a constant name);
+- each native extension is imported by one module of the packages, the one place it is loaded;
+- no reference twin beside the code it mirrors (no ``*_py`` function in the packages: the pure
+  references live in ``tests/_reference.py``), and no ``except ImportError`` switch between a
+  native path and a Python one: such a handler guards an optional library only.
+
+Each check is also run on a small tree written here that breaks its rule, so that a check that
+read nothing cannot pass.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+from layout_helpers import cycle
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("kvcache", "events", "router_sim")
+
+
+def _module_files(root: Path, packages: tuple[str, ...]) -> dict[str, Path]:
+    """Dotted name -> file of every Python module of ``packages`` under ``root`` (a package's
+    ``__init__.py`` under the package's own name)."""
+    found: dict[str, Path] = {}
+    for pkg in packages:
+        for path in sorted((root / pkg).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+def _extensions(root: Path, packages: tuple[str, ...]) -> set[str]:
+    """Dotted names of the native extensions: the C files that define a module init."""
+    out = set()
+    for pkg in packages:
+        for path in sorted((root / pkg).rglob("*.c")):
+            if "PyMODINIT_FUNC" in path.read_text():
+                out.add(".".join(path.relative_to(root).with_suffix("").parts))
+    return out
+
+
+def _named(name: str, path: Path, node: ast.Import | ast.ImportFrom, known: set[str]) -> set[str]:
+    """The project modules (of ``known``) one import statement in module ``name`` names: the
+    module itself for ``import a.b`` and ``from a.b import c``, the submodule for ``from a
+    import b`` when ``a.b`` is a module."""
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names if a.name in known}
+    base = node.module or ""
+    if node.level:
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        package = package[: len(package) - node.level + 1]
+        base = ".".join([*package, *([node.module] if node.module else [])])
+    out = set()
+    for alias in node.names:
+        full = f"{base}.{alias.name}"
+        out.add(full if full in known else base)
+    return out & known
+
+
+def import_graph(root: Path, packages: tuple[str, ...] = PACKAGES) -> dict[str, set[str]]:
+    """Module -> the project modules it imports anywhere (see the module docstring)."""
+    files = _module_files(root, packages)
+    known = set(files) | _extensions(root, packages)
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                edges |= _named(name, path, node, known)
+            elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module":
+                arg = node.args[0] if node.args else None
+                if isinstance(arg, ast.Constant) and arg.value in known:
+                    edges.add(str(arg.value))
+        graph[name] = edges - {name}
+    return graph
+
+
+def _write(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def test_no_import_circle_in_the_project() -> None:
+    graph = import_graph(ROOT)
+    assert len(graph) > 100 and "router_sim.router.routing" in graph  # it read the tree
+    assert "kvcache.hashing" in graph["router_sim.router.routing"]
+    assert cycle(graph) is None, " -> ".join(cycle(graph) or [])
+
+
+def test_the_circle_check_follows_every_kind_of_import(tmp_path: Path) -> None:
+    """A circle made of a relative import, a ``from package import submodule``, an import
+    inside a function and one under TYPE_CHECKING is found; without its last link it is not."""
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/a.py": "from . import b\n",
+        "pkg/b.py": "def f():\n    from pkg.sub import c\n",
+        "pkg/sub/__init__.py": "",
+        "pkg/sub/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.d\n",
+        "pkg/d.py": "import importlib\nimportlib.import_module('pkg.a')\n",
+    }
+    graph = import_graph(_write(tmp_path, files), ("pkg",))
+    assert cycle(graph) == ["pkg.a", "pkg.b", "pkg.sub.c", "pkg.d", "pkg.a"]
+    (tmp_path / "pkg" / "d.py").write_text("")
+    assert cycle(import_graph(tmp_path, ("pkg",))) is None
+
+
+def _loaders(root: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
+    graph = import_graph(root, packages)
+    return {
+        ext: {name for name, edges in graph.items() if ext in edges}
+        for ext in sorted(_extensions(root, packages))
+    }
+
+
+def test_each_native_extension_is_loaded_in_one_place() -> None:
+    loaders = _loaders(ROOT, PACKAGES)
+    assert set(loaders) == {
+        "kvcache._v1hash",
+        "events.wire._wire",
+        "router_sim.router._match",
+        "router_sim.sim._prefetch",
+    }
+    assert {ext: len(names) for ext, names in loaders.items()} == dict.fromkeys(loaders, 1), loaders
+
+
+def test_the_loading_check_sees_a_second_loader(tmp_path: Path) -> None:
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/_fast.c": "PyMODINIT_FUNC PyInit__fast(void) { return 0; }\n",
+        "pkg/one.py": "from pkg import _fast\n",
+        "pkg/two.py": "def f():\n    import pkg._fast\n",
+    }
+    assert _loaders(_write(tmp_path, files), ("pkg",)) == {"pkg._fast": {"pkg.one", "pkg.two"}}
+
+
+def _twins_and_switches(root: Path, packages: tuple[str, ...]) -> list[str]:
+    """``*_py`` functions, and ``except ImportError`` handlers whose ``try`` imports a project
+    module (a switch between two implementations), as ``file:line``."""
+    found = []
+    files = _module_files(root, packages)
+    known = set(files) | _extensions(root, packages)
+    for name, path in files.items():
+        where = path.relative_to(root)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.endswith(
+                "_py"
+            ):
+                found.append(f"{where}:{node.lineno} {node.name}")
+            if not isinstance(node, ast.Try):
+                continue
+            guards = {
+                n.id
+                for h in node.handlers
+                if h.type is not None
+                for n in ast.walk(h.type)
+                if isinstance(n, ast.Name)
+            }
+            if not guards & {"ImportError", "ModuleNotFoundError"}:
+                continue
+            for inner in (n for stmt in node.body for n in ast.walk(stmt)):
+                if isinstance(inner, (ast.Import, ast.ImportFrom)) and _named(
+                    name, path, inner, known
+                ):
+                    found.append(f"{where}:{inner.lineno} import switch")
+    return found
+
+
+def test_no_reference_twin_or_import_switch_in_the_packages() -> None:
+    assert _twins_and_switches(ROOT, PACKAGES) == []
+
+
+def test_the_twin_check_sees_a_twin_and_a_switch(tmp_path: Path) -> None:
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/_fast.c": "PyMODINIT_FUNC PyInit__fast(void) { return 0; }\n",
+        "pkg/one.py": (
+            "try:\n    from pkg._fast import run\nexcept ImportError:\n    run = None\n"
+            "try:\n    import numpy\nexcept ImportError:\n    numpy = None\n"
+            "def run_py():\n    pass\n"
+        ),
+    }
+    assert _twins_and_switches(_write(tmp_path, files), ("pkg",)) == [
+        "pkg/one.py:2 import switch",
+        "pkg/one.py:9 run_py",
+    ]
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_module_of_the_packages_is_read(package: str) -> None:
+    """The checks above read every module: each package's files are in the graph."""
+    files = {p for p in (ROOT / package).rglob("*.py")}
+    assert len(files) == sum(1 for name in import_graph(ROOT) if name.split(".")[0] == package)
