@@ -74,7 +74,7 @@ def packed_tokens(data: msgspec.Raw | bytes) -> array[int] | None:
         return None
 
 
-# --- the simulator's prompts (router_sim.router._match's expand_array) -----------------------
+# --- the simulator's prompts (router_sim.sim._prefetch's expand_array) -----------------------
 
 _PROMPT_TOKEN_BITS: Final = 30  # router_sim.sim.workloads.PROMPT_TOKEN_BITS
 _OR_TABLES: Final = [bytes(x | c for x in range(256)) for c in range(256)]

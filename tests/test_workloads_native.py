@@ -1,7 +1,8 @@
-"""The native writer of router_sim/_match.c gives what the plain form gives: the simulator's
-prompts (``expand_array`` the per-token formula, as tests/_reference.py writes it), and the
-index's match details set through their slots the details their class makes. The simulator's
-answers (``Request.output_tokens``) are checked against their formula."""
+"""The native writers give what the plain form gives: the simulator's prompts
+(``router_sim/sim/_prefetch.c``'s ``expand_array``, the per-token formula as tests/_reference.py
+writes it), and the index's match details (``router_sim/router/_match.c``) set through their
+slots the details their class makes. The simulator's answers (``Request.output_tokens``) are
+checked against their formula."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router_sim.router import _match
+from router_sim.sim import native
 from router_sim.sim.workloads import Request
 
 
@@ -28,7 +30,7 @@ def _zeros(n: int) -> array[int]:
 def test_expand_array_is_the_per_token_formula(n: int, ids: list[int], data: st.DataObject) -> None:
     count = data.draw(st.integers(0, n * len(ids)))
     shift, mask = 22, 2**22 - 1
-    out = _match.expand_array(_zeros(count), tuple(ids), count, n, shift, mask)
+    out = native.expand_array(_zeros(count), tuple(ids), count, n, shift, mask)
     assert type(out) is array and out.typecode == "i"
     naive = [j << shift | (h & mask) for h in ids for j in range(n)][:count]
     assert out.tolist() == naive
@@ -36,24 +38,28 @@ def test_expand_array_is_the_per_token_formula(n: int, ids: list[int], data: st.
 
 def test_expand_array_refuses_what_it_cannot_expand() -> None:
     with pytest.raises(ValueError):
-        _match.expand_array(_zeros(1025), (1, 2), 1025, 512, 22, 2**22 - 1)
+        native.expand_array(_zeros(1025), (1, 2), 1025, 512, 22, 2**22 - 1)
     with pytest.raises(TypeError):
-        _match.expand_array(_zeros(8), (1, "2"), 8, 4, 22, 2**22 - 1)
+        native.expand_array(_zeros(8), (1, "2"), 8, 4, 22, 2**22 - 1)
     with pytest.raises(TypeError):
-        _match.expand_array(_zeros(1), [1], 1, 4, 22, 2**22 - 1)
+        native.expand_array(_zeros(1), [1], 1, 4, 22, 2**22 - 1)
 
 
 def test_the_writer_fills_only_an_int32_array_of_the_count() -> None:
     for out in (_zeros(3), _zeros(5), array("l", [0] * 4), bytearray(16), b"\0" * 16):
         with pytest.raises((ValueError, TypeError, BufferError)):
-            _match.expand_array(out, (1,), 4, 4, 22, 2**22 - 1)
+            native.expand_array(out, (1,), 4, 4, 22, 2**22 - 1)
     out = _zeros(4)
-    assert _match.expand_array(out, (5,), 4, 4, 22, 2**22 - 1) is out
+    assert native.expand_array(out, (5,), 4, 4, 22, 2**22 - 1) is out
     assert out.tolist() == [5, 1 << 22 | 5, 2 << 22 | 5, 3 << 22 | 5]
 
 
-def test_the_native_writers_are_only_the_prompt_expansion() -> None:
-    assert not hasattr(_match, "id_run")  # the answers' ids come from numpy
+def test_the_prompt_formula_is_written_once_in_c() -> None:
+    """The router's extension writes no prompts (the simulator's extension, whose prompt
+    thread expands the same formula, does) and no answers (numpy writes their ids)."""
+    assert not hasattr(_match, "id_run")
+    assert not hasattr(_match, "expand_array")
+    assert native.expand_array.__module__ == "router_sim.sim._prefetch"
 
 
 def _answer_base(rid: int, length: int) -> int:

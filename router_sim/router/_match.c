@@ -24,8 +24,6 @@
  *   .device_bit(keys, bit, on) / .device_get(key)   the device-tier masks
  *   .words                  64-bit words per mask;  len(table): keys held
  *
- * It also writes the simulator's prompts as array('i') (expand_array).
- *
  * Linear probing; a key's home slot is a keyed mix of it (two rounds of the splitmix64
  * finalizer around a random key drawn when the module loads), so that neither sequential nor
  * crafted hashes pile into one run: the finalizer alone is invertible, and a worker that knew
@@ -841,82 +839,9 @@ static PyTypeObject MaskTableType = {
     .tp_new = MaskTable_new,
 };
 
-/* expand_array(out, ids, count, per_id, shift, mask) -> out
-
-   The simulator's prompt of Mooncake-style hash ids (router_sim.sim.workloads.expand_hash_ids):
-   token j of the block of id h is (j << shift) | (h & mask), blocks in id order, `count`
-   tokens in all (the last block cut short), written into out, an array('i') of count items. */
-/* The storage of out, which must be an array('i') of exactly n items (the caller makes it:
-   the array module has no C API), held in *view until the caller releases it (so that nothing
-   resizes the array meanwhile); NULL with an exception set otherwise. */
-static uint32_t *int32_storage(PyObject *out, Py_ssize_t n, Py_buffer *view) {
-    if (PyObject_GetBuffer(out, view, PyBUF_WRITABLE | PyBUF_FORMAT) < 0)
-        return NULL;
-    if (view->itemsize != 4 || view->format == NULL || strcmp(view->format, "i") != 0 ||
-        view->len != 4 * n) {
-        PyBuffer_Release(view);
-        PyErr_SetString(PyExc_ValueError, "out must be an array('i') of exactly count items");
-        return NULL;
-    }
-    return (uint32_t *)view->buf;
-}
-
-static PyObject *expand_array(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    if (nargs != 6 || !PyTuple_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError,
-                        "expand_array(out, ids: tuple, count, per_id, shift, mask)");
-        return NULL;
-    }
-    PyObject *ids = args[1];
-    Py_ssize_t count = PyLong_AsSsize_t(args[2]);
-    Py_ssize_t per_id = PyLong_AsSsize_t(args[3]);
-    long shift = PyLong_AsLong(args[4]);
-    unsigned long long mask = PyLong_AsUnsignedLongLong(args[5]);
-    if (PyErr_Occurred())
-        return NULL;
-    if (count < 0 || per_id < 1 || shift < 0 || shift > 31 || mask > UINT32_MAX ||
-        count > PY_SSIZE_T_MAX / 4 ||
-        count / per_id + (count % per_id != 0) > PyTuple_GET_SIZE(ids)) {
-        PyErr_SetString(PyExc_ValueError,
-                        "expand_array: count must be in [0, len(ids) * per_id], per_id >= 1, "
-                        "shift in [0, 31], mask < 2**32");
-        return NULL;
-    }
-    Py_buffer view;
-    uint32_t *t = int32_storage(args[0], count, &view);
-    if (t == NULL)
-        return NULL;
-    for (Py_ssize_t k = 0, done = 0; done < count; k++) {
-        PyObject *h = PyTuple_GET_ITEM(ids, k);
-        if (!PyLong_Check(h)) {
-            PyBuffer_Release(&view);
-            PyErr_SetString(PyExc_TypeError, "expand_array: hash ids must be ints");
-            return NULL;
-        }
-        uint32_t id = (uint32_t)(PyLong_AsUnsignedLongLongMask(h) & mask);
-        if (id == (uint32_t)-1 && PyErr_Occurred()) {
-            PyBuffer_Release(&view);
-            return NULL;
-        }
-        Py_ssize_t n = count - done < per_id ? count - done : per_id;
-        for (Py_ssize_t j = 0; j < n; j++)
-            t[done + j] = ((uint32_t)j << shift) | id;
-        done += n;
-    }
-    PyBuffer_Release(&view);
-    return Py_NewRef(args[0]);
-}
-
-static PyMethodDef module_methods[] = {
-    {"expand_array", (PyCFunction)(void (*)(void))expand_array, METH_FASTCALL,
-     "the simulator's prompt of hash ids written into an array('i') (router_sim.sim.workloads)."},
-    {NULL, NULL, 0, NULL},
-};
-
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_match", "Native loops of router_sim (the index's, the prompts').",
-    -1, module_methods,
+    PyModuleDef_HEAD_INIT, "_match", "The router index's key -> worker-mask table and its match loops.",
+    -1, NULL,
 };
 
 /* draws the placement key from os.urandom (0, or -1 with an exception set) */

@@ -1,6 +1,5 @@
 """Type stub of the native match loop of router_sim.router.indexer (built from _match.c)."""
 
-from array import array
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -57,10 +56,3 @@ class MaskTable:
         sets them, in this order): each value is set through them, without calling ``make``."""
 
     def __len__(self) -> int: ...
-
-def expand_array(
-    out: array[int], ids: tuple[int, ...], count: int, per_id: int, shift: int, mask: int, /
-) -> array[int]:
-    """``out`` (an ``array('i')`` of ``count`` items) filled with the prompt's tokens: token
-    ``j`` of the block of id ``h`` is ``(j << shift) | (h & mask)``, blocks in id order (the
-    last one cut short)."""

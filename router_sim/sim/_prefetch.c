@@ -24,6 +24,10 @@
  *   .close()  stops the thread and waits for it (also done when the object goes)
  *   len(p)    jobs not taken yet
  *
+ *   expand_array(out, ids, count, per_id, shift, mask) -> out
+ *     the same prompt written into out, an array('i') of count items, for the replay's thread
+ *     (router_sim.sim.workloads.expand_hash_ids): the formula has this one statement in C
+ *
  * The thread reads only C copies of the jobs made by the constructor and writes only its own
  * ring of `ahead` slots: it never touches a Python object, so it never takes the GIL. A slot
  * is written only while the replay cannot be reading it (the ring's counters, under one mutex,
@@ -120,21 +124,29 @@ static int reserve(void **buf, Py_ssize_t *cap, Py_ssize_t n, size_t size) {
     return 0;
 }
 
+/* The simulator's prompt of Mooncake-style hash ids (router_sim.sim.workloads.expand_hash_ids),
+   its one statement in C: token j of the block of (masked) id ids[k] is (j << shift) | ids[k],
+   per_id tokens per id, blocks in id order, count tokens in all (the last block cut short),
+   written to t. ids holds at least ceil(count / per_id) ids. */
+static void expand_ids(const uint32_t *ids, Py_ssize_t count, Py_ssize_t per_id, uint32_t shift,
+                       uint32_t *t) {
+    for (Py_ssize_t k = 0, done = 0; done < count; k++) {
+        Py_ssize_t n = count - done < per_id ? count - done : per_id;
+        uint32_t id = ids[k];
+        for (Py_ssize_t j = 0; j < n; j++) {
+            t[done + j] = ((uint32_t)j << shift) | id;
+        }
+        done += n;
+    }
+}
+
 static int make_slot(Prefetch *p, const job_t *job, slot_t *slot) {
     if (reserve((void **)&p->tokens, &p->tokens_cap, job->count > 0 ? job->count : 1,
                 sizeof(uint32_t)) < 0) {
         return -1;
     }
     uint32_t *t = p->tokens;
-    for (Py_ssize_t k = 0, done = 0; done < job->count; k++) {
-        Py_ssize_t n = job->count - done < (Py_ssize_t)p->per_id ? job->count - done
-                                                                  : (Py_ssize_t)p->per_id;
-        uint32_t id = job->ids[k];
-        for (Py_ssize_t j = 0; j < n; j++) {
-            t[done + j] = ((uint32_t)j << p->shift) | id;
-        }
-        done += n;
-    }
+    expand_ids(job->ids, job->count, (Py_ssize_t)p->per_id, p->shift, t);
     slot->n_hashes = 0;
     if (job->hashed) {
         Py_ssize_t nblocks = job->count / p->tpb;
@@ -517,9 +529,82 @@ static PyTypeObject PrefetchType = {
     .tp_new = Prefetch_new,
 };
 
+/* expand_array(out, ids, count, per_id, shift, mask) -> out
+
+   The prompt of ids (a tuple of ints, each taken modulo 2**64 and masked) as expand_ids
+   writes it, into out, an array('i') of exactly count items (the caller makes it: the array
+   module has no C API), held through its buffer while it is written. */
+static PyObject *expand_array(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 6 || !PyTuple_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "expand_array(out, ids: tuple, count, per_id, shift, mask)");
+        return NULL;
+    }
+    PyObject *ids = args[1];
+    Py_ssize_t count = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t per_id = PyLong_AsSsize_t(args[3]);
+    long shift = PyLong_AsLong(args[4]);
+    unsigned long long mask = PyLong_AsUnsignedLongLong(args[5]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (count < 0 || per_id < 1 || shift < 0 || shift > 31 || mask > UINT32_MAX ||
+        count > PY_SSIZE_T_MAX / 4 ||
+        count / per_id + (count % per_id != 0) > PyTuple_GET_SIZE(ids)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "expand_array: count must be in [0, len(ids) * per_id], per_id >= 1, "
+                        "shift in [0, 31], mask < 2**32");
+        return NULL;
+    }
+    Py_ssize_t k = count / per_id + (count % per_id != 0);
+    uint32_t *masked = PyMem_Malloc((size_t)(k > 0 ? k : 1) * sizeof(uint32_t));
+    if (masked == NULL) {
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < k; i++) {
+        PyObject *h = PyTuple_GET_ITEM(ids, i);
+        if (!PyLong_Check(h)) {
+            PyMem_Free(masked);
+            PyErr_SetString(PyExc_TypeError, "expand_array: hash ids must be ints");
+            return NULL;
+        }
+        unsigned long long v = PyLong_AsUnsignedLongLongMask(h);
+        if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyMem_Free(masked);
+            return NULL;
+        }
+        masked[i] = (uint32_t)(v & mask);
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE | PyBUF_FORMAT) < 0) {
+        PyMem_Free(masked);
+        return NULL;
+    }
+    if (view.itemsize != 4 || view.format == NULL || strcmp(view.format, "i") != 0 ||
+        view.len != 4 * count) {
+        PyBuffer_Release(&view);
+        PyMem_Free(masked);
+        PyErr_SetString(PyExc_ValueError, "out must be an array('i') of exactly count items");
+        return NULL;
+    }
+    expand_ids(masked, count, per_id, (uint32_t)shift, (uint32_t *)view.buf);
+    PyBuffer_Release(&view);
+    PyMem_Free(masked);
+    return Py_NewRef(args[0]);
+}
+
+static PyMethodDef module_methods[] = {
+    {"expand_array", (PyCFunction)(void (*)(void))expand_array, METH_FASTCALL,
+     "the simulator's prompt of hash ids written into an array('i') (router_sim.sim.workloads)."},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "router_sim.sim._prefetch",
-    "The simulator's prompts and their hashes, made ahead on a native thread.", -1, NULL,
+    "The simulator's prompts (expand_array) and their hashes, made ahead on a native thread "
+    "(Prefetch).",
+    -1, module_methods,
 };
 
 PyMODINIT_FUNC PyInit__prefetch(void) {

@@ -1,6 +1,7 @@
 """Type stub of the simulator's prompt thread (built from _prefetch.c; see
 router_sim.sim.prefetch)."""
 
+from array import array
 from collections.abc import Sequence
 
 from kvcache.hashing import BlockKey
@@ -30,3 +31,10 @@ class Prefetch:
 
     def __len__(self) -> int:
         """Jobs not taken yet."""
+
+def expand_array(
+    out: array[int], ids: tuple[int, ...], count: int, per_id: int, shift: int, mask: int, /
+) -> array[int]:
+    """``out`` (an ``array('i')`` of ``count`` items) filled with the prompt's tokens: token
+    ``j`` of the block of id ``h`` is ``(j << shift) | (h & mask)``, blocks in id order (the
+    last one cut short)."""

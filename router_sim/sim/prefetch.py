@@ -23,7 +23,7 @@ from typing import Protocol
 
 from kvcache.hashing import BlockKey, root_key
 from kvcache.scope import ReuseScope
-from router_sim.sim._prefetch import KEYS, Prefetch
+from router_sim.sim.native import KEYS, Prefetch
 from router_sim.sim.workloads import PROMPT_TOKEN_BITS, TOKENS_PER_HASH_ID, Request, _layout
 
 __all__ = ["AHEAD", "ENABLED", "Made", "PromptSource", "prompt_source"]

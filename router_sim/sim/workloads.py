@@ -28,7 +28,7 @@ from typing import Final
 import numpy
 
 from kvcache.scope import ReuseScope
-from router_sim.router._match import expand_array
+from router_sim.sim.native import expand_array
 
 
 def _hash_ids_needed(hash_ids: tuple[int, ...], input_length: int, n: int) -> int:
@@ -76,9 +76,9 @@ def expand_hash_ids(
     (``b = 21`` for 512 tokens per id: 2,097,152 distinct ids; every token below 2**30): equal
     ids give equal tokens, distinct ids (below 2**b) give disjoint tokens, so two prompts share
     exactly the token prefix their hash ids share.
-    The last block is cut so the prompt has ``input_length`` tokens. The native extension
-    (``router_sim.router._match.expand_array``) writes the prompt in one pass, into an array
-    made here.
+    The last block is cut so the prompt has ``input_length`` tokens. The simulator's native
+    extension (``router_sim.sim._prefetch.expand_array``, the C statement of the formula its
+    prompt thread uses too) writes the prompt in one pass, into an array made here.
     """
     n = tokens_per_hash_id
     _hash_ids_needed(hash_ids, input_length, n)
