@@ -147,6 +147,20 @@ def _median(runs: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
+def _config(args: argparse.Namespace, spec: str) -> tuple[str, SimConfig]:
+    """The policy and configuration of one ``NAME[:{json options}]`` spec, on the first of
+    ``--tokens-per-block`` and ``--device-blocks`` (the side-by-side modes run one shape)."""
+    policy, _, options = spec.partition(":")
+    config = SimConfig(
+        workers=args.workers,
+        tokens_per_block=int(args.tokens_per_block.split(",")[0]),
+        device_blocks=int(args.device_blocks.split(",")[0]),
+        policy_options={policy: json.loads(options)} if options else {},
+        events=args.events,
+    )
+    return policy, config
+
+
 def against_dynamo(args: argparse.Namespace) -> None:
     tpb = int(args.tokens_per_block.split(",")[0])
     blocks = int(args.device_blocks.split(",")[0])
@@ -167,14 +181,7 @@ def against_dynamo(args: argparse.Namespace) -> None:
             requests = load_trace(args.trace, speedup=speedup, max_requests=args.max_requests)
             load_s = time.perf_counter() - t0
             for spec in args.policies:
-                policy, _, options = spec.partition(":")
-                config = SimConfig(
-                    workers=args.workers,
-                    tokens_per_block=tpb,
-                    device_blocks=blocks,
-                    policy_options={policy: json.loads(options)} if options else {},
-                    events=args.events,
-                )
+                policy, config = _config(args, spec)
                 mode = "round_robin" if policy == "round_robin" else "kv_router"
                 ours_runs, theirs_runs = [], []
                 for _ in range(args.repeats):
@@ -196,18 +203,6 @@ def against_dynamo(args: argparse.Namespace) -> None:
                     f"  {statistics.median(pairs):.2f} ({min(pairs):.2f}-{max(pairs):.2f})",
                     flush=True,
                 )
-
-
-def _config(args: argparse.Namespace, spec: str) -> tuple[str, SimConfig]:
-    policy, _, options = spec.partition(":")
-    config = SimConfig(
-        workers=args.workers,
-        tokens_per_block=int(args.tokens_per_block.split(",")[0]),
-        device_blocks=int(args.device_blocks.split(",")[0]),
-        policy_options={policy: json.loads(options)} if options else {},
-        events=args.events,
-    )
-    return policy, config
 
 
 def _serve_runs(args: argparse.Namespace) -> None:
