@@ -549,15 +549,15 @@ static PyObject *expand_array(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (PyErr_Occurred()) {
         return NULL;
     }
+    /* the ids the prompt spans (its last block may be cut) */
+    Py_ssize_t k = per_id >= 1 ? count / per_id + (count % per_id != 0) : 0;
     if (count < 0 || per_id < 1 || shift < 0 || shift > 31 || mask > UINT32_MAX ||
-        count > PY_SSIZE_T_MAX / 4 ||
-        count / per_id + (count % per_id != 0) > PyTuple_GET_SIZE(ids)) {
+        count > PY_SSIZE_T_MAX / 4 || k > PyTuple_GET_SIZE(ids)) {
         PyErr_SetString(PyExc_ValueError,
                         "expand_array: count must be in [0, len(ids) * per_id], per_id >= 1, "
                         "shift in [0, 31], mask < 2**32");
         return NULL;
     }
-    Py_ssize_t k = count / per_id + (count % per_id != 0);
     uint32_t *masked = PyMem_Malloc((size_t)(k > 0 ? k : 1) * sizeof(uint32_t));
     if (masked == NULL) {
         return PyErr_NoMemory();
