@@ -19,69 +19,10 @@ import ast
 from pathlib import Path
 
 import pytest
-from layout_helpers import cycle
+from layout_helpers import cycle, extensions, import_graph, module_files, named
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("kvcache", "events", "router_sim")
-
-
-def _module_files(root: Path, packages: tuple[str, ...]) -> dict[str, Path]:
-    """Dotted name -> file of every Python module of ``packages`` under ``root`` (a package's
-    ``__init__.py`` under the package's own name)."""
-    found: dict[str, Path] = {}
-    for pkg in packages:
-        for path in sorted((root / pkg).rglob("*.py")):
-            parts = list(path.relative_to(root).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts.pop()
-            found[".".join(parts)] = path
-    return found
-
-
-def _extensions(root: Path, packages: tuple[str, ...]) -> set[str]:
-    """Dotted names of the native extensions: the C files that define a module init."""
-    out = set()
-    for pkg in packages:
-        for path in sorted((root / pkg).rglob("*.c")):
-            if "PyMODINIT_FUNC" in path.read_text():
-                out.add(".".join(path.relative_to(root).with_suffix("").parts))
-    return out
-
-
-def _named(name: str, path: Path, node: ast.Import | ast.ImportFrom, known: set[str]) -> set[str]:
-    """The project modules (of ``known``) one import statement in module ``name`` names: the
-    module itself for ``import a.b`` and ``from a.b import c``, the submodule for ``from a
-    import b`` when ``a.b`` is a module."""
-    if isinstance(node, ast.Import):
-        return {a.name for a in node.names if a.name in known}
-    base = node.module or ""
-    if node.level:
-        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-        package = package[: len(package) - node.level + 1]
-        base = ".".join([*package, *([node.module] if node.module else [])])
-    out = set()
-    for alias in node.names:
-        full = f"{base}.{alias.name}"
-        out.add(full if full in known else base)
-    return out & known
-
-
-def import_graph(root: Path, packages: tuple[str, ...] = PACKAGES) -> dict[str, set[str]]:
-    """Module -> the project modules it imports anywhere (see the module docstring)."""
-    files = _module_files(root, packages)
-    known = set(files) | _extensions(root, packages)
-    graph: dict[str, set[str]] = {}
-    for name, path in files.items():
-        edges: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                edges |= _named(name, path, node, known)
-            elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module":
-                arg = node.args[0] if node.args else None
-                if isinstance(arg, ast.Constant) and arg.value in known:
-                    edges.add(str(arg.value))
-        graph[name] = edges - {name}
-    return graph
 
 
 def _write(root: Path, files: dict[str, str]) -> Path:
@@ -93,7 +34,7 @@ def _write(root: Path, files: dict[str, str]) -> Path:
 
 
 def test_no_import_circle_in_the_project() -> None:
-    graph = import_graph(ROOT)
+    graph = import_graph(ROOT, PACKAGES)
     assert len(graph) > 100 and "router_sim.router.routing" in graph  # it read the tree
     assert "kvcache.hashing" in graph["router_sim.router.routing"]
     assert cycle(graph) is None, " -> ".join(cycle(graph) or [])
@@ -120,7 +61,7 @@ def _loaders(root: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
     graph = import_graph(root, packages)
     return {
         ext: {name for name, edges in graph.items() if ext in edges}
-        for ext in sorted(_extensions(root, packages))
+        for ext in sorted(extensions(root, packages))
     }
 
 
@@ -149,8 +90,8 @@ def _twins_and_switches(root: Path, packages: tuple[str, ...]) -> list[str]:
     """``*_py`` functions, and ``except ImportError`` handlers whose ``try`` imports a project
     module (a switch between two implementations), as ``file:line``."""
     found = []
-    files = _module_files(root, packages)
-    known = set(files) | _extensions(root, packages)
+    files = module_files(root, packages)
+    known = set(files) | extensions(root, packages)
     for name, path in files.items():
         where = path.relative_to(root)
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -170,7 +111,7 @@ def _twins_and_switches(root: Path, packages: tuple[str, ...]) -> list[str]:
             if not guards & {"ImportError", "ModuleNotFoundError"}:
                 continue
             for inner in (n for stmt in node.body for n in ast.walk(stmt)):
-                if isinstance(inner, (ast.Import, ast.ImportFrom)) and _named(
+                if isinstance(inner, (ast.Import, ast.ImportFrom)) and named(
                     name, path, inner, known
                 ):
                     found.append(f"{where}:{inner.lineno} import switch")
@@ -200,5 +141,6 @@ def test_the_twin_check_sees_a_twin_and_a_switch(tmp_path: Path) -> None:
 @pytest.mark.parametrize("package", PACKAGES)
 def test_every_module_of_the_packages_is_read(package: str) -> None:
     """The checks above read every module: each package's files are in the graph."""
-    files = {p for p in (ROOT / package).rglob("*.py")}
-    assert len(files) == sum(1 for name in import_graph(ROOT) if name.split(".")[0] == package)
+    files = set((ROOT / package).rglob("*.py"))
+    graph = import_graph(ROOT, PACKAGES)
+    assert len(files) == sum(1 for name in graph if name.split(".")[0] == package)
