@@ -40,6 +40,7 @@ import time
 import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Final
 
 import msgspec
 
@@ -131,41 +132,45 @@ def blocks_of(batches: list[DecodedBatch]) -> int:
     return sum(len(e.data.blocks) for b in batches for e in b.events if isinstance(e.data, Stored))
 
 
+# the child: argv[1] the checkout, argv[2] the pickled sets, argv[3] the line that defines
+# ``run`` (what is timed on each item of a set)
 _CHILD = """
 import pickle, sys, time
 sys.path.insert(0, sys.argv[1])
-from events.wire.codec import decode_batch
+exec(sys.argv[3])
 sets = pickle.load(open(sys.argv[2], "rb"))
-sys.stdout.buffer.write(pickle.dumps({k: [decode_batch(p) for p in v] for k, v in sets.items()}))
+sys.stdout.buffer.write(pickle.dumps({k: [run(p) for p in v] for k, v in sets.items()}))
 sys.stdout.flush()
 for name in sys.stdin:
-    payloads = sets[name.strip()]
+    items = sets[name.strip()]
     t, c = time.perf_counter(), time.thread_time()
-    for p in payloads:
-        decode_batch(p)
+    for p in items:
+        run(p)
     print(time.perf_counter() - t, time.thread_time() - c, flush=True)
 """
+DECODE: Final = "from events.wire.codec import decode_batch as run"
 
 
 class ReferenceDecoder:
-    """The ``decode_batch`` of another checkout, in a child process that holds the same payload
-    sets: :meth:`seconds` times one set there (the caller alternates it with its own rounds),
-    ``batches`` holds what it decoded (unpickled into this tree's model classes)."""
+    """The ``decode_batch`` of another checkout (or, with ``run``, what that line of Python
+    defines as ``run``), in a child process that holds the same sets: :meth:`seconds` times one
+    set there (the caller alternates it with its own rounds), ``batches`` holds what it gave
+    for each item (unpickled into this tree's classes)."""
 
-    def __init__(self, checkout: Path, sets: dict[str, list[bytes]]) -> None:
+    def __init__(self, checkout: Path, sets: dict[str, list[Any]], run: str = DECODE) -> None:
         with tempfile.NamedTemporaryFile(suffix=".pkl", delete=False) as tmp:
             pickle.dump(sets, tmp)
-        argv = [sys.executable, "-c", _CHILD, str(checkout.resolve()), tmp.name]
+        argv = [sys.executable, "-c", _CHILD, str(checkout.resolve()), tmp.name, run]
         self.checkout = checkout
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         assert self.proc.stdout is not None
         try:
-            self.batches: dict[str, list[DecodedBatch]] = pickle.load(self.proc.stdout)
+            self.batches: dict[str, list[Any]] = pickle.load(self.proc.stdout)
         finally:
             Path(tmp.name).unlink()
 
     def seconds(self, name: str, cpu: bool = False) -> float:
-        """Wall seconds (or with ``cpu``, the child's thread CPU seconds) to decode a set."""
+        """Wall seconds (or with ``cpu``, the child's thread CPU seconds) to run a set."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(name.encode() + b"\n")
         self.proc.stdin.flush()

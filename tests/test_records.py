@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import gc
 from array import array
+from typing import Any
 
 import msgpack
+import msgspec
 import pytest
 from _reference import v1_block_hash as v1_block_hash_ref
 from hypothesis import given, settings
@@ -199,8 +201,16 @@ def test_payload_is_what_the_msgpack_reference_writes(
         KVCacheEvent(2, Stored(9, [StoredBlock(10, [1, 2])])),
         KVCacheEvent(3, Removed(["ab" * 32], 1), hash_algo="v2_sha256"),
     ]
-    wire: list[dict[str, object]] = []
+    structs: list[Any] = []
     for event in events:
-        codec._encode_event(event, dp_rank, wire)
+        codec._encode_event(event, dp_rank, structs)
+    # each wire event as a map: its type, then the fields it sets, in the Struct's order
+    wire = [
+        {
+            "type": type(e).__struct_config__.tag,
+            **{k: v for k, v in msgspec.structs.asdict(e).items() if v is not msgspec.UNSET},
+        }
+        for e in structs
+    ]
     expected = msgpack.packb([float(ts), wire, dp_rank], use_bin_type=True)
     assert encode_batch(events, ts, dp_rank) == expected

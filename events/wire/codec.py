@@ -35,7 +35,10 @@ unknown fields and every field they require is present (``lora_id``, ``lora_name
 ``medium``); tests check it against the structs recorded from their releases
 (``tests/data/engines/decoder_rules.json``).
 
-The payload is written by msgspec; the native extension ``events.wire._wire`` writes token ids
+Each wire event is a Struct of the writer's (``events.wire.structs.writer_types("native")``,
+declared from the table the decoder's Structs come from), and :func:`encode_payload`, the one
+writer of payloads (the simulator's engine dialects use it with their engines' Structs), has
+msgspec write them. The native extension ``events.wire._wire`` writes token ids
 that come packed (``array('i')``, as the event manager's records hold them) as a msgpack array
 straight from the int32s, byte for byte what msgspec writes for the same ints as a list, handed
 to msgspec as ``msgspec.Raw``: no Python int per token.
@@ -57,8 +60,9 @@ from operator import attrgetter
 from typing import Any, Final, cast
 
 import msgspec
+from msgspec import UNSET
 
-from events.wire.decode import DEFAULT_LIMITS, POSITIONAL_FIELDS, DecodeLimits, decode_batch
+from events.wire.decode import DEFAULT_LIMITS, DecodeLimits, decode_batch
 from events.wire.fast import pack_tokens
 from events.wire.json_codec import (
     DecodeError,
@@ -79,6 +83,7 @@ from events.wire.model import (
     medium_of,
     wire_runs,
 )
+from events.wire.structs import writer_types
 from kvcache.scope import U64_LIMIT
 
 # msgspec writes the payload (the library vLLM and SGLang encode these events with): maps in
@@ -86,6 +91,14 @@ from kvcache.scope import U64_LIMIT
 _ENCODER: Final = msgspec.msgpack.Encoder()
 
 _DEFAULT_ALGO: Final = "v1_block_key"
+
+# the writer's event Structs (events.wire.structs.WRITERS["native"])
+_NATIVE: Final = writer_types("native")
+_STORED: Final = _NATIVE.map["BlockStored"]
+_REMOVED: Final = _NATIVE.map["BlockRemoved"]
+_CLEARED: Final = _NATIVE.map["AllBlocksCleared"]
+_UPDATED: Final = _NATIVE.map["BlockUpdated"]
+_CREATED: Final = _NATIVE.map["CacheCreated"]
 _SHA256_BYTES: Final = 32
 
 
@@ -112,15 +125,17 @@ def _wire_hashes(hashes: list[BlockHash]) -> list[int | bytes]:
     return [_wire_hash(h) for h in hashes]
 
 
-def _common(event: KVCacheEvent, out: dict[str, Any], dp_rank: int | None) -> dict[str, Any]:
-    if "hash_algo" not in out and event.hash_algo != _DEFAULT_ALGO:
-        out["hash_algo"] = event.hash_algo
-    out["event_id"] = event.event_id
-    if event.window_size:
-        out["window_size"] = event.window_size
-    if event.attention_dp_rank != dp_rank:
-        out["attention_dp_rank"] = event.attention_dp_rank
-    return out
+def _tail(event: KVCacheEvent, dp_rank: int | None) -> tuple[Any, int, Any, Any]:
+    """The event's own fields every wire event of it carries: ``hash_algo`` unless the
+    default, ``event_id``, ``window_size`` unless 0, ``attention_dp_rank`` unless the batch's
+    (UNSET: not written)."""
+    rank = event.attention_dp_rank
+    return (
+        UNSET if event.hash_algo == _DEFAULT_ALGO else event.hash_algo,
+        event.event_id,
+        event.window_size or UNSET,
+        UNSET if rank == dp_rank else rank,
+    )
 
 
 _Run = tuple[int, TokenIds, list[BlockHash]]
@@ -132,10 +147,10 @@ _TYPECODE: Final = attrgetter("typecode")
 def _joined(parts: list[TokenIds]) -> TokenIds:
     """A run's token ids in one container: an ``array('i')`` when every part is one, else a
     list (a lone part as it is: the writer only reads it)."""
+    if len(parts) == 1:
+        return parts[0]
     if set(map(type, parts)) == {array} and set(map(_TYPECODE, parts)) == {"i"}:
-        return (
-            parts[0] if len(parts) == 1 else array("i", b"".join(cast("list[array[int]]", parts)))
-        )
+        return array("i", b"".join(cast("list[array[int]]", parts)))
     return [t for part in parts for t in part]
 
 
@@ -169,9 +184,7 @@ def wire_tokens(tokens: TokenIds) -> TokenIds | msgspec.Raw:
     return tokens.tolist() if packed is None else msgspec.Raw(packed)
 
 
-def _encode_stored(
-    event: KVCacheEvent, data: Stored, dp_rank: int | None, out: list[dict[str, Any]]
-) -> None:
+def _encode_stored(event: KVCacheEvent, data: Stored, dp_rank: int | None, out: list[Any]) -> None:
     blocks = data.blocks
     if not blocks:
         return  # nothing stored: nothing to announce
@@ -179,23 +192,28 @@ def _encode_stored(
     if data.block_size is not None and data.block_size < 1:
         raise ValueError(f"Stored.block_size must be >= 1, got {block_size}")
     parent = data.parent_hash
+    _, event_id, window, rank = _tail(event, dp_rank)
     start = 0
     for end, token_ids, hashes in _stored_runs(blocks, block_size):
         first = blocks[start]
-        wire = {
-            "type": "BlockStored",
-            "block_hashes": _wire_hashes(hashes),
-            "parent_block_hash": None if parent is None else _wire_hash(parent),
-            "token_ids": wire_tokens(token_ids),
-            "block_size": block_size,
-            "lora_id": first.lora_id,
-            "medium": medium_of(first.cache_level),
-            "lora_name": None,
-            "cache_salt_id": first.cache_salt_id,
-            "hash_algo": event.hash_algo,
-            "priority": first.priority,
-        }
-        out.append(_common(event, wire, dp_rank))
+        out.append(
+            _STORED(
+                block_hashes=_wire_hashes(hashes),
+                parent_block_hash=None if parent is None else _wire_hash(parent),
+                token_ids=wire_tokens(token_ids),
+                block_size=block_size,
+                lora_id=first.lora_id,
+                medium=medium_of(first.cache_level),
+                lora_name=None,
+                cache_salt_id=first.cache_salt_id,
+                # a store always names its hash algorithm (a consumer keys its blocks by it)
+                hash_algo=event.hash_algo,
+                priority=first.priority,
+                event_id=event_id,
+                window_size=window,
+                attention_dp_rank=rank,
+            )
+        )
         parent = hashes[-1]
         start = end
 
@@ -204,32 +222,43 @@ def _diff_wire(diff: EventDiff | None) -> list[int] | None:
     return None if diff is None else [diff.old_value, diff.new_value]
 
 
-def _encode_move(
-    event: KVCacheEvent, data: Updated, dp_rank: int | None, out: list[dict[str, Any]]
-) -> None:
+def _encode_move(event: KVCacheEvent, data: Updated, dp_rank: int | None, out: list[Any]) -> None:
     """A tier move as engines send it: removed on the old medium, a placeholder store (no
     token ids) on the new one. A priority change alone is not announced."""
     diff = data.cache_level
     if diff is None or diff.old_value == diff.new_value:
         return
     h = _wire_hash(data.block_hash)
-    removed = {"type": "BlockRemoved", "block_hashes": [h], "medium": medium_of(diff.old_value)}
-    out.append(_common(event, removed, dp_rank))
-    stored = {
-        "type": "BlockStored",
-        "block_hashes": [h],
-        "parent_block_hash": None,
-        "token_ids": [],
-        "block_size": 0,
-        "lora_id": None,
-        "medium": medium_of(diff.new_value),
-        "lora_name": None,
-    }
-    out.append(_common(event, stored, dp_rank))
+    algo, event_id, window, rank = _tail(event, dp_rank)
+    out.append(
+        _REMOVED(
+            block_hashes=[h],
+            medium=medium_of(diff.old_value),
+            hash_algo=algo,
+            event_id=event_id,
+            window_size=window,
+            attention_dp_rank=rank,
+        )
+    )
+    out.append(
+        _STORED(
+            block_hashes=[h],
+            parent_block_hash=None,
+            token_ids=[],
+            block_size=0,
+            lora_id=None,
+            medium=medium_of(diff.new_value),
+            lora_name=None,
+            hash_algo=algo,
+            event_id=event_id,
+            window_size=window,
+            attention_dp_rank=rank,
+        )
+    )
 
 
 def _encode_event(
-    event: KVCacheEvent, dp_rank: int | None, out: list[dict[str, Any]], extensions: bool = False
+    event: KVCacheEvent, dp_rank: int | None, out: list[Any], extensions: bool = False
 ) -> None:
     data = event.data
     if isinstance(data, Stored):
@@ -241,48 +270,55 @@ def _encode_event(
             return
         if isinstance(data, Created):
             return
-    wire: dict[str, Any]
+    algo, event_id, window, rank = _tail(event, dp_rank)
+    wire: Any
     if isinstance(data, Removed):
-        wire = {
-            "type": "BlockRemoved",
-            "block_hashes": _wire_hashes(data.block_hashes),
-            "medium": None if data.cache_level is None else medium_of(data.cache_level),
-        }
+        level = data.cache_level
+        wire = _REMOVED(
+            block_hashes=_wire_hashes(data.block_hashes),
+            medium=None if level is None else medium_of(level),
+            hash_algo=algo,
+            event_id=event_id,
+            window_size=window,
+            attention_dp_rank=rank,
+        )
     elif isinstance(data, AllBlocksCleared):
-        wire = {"type": "AllBlocksCleared"}
+        wire = _CLEARED(
+            hash_algo=algo, event_id=event_id, window_size=window, attention_dp_rank=rank
+        )
     elif isinstance(data, Updated):
-        wire = {
-            "type": "BlockUpdated",
-            "block_hash": _wire_hash(data.block_hash),
-            "cache_level": _diff_wire(data.cache_level),
-            "priority": _diff_wire(data.priority),
-        }
+        wire = _UPDATED(
+            block_hash=_wire_hash(data.block_hash),
+            cache_level=_diff_wire(data.cache_level),
+            priority=_diff_wire(data.priority),
+            hash_algo=algo,
+            event_id=event_id,
+            window_size=window,
+            attention_dp_rank=rank,
+        )
     elif isinstance(data, Created):
-        wire = {
-            "type": "CacheCreated",
-            "num_blocks_per_cache_level": list(data.num_blocks_per_cache_level),
-        }
+        wire = _CREATED(
+            num_blocks_per_cache_level=list(data.num_blocks_per_cache_level),
+            hash_algo=algo,
+            event_id=event_id,
+            window_size=window,
+            attention_dp_rank=rank,
+        )
     else:
         raise TypeError(f"not an event payload: {type(data).__name__}")
-    out.append(_common(event, wire, dp_rank))
+    out.append(wire)
 
 
-_POSITIONAL_FIELDS: Final[dict[str, tuple[str, ...]]] = {
-    # vLLM 0.11's array_like structs, in field order: the decoder's order up to ``medium``
-    "BlockStored": POSITIONAL_FIELDS["BlockStored"][:6],
-    "BlockRemoved": POSITIONAL_FIELDS["BlockRemoved"],
-    "AllBlocksCleared": POSITIONAL_FIELDS["AllBlocksCleared"],
-}
-
-
-def _positional(wire: list[dict[str, Any]]) -> list[list[Any]]:
-    out: list[list[Any]] = []
+def _positional(wire: list[Any]) -> list[Any]:
+    """The map-form events as vLLM 0.11's positional ones (its fields, in its order)."""
+    out: list[Any] = []
     for event in wire:
-        kind = event["type"]
-        names = _POSITIONAL_FIELDS.get(kind)
-        if names is None:
+        kind = _NATIVE.kind[type(event)]
+        positional = _NATIVE.positional.get(kind)
+        if positional is None:
             raise ValueError(f"{kind} has no positional form (extension events are map-only)")
-        out.append([kind, *(event[name] for name in names)])
+        names = _NATIVE.positional_fields[kind]
+        out.append(positional(*(getattr(event, name) for name in names)))
     return out
 
 
@@ -291,6 +327,13 @@ WRITTEN_AS_IS: Final = (Stored, Removed, AllBlocksCleared)
 :func:`decode_batch` gives back equal, a ``Stored`` provided its blocks form one run (as the
 event manager's do). ``Updated`` travels as a removal plus a placeholder store and ``Created``
 not at all (see the module docstring)."""
+
+
+def encode_payload(events: list[Any], ts: float, dp_rank: int | None) -> bytes:
+    """The payload ``[ts, events, dp_rank]`` of wire events already built as a writer's
+    Structs (``events.wire.structs.writer_types``): the one place every writer's payload is
+    written, this module's and the engine dialects'."""
+    return _ENCODER.encode([float(ts), events, dp_rank])
 
 
 def encode_batch(
@@ -314,12 +357,12 @@ def encode_batch(
     """
     if form not in ("map", "positional"):
         raise ValueError(f"form must be 'map' or 'positional', got {form!r}")
-    wire: list[dict[str, Any]] = []
+    wire: list[Any] = []
     for event in events:
         _encode_event(event, dp_rank, wire, extensions)
     if form == "positional":
-        return _ENCODER.encode([float(ts), _positional(wire), dp_rank])
-    return _ENCODER.encode([float(ts), wire, dp_rank])
+        wire = _positional(wire)
+    return encode_payload(wire, ts, dp_rank)
 
 
 __all__ = [
@@ -328,6 +371,7 @@ __all__ = [
     "DecodeLimits",
     "decode_batch",
     "encode_batch",
+    "encode_payload",
     "from_json",
     "to_json",
 ]

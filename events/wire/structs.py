@@ -1,5 +1,6 @@
-"""The wire's event types, declared once (WIRE.md section 4), and the model events built from
-them.
+"""The wire's event types, declared once (WIRE.md section 4): the Structs every decoder path
+reads events into, the model events built from them, and the Structs every writer writes
+(:data:`WRITERS`, :func:`writer_types`: this project's encoder and the engines' dialects).
 
 :func:`event_types` makes, from the one table below, the msgspec Structs msgspec decodes each
 wire event into, checking types and ranges as it reads: map-form events tagged by their
@@ -380,3 +381,150 @@ def event_of(
         e.hash_algo,
         dp_rank if rank is UNSET else rank,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# The writers: each one's events as Structs of the table's fields.
+#
+# msgspec writes a Struct's fields in their declared order, leaves out a field holding UNSET
+# (and, with ``omit_defaults``, one holding its default), and picks the map header by the
+# number of fields the type declares, the tag included: a fixmap for 15 or fewer, else a map16
+# (even when fewer are written). So a writer's Struct declares exactly the fields its engine's
+# own Struct declares, in that engine's order, for its frames to be byte for byte the engine's.
+
+#: a field every event of the type carries
+ALWAYS: Final = NODEFAULT
+
+#: what every BlockStored of vLLM's (>= 0.25) carries, in its order (its positional fields);
+#: SGLang's first five
+_STORE: Final = tuple((name, ALWAYS) for name in POSITIONAL_FIELDS["BlockStored"])
+_TAIL: Final = (("hash_algo", UNSET), ("event_id", ALWAYS), ("window_size", UNSET))
+_RANK: Final = (("attention_dp_rank", UNSET),)
+
+#: Per writer: per event type, its map fields after ``type`` in the order written, each with
+#: its default (:data:`ALWAYS`: always written; UNSET: written when set; None: written when not
+#: None, the engines' ``omit_defaults``), and whether the writer leaves out defaults.
+WRITERS: Final[dict[str, tuple[bool, dict[str, tuple[tuple[str, Any], ...]]]]] = {
+    # this project's encoder (events.wire.codec.encode_batch): vLLM's required fields, then its
+    # extensions (cache_salt_id, hash_algo, priority and the event's own fields)
+    "native": (
+        False,
+        {
+            "BlockStored": (
+                *_STORE,
+                ("cache_salt_id", UNSET),
+                ("hash_algo", UNSET),
+                ("priority", UNSET),
+                *_TAIL[1:],
+                *_RANK,
+            ),
+            "BlockRemoved": (("block_hashes", ALWAYS), ("medium", ALWAYS), *_TAIL, *_RANK),
+            "AllBlocksCleared": (*_TAIL, *_RANK),
+            "BlockUpdated": (
+                ("block_hash", ALWAYS),
+                ("cache_level", ALWAYS),
+                ("priority", ALWAYS),
+                *_TAIL,
+                *_RANK,
+            ),
+            "CacheCreated": (("num_blocks_per_cache_level", ALWAYS), *_TAIL, *_RANK),
+        },
+    ),
+    # vLLM 0.33's KV-event structs (tests/data/engines/decoder_rules.json: its fields in order,
+    # which are required), written as vLLM writes them (omit_defaults). The four fields after
+    # kv_cache_spec_sliding_window are vLLM's; this project never sets them.
+    "vllm": (
+        True,
+        {
+            "BlockStored": (
+                *_STORE,
+                ("extra_keys", None),
+                ("group_idx", None),
+                ("kv_cache_spec_kind", None),
+                ("kv_cache_spec_sliding_window", None),
+                ("locality", None),
+                ("ownership", None),
+                ("session_id", None),
+                ("lookahead_token_ids", None),
+            ),
+            "BlockRemoved": (
+                ("block_hashes", ALWAYS),
+                ("medium", ALWAYS),
+                ("group_idx", None),
+                ("locality", None),
+                ("ownership", None),
+            ),
+            "AllBlocksCleared": (),
+        },
+    ),
+    # SGLang 0.5.23's (sglang/srt/disaggregation/kv_events.py, as decoder_rules.json records
+    # them), omit_defaults as SGLang writes them
+    "sglang": (
+        True,
+        {
+            "BlockStored": (
+                *_STORE[:5],
+                ("medium", None),
+                ("cache_salt", None),
+                ("session_id", None),
+                ("lora_name", None),
+            ),
+            "BlockRemoved": (("block_hashes", ALWAYS), ("medium", None)),
+            "AllBlocksCleared": (),
+        },
+    ),
+}
+
+
+class WriterTypes:
+    """One writer's event Structs (:data:`WRITERS`): ``map[kind]`` tagged by ``"type"``, and
+    for the native writer ``positional[kind]``, vLLM 0.11's ``array_like`` form of the three
+    kinds it has (:data:`POSITIONAL_FIELDS` up to ``medium``). Annotated with the table's
+    types (a field of the engine's the table lacks: ``Any``); msgspec does not check types
+    when it writes, so these say what each field holds, for a reader."""
+
+    __slots__ = ("kind", "map", "positional", "positional_fields")
+
+    def __init__(self, writer: str) -> None:
+        omit, kinds = WRITERS[writer]
+        table = {
+            kind: {name: field_type for name, field_type, _ in fields}
+            for kind, fields in _table(DEFAULT_LIMITS, True).items()
+        }
+        self.map: dict[str, type] = {}
+        for kind, fields in kinds.items():
+            declared = [(name, table[kind].get(name, Any), default) for name, default in fields]
+            self.map[kind] = msgspec.defstruct(
+                f"{writer.title()}{kind}",
+                declared,
+                tag=kind,
+                tag_field="type",
+                kw_only=True,
+                omit_defaults=omit,
+                gc=False,
+            )
+        self.kind: dict[type, str] = {t: k for k, t in self.map.items()}
+        self.positional: dict[str, type] = {}
+        self.positional_fields: dict[str, tuple[str, ...]] = {}
+        if writer == "native":
+            for kind in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):
+                names = POSITIONAL_FIELDS[kind][:6]
+                self.positional_fields[kind] = names
+                self.positional[kind] = msgspec.defstruct(
+                    f"Positional{kind}",
+                    [(name, table[kind][name]) for name in names],
+                    tag=kind,
+                    array_like=True,
+                    gc=False,
+                )
+
+
+_writers: dict[str, WriterTypes] = {}
+
+
+def writer_types(writer: str) -> WriterTypes:
+    """The event Structs of ``writer``, one of :data:`WRITERS`."""
+    types = _writers.get(writer)
+    if types is None:
+        types = _writers[writer] = WriterTypes(writer)
+    return types

@@ -7,12 +7,18 @@ where each engine puts it. A :class:`Dialect` turns one native batch into the pa
 engine would publish, so ``router-sim run --engine vllm`` measures the router against what
 vLLM workers send, not against a router-friendly stream:
 
+Each engine's events are written as that engine's own Structs
+(``events.wire.structs.writer_types``: its fields, in its order, its header form), so a frame
+is byte for byte what the engine writes for the same values (tests/test_wire_writers.py, against
+the captures):
+
 - ``native``: this project's encoder as it is (``events.wire.codec.encode_batch``).
 - ``trtllm``: TensorRT-LLM's hashes are the V1 hashes (WIRE.md 3) and its LLM-API events carry
   ``lora_id`` and ``cache_salt_id`` as ours do; TensorRT-LLM ships no ZeroMQ publisher, so its
   events travel as a framework relays them, in the map form of ``encode_batch``, with its
   attention data-parallel rank (0) in the envelope.
-- ``vllm`` (0.26-0.33 map events, tests/data/engines/vllm-*): 64-bit block hashes of its own
+- ``vllm`` (0.26-0.33 map events, tests/data/engines/vllm-*; written as vLLM 0.33.0's Structs):
+  64-bit block hashes of its own
   (stand-in: the last 8 bytes, big-endian, of a sha256 over a per-process seed and the block's
   content key, which already chains the parent, the token ids and the scope; vLLM's own are a
   sha256 of the parent hash, token ids and extra keys under a per-process seed, converted to
@@ -67,7 +73,7 @@ from typing import Any, Final
 
 import msgspec
 
-from events.wire.codec import encode_batch, wire_tokens
+from events.wire.codec import encode_batch, encode_payload, wire_tokens
 from events.wire.model import (
     AllBlocksCleared,
     BlockHash,
@@ -79,6 +85,7 @@ from events.wire.model import (
     medium_of,
     wire_runs,
 )
+from events.wire.structs import writer_types
 from kvcache.scope import ReuseScope, cache_salt_id
 from router_sim.router.indexer import engine_clear_scope
 from router_sim.sim.workloads import Request
@@ -148,7 +155,6 @@ def check_kv_groups(engine: str, groups: Sequence[KvGroup] | None) -> None:
 
 
 _NAMING: Final = frozenset({"vllm", "sglang"})  # engines that announce adapters by name
-_ENCODER: Final = msgspec.msgpack.Encoder()
 _DP_RANK: Final = 0  # engines put their data-parallel rank in the envelope
 
 
@@ -289,8 +295,17 @@ class _EngineDialect(Dialect):
     def _medium(self, level: int | None) -> str:
         return "GPU" if not level else self.host_medium
 
+    def __init__(self, worker_id: int, tokens_per_block: int) -> None:
+        super().__init__(worker_id, tokens_per_block)
+        # the engine's own event Structs (events.wire.structs.WRITERS), so its frames are
+        # byte for byte the engine's: its fields, in its order, its header form
+        types = writer_types(self.engine).map
+        self._stored_type = types["BlockStored"]
+        self._removed_type = types["BlockRemoved"]
+        self._cleared_type = types["AllBlocksCleared"]
+
     def encode(self, batch: Sequence[KVCacheEvent], ts: float, snapshot: bool = False) -> bytes:
-        out: list[dict[str, Any]] = []
+        out: list[Any] = []
         for event in batch:
             data = event.data
             if isinstance(data, Stored):
@@ -299,18 +314,18 @@ class _EngineDialect(Dialect):
                 if data.block_hashes:
                     out.extend(self._removals(data))
             elif isinstance(data, AllBlocksCleared):
-                out.append({"type": "AllBlocksCleared"})
+                out.append(self._cleared_type())
             # Created and Updated: engines announce neither (moves come as Removed + Stored)
-        return _ENCODER.encode([float(ts), out, _DP_RANK])
+        return encode_payload(out, ts, _DP_RANK)
 
-    def _removed(self, data: Removed) -> dict[str, Any]:
-        return {
-            "type": "BlockRemoved",
-            "block_hashes": [self.engine_hash(h) for h in data.block_hashes],
-            "medium": self._medium(data.cache_level),
-        }
+    def _removed(self, data: Removed, **fields: Any) -> Any:
+        return self._removed_type(
+            block_hashes=[self.engine_hash(h) for h in data.block_hashes],
+            medium=self._medium(data.cache_level),
+            **fields,
+        )
 
-    def _removals(self, data: Removed) -> list[dict[str, Any]]:
+    def _removals(self, data: Removed) -> list[Any]:
         """The engine's removal events for one removal (one, unless the engine splits it)."""
         return [self._removed(data)]
 
@@ -330,15 +345,14 @@ class _EngineDialect(Dialect):
             start = end
         return runs
 
-    def _stored(self, data: Stored, out: list[dict[str, Any]], snapshot: bool) -> None:
+    def _stored(self, data: Stored, out: list[Any], snapshot: bool) -> None:
         parent = data.parent_hash
         for run in self._runs(data.blocks):
             out.append(self._store(run, parent, snapshot))
             parent = run[-1].block_hash
 
-    def _store(
-        self, run: list[StoredBlock], parent: BlockHash | None, snapshot: bool
-    ) -> dict[str, Any]:
+    def _store(self, run: list[StoredBlock], parent: BlockHash | None, snapshot: bool) -> Any:
+        """The engine's BlockStored Struct for one run of blocks."""
         raise NotImplementedError
 
     def _tokens(self, run: list[StoredBlock]) -> Any:
@@ -382,13 +396,12 @@ class VllmDialect(_EngineDialect):
     def engine_hash(self, h: BlockHash) -> int:
         return int.from_bytes(hashlib.sha256(self._seed + _hash_bytes(h)).digest()[-8:], "big")
 
-    def _removals(self, data: Removed) -> list[dict[str, Any]]:
-        wire = self._removed(data)
+    def _removals(self, data: Removed) -> list[Any]:
         if data.cache_level:
-            return [wire]  # an offload tier: no group
-        return [{**wire, "group_idx": idx} for idx, _ in self._specs]  # a GPU removal, per group
+            return [self._removed(data)]  # an offload tier: no group
+        return [self._removed(data, group_idx=idx) for idx, _ in self._specs]  # per group
 
-    def _stored(self, data: Stored, out: list[dict[str, Any]], snapshot: bool) -> None:
+    def _stored(self, data: Stored, out: list[Any], snapshot: bool) -> None:
         """A store once per group (vLLM caches a request's blocks group by group); the host
         tier's runs, which name no group, once."""
         runs = self._runs(data.blocks)
@@ -401,51 +414,45 @@ class VllmDialect(_EngineDialect):
                 parent = run[-1].block_hash
         self._group = 0
 
-    def _store(
-        self, run: list[StoredBlock], parent: BlockHash | None, snapshot: bool
-    ) -> dict[str, Any]:
+    def _store(self, run: list[StoredBlock], parent: BlockHash | None, snapshot: bool) -> Any:
         first = run[0]
         hashes = [self.engine_hash(b.block_hash) for b in run]
         if first.cache_level and not snapshot:
             # what vLLM's CPU offload announces: hashes only
-            return {
-                "type": "BlockStored",
-                "block_hashes": hashes,
-                "parent_block_hash": None,
-                "token_ids": [],
-                "block_size": 0,
-                "lora_id": None,
-                "medium": self.host_medium,
-                "lora_name": None,
-            }
+            return self._stored_type(
+                block_hashes=hashes,
+                parent_block_hash=None,
+                token_ids=[],
+                block_size=0,
+                lora_id=None,
+                medium=self.host_medium,
+                lora_name=None,
+            )
         lora_id, name = self._lora(first.lora_id)
         salt = self._salt(first.cache_salt_id) if parent is None else None
-        wire: dict[str, Any] = {
-            "type": "BlockStored",
-            "block_hashes": hashes,
-            "parent_block_hash": None if parent is None else self.engine_hash(parent),
-            "token_ids": self._tokens(run),
-            "block_size": len(first.tokens),
-            "lora_id": lora_id,
-            "medium": self._medium(first.cache_level),
-            "lora_name": name,
-        }
+        extra_keys: list[list[str] | None] | None = None
         if name is not None or salt is not None:
             # per block: the adapter's name, then (first block of a sequence) the salt
-            keys: list[list[str] | None] = []
+            extra_keys = []
             for i in range(len(run)):
                 entry = ([name] if name is not None else []) + (
                     [salt] if salt is not None and i == 0 else []
                 )
-                keys.append(entry or None)
-            wire["extra_keys"] = keys
-        if first.cache_level:
-            wire["group_idx"] = 0  # a snapshot's host copy: in group 0, as ever
-            return wire
-        idx, spec = self._specs[self._group]
-        wire["group_idx"] = idx
-        wire.update(spec)
-        return wire
+                extra_keys.append(entry or None)
+        # a snapshot's host copy is in group 0, as ever, and names no spec
+        idx, spec = (0, {}) if first.cache_level else self._specs[self._group]
+        return self._stored_type(
+            block_hashes=hashes,
+            parent_block_hash=None if parent is None else self.engine_hash(parent),
+            token_ids=self._tokens(run),
+            block_size=len(first.tokens),
+            lora_id=lora_id,
+            medium=self._medium(first.cache_level),
+            lora_name=name,
+            extra_keys=extra_keys,
+            group_idx=idx,
+            **spec,
+        )
 
 
 class SglangDialect(_EngineDialect):
@@ -456,26 +463,19 @@ class SglangDialect(_EngineDialect):
         digest = hashlib.sha256(b"sglang-page:" + _hash_bytes(h)).digest()
         return int.from_bytes(digest[:8], "big", signed=True)
 
-    def _store(
-        self, run: list[StoredBlock], parent: BlockHash | None, snapshot: bool
-    ) -> dict[str, Any]:
+    def _store(self, run: list[StoredBlock], parent: BlockHash | None, snapshot: bool) -> Any:
         first = run[0]
         _, name = self._lora(first.lora_id)
-        salt = self._salt(first.cache_salt_id)
-        wire: dict[str, Any] = {
-            "type": "BlockStored",
-            "block_hashes": [self.engine_hash(b.block_hash) for b in run],
-            "parent_block_hash": None if parent is None else self.engine_hash(parent),
-            "token_ids": self._tokens(run),
-            "block_size": len(first.tokens),
-            "lora_id": None,
-            "medium": self._medium(first.cache_level),
-        }
-        if name is not None:
-            wire["lora_name"] = name
-        if salt is not None:
-            wire["cache_salt"] = salt
-        return wire
+        return self._stored_type(
+            block_hashes=[self.engine_hash(b.block_hash) for b in run],
+            parent_block_hash=None if parent is None else self.engine_hash(parent),
+            token_ids=self._tokens(run),
+            block_size=len(first.tokens),
+            lora_id=None,
+            medium=self._medium(first.cache_level),
+            cache_salt=self._salt(first.cache_salt_id),
+            lora_name=name,
+        )
 
 
 _DIALECTS: Final[dict[str, type[Dialect]]] = {
