@@ -7,7 +7,10 @@ in ``test_kvcache_structure.py``):
 - each native extension is imported by one module of the packages, the one place it is loaded;
 - no reference twin beside the code it mirrors (no ``*_py`` function in the packages: the pure
   references live in ``tests/_reference.py``), and no ``except ImportError`` switch between a
-  native path and a Python one: such a handler guards an optional library only.
+  native path and a Python one: such a handler guards an optional library only;
+- one writer of msgpack payloads, ``events.wire.codec`` (``encode_payload``), and no wire
+  event written as a dict (``{"type": "BlockStored", ...}``): every writer's events are the
+  Structs of ``events.wire.structs.writer_types``.
 
 Each check is also run on a small tree written here that breaks its rule, so that a check that
 read nothing cannot pass.
@@ -144,3 +147,58 @@ def test_every_module_of_the_packages_is_read(package: str) -> None:
     files = set((ROOT / package).rglob("*.py"))
     graph = import_graph(ROOT, PACKAGES)
     assert len(files) == sum(1 for name in graph if name.split(".")[0] == package)
+
+
+_WIRE_KINDS = frozenset(
+    {"BlockStored", "BlockRemoved", "AllBlocksCleared", "BlockUpdated", "CacheCreated"}
+)
+_ENCODERS = frozenset({"Encoder", "encode", "packb", "Packer"})
+
+
+def _writers(root: Path, packages: tuple[str, ...]) -> list[str]:
+    """Where a module builds a msgpack writer or writes with one (msgspec's ``Encoder`` /
+    ``encode``, msgpack's ``packb`` / ``Packer``), and dict displays of a wire event (a
+    ``"type"`` key holding an event type's name), as ``module:line what``."""
+    found = []
+    for name, path in module_files(root, packages).items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in _ENCODERS:
+                base = ast.unparse(node.value)
+                if base.endswith("msgpack"):
+                    found.append(f"{name}:{node.lineno} {base}.{node.attr}")
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").endswith("msgpack"):
+                for alias in node.names:
+                    if alias.name in _ENCODERS:
+                        found.append(f"{name}:{node.lineno} {node.module}.{alias.name}")
+            elif isinstance(node, ast.Dict):
+                for key, value in zip(node.keys, node.values, strict=True):
+                    if (
+                        isinstance(key, ast.Constant)
+                        and key.value == "type"
+                        and isinstance(value, ast.Constant)
+                        and value.value in _WIRE_KINDS
+                    ):
+                        found.append(f"{name}:{node.lineno} {value.value} as a dict")
+    return found
+
+
+def test_one_writer_of_payloads_and_no_wire_event_as_a_dict() -> None:
+    assert _writers(ROOT, PACKAGES) == ["events.wire.codec:91 msgspec.msgpack.Encoder"]
+
+
+def test_the_writer_check_sees_a_second_writer_and_a_dict_event(tmp_path: Path) -> None:
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/one.py": (
+            "import msgspec\nfrom msgpack import packb\n"
+            "E = msgspec.msgpack.Encoder()\n"
+            "def f():\n    return msgspec.msgpack.encode({'type': 'BlockRemoved', 'x': 1})\n"
+            "READ = {'type': 'other'}\n"
+        ),
+    }
+    assert _writers(_write(tmp_path, files), ("pkg",)) == [
+        "pkg.one:2 msgpack.packb",
+        "pkg.one:3 msgspec.msgpack.Encoder",
+        "pkg.one:5 msgspec.msgpack.encode",
+        "pkg.one:5 BlockRemoved as a dict",
+    ]

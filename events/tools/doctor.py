@@ -42,7 +42,7 @@ from events.tools.diagnosis import (
     salt_variants,
     signed_output,
 )
-from events.wire.codec import DecodeError, decode_batch
+from events.wire.codec import DecodeError, decode_batch, encode_payload
 from events.wire.model import (
     AllBlocksCleared,
     BlockHash,
@@ -362,7 +362,8 @@ class Doctor:
                             raw["block_size"] = implied
                         else:
                             raw[4] = implied
-            return decode_batch(msgpack.packb(top)).events
+            rank = top[2] if len(top) > 2 else None
+            return decode_batch(encode_payload(top[1], top[0], rank)).events
         except (DecodeError, ValueError, TypeError, KeyError, IndexError, AttributeError):
             return []
 
