@@ -8,9 +8,9 @@
  *   decode_events(kit, payload): the whole common batch read in one pass (beside the event
  *     Structs of events/wire/structs.py, which read every batch).
  *
- * Token ids, most of a payload's bytes, go four at a time through SSSE3 byte shuffles where
- * the CPU has them (simd() says so and turns them off, for tests), else through portable loops
- * that write and read the same bytes.
+ * Token ids, most of a payload's bytes, go four at a time where four in a row are uint32s
+ * (portable loops; SSSE3 byte shuffles paid 1.03-1.23x on decode and nothing on encode, and
+ * went).
  *
  * It is its own extension, apart from the V1 hashes (kvcache/_v1hash.c) it has nothing to do
  * with; its token-array and record helpers are in _native_common.h, beside it.
@@ -27,91 +27,11 @@ static inline uint64_t load_be(const unsigned char *p, int width) {
     return v;
 }
 
-/* The usual token ids (uint32 msgpack ints in [2**16, 2**31), 5 bytes each: 0xce and the id
- * big-endian) four at a time with SSSE3 byte shuffles, where the CPU has them: one shuffle
- * turns four packed ids into the first 16 of their 20 wire bytes (the fourth id's tag last)
- * and back. Each returns how many ids it did (a multiple of 4), stopping before the first
- * four that are not all of that form, which the portable loops then take. */
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) &&                         \
-    __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-#include <tmmintrin.h>
-#define WIRE_SSSE3 1
-static int have_ssse3; /* set once at import */
-
-/* Writes ids p[0..n) while each four are all in [2**16, 2**31): 20 bytes per four at o (the
- * same bytes as put_token_ids' loop, nothing past them). */
-__attribute__((target("ssse3"))) static Py_ssize_t put_ids_ssse3(unsigned char *o,
-                                                                   const unsigned char *p,
-                                                                   Py_ssize_t n) {
-    /* byte k of the output: an input byte (the ids big-endian), or -1 (0: the tags, or-ed) */
-    const __m128i order = _mm_setr_epi8(-1, 3, 2, 1, 0, -1, 7, 6, 5, 4, -1, 11, 10, 9, 8, -1);
-    const __m128i tags = _mm_setr_epi8((char)0xce, 0, 0, 0, 0, (char)0xce, 0, 0, 0, 0,
-                                       (char)0xce, 0, 0, 0, 0, (char)0xce);
-    const __m128i low = _mm_set1_epi32(0xffff);
-    Py_ssize_t k = 0;
-    for (; n - k >= 4; k += 4) {
-        __m128i v = _mm_loadu_si128((const __m128i *)(p + 4 * k));
-        /* signed: a negative id fails too */
-        if (_mm_movemask_epi8(_mm_cmpgt_epi32(v, low)) != 0xffff) {
-            break;
-        }
-        _mm_storeu_si128((__m128i *)(o + 5 * k), _mm_or_si128(_mm_shuffle_epi8(v, order), tags));
-        uint32_t last;
-        memcpy(&last, p + 4 * k + 12, 4);
-        last = __builtin_bswap32(last);
-        memcpy(o + 5 * k + 16, &last, 4);
-    }
-    return k;
-}
-
-/* Reads ids while each four are uint32 msgpack ints (0xce tags) in [0, 2**31) with 20 bytes
- * left for them before end: into out (4 bytes an id). *bad: set when four uint32s held an id
- * past 2**31 - 1 (the caller refuses the array, as its loop does). */
-__attribute__((target("ssse3"))) static Py_ssize_t read_ids_ssse3(const unsigned char *p,
-                                                                    const unsigned char *end,
-                                                                    Py_ssize_t n,
-                                                                    unsigned char *out, int *bad) {
-    const __m128i order = _mm_setr_epi8(4, 3, 2, 1, 9, 8, 7, 6, 14, 13, 12, 11, -1, -1, -1, -1);
-    const __m128i tag = _mm_set1_epi8((char)0xce);
-    const int tag_bits = (1 << 0) | (1 << 5) | (1 << 10) | (1 << 15);
-    Py_ssize_t k = 0;
-    *bad = 0;
-    for (; n - k >= 4 && end - p >= 20; k += 4, p += 20) {
-        __m128i raw = _mm_loadu_si128((const __m128i *)p);
-        if ((_mm_movemask_epi8(_mm_cmpeq_epi8(raw, tag)) & tag_bits) != tag_bits) {
-            break;
-        }
-        uint32_t last;
-        memcpy(&last, p + 16, 4);
-        last = __builtin_bswap32(last);
-        __m128i v = _mm_or_si128(_mm_shuffle_epi8(raw, order),
-                                 _mm_slli_si128(_mm_cvtsi32_si128((int)last), 12));
-        if (_mm_movemask_epi8(v) & 0x8888) { /* a sign bit: an id past INT32_MAX */
-            *bad = 1;
-            break;
-        }
-        _mm_storeu_si128((__m128i *)(out + 4 * k), v);
-    }
-    return k;
-}
-#endif
-
 /* Reads n msgpack ints in [0, 2**31), in any msgpack int form, from p into out (n int32s):
  * the position after them, or NULL when an item is anything else or is cut short. */
 static const unsigned char *read_token_ids(const unsigned char *p, const unsigned char *end,
                                            uint64_t n, unsigned char *out) {
     for (uint64_t i = 0; i < n; i++) {
-#ifdef WIRE_SSSE3
-        if (have_ssse3 && n - i >= 4) {
-            int bad;
-            Py_ssize_t m = read_ids_ssse3(p, end, (Py_ssize_t)(n - i), out + 4 * i, &bad);
-            if (bad) {
-                return NULL;
-            }
-            p += 5 * m;
-            i += (uint64_t)m;
-        }
-#endif
         /* four uint32s in a row (the usual form of token ids), read at once */
         while (n - i >= 4 && end - p >= 20 && p[0] == 0xce && p[5] == 0xce && p[10] == 0xce &&
                p[15] == 0xce) {
@@ -280,13 +200,6 @@ static inline Py_ssize_t put_int(unsigned char *o, int neg, uint64_t ux) {
 static unsigned char *put_token_ids(unsigned char *o, const unsigned char *p, Py_ssize_t n) {
     Py_ssize_t k = 0;
     while (k < n) {
-#ifdef WIRE_SSSE3
-        if (have_ssse3) {
-            Py_ssize_t m = put_ids_ssse3(o, p + 4 * k, n - k);
-            o += 5 * m;
-            k += m;
-        }
-#endif
         /* four ids in [2**16, 2**31) in a row (the usual ids), written at once as uint32s */
         while (n - k >= 4) {
             int32_t v[4];
@@ -1014,35 +927,7 @@ done:
     return result;
 }
 
-/* simd(on=None) -> bool: whether the token ids go through the SSSE3 loops (False where the CPU
- * or the build has none); on: use them (when there are) or not, so that tests compare both
- * ways on one machine. */
-static PyObject *simd(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    if (nargs > 1) {
-        PyErr_Format(PyExc_TypeError, "simd takes at most 1 argument, got %zd", nargs);
-        return NULL;
-    }
-#ifdef WIRE_SSSE3
-    if (nargs == 1 && args[0] != Py_None) {
-        int on = PyObject_IsTrue(args[0]);
-        if (on < 0) {
-            return NULL;
-        }
-        have_ssse3 = on && __builtin_cpu_supports("ssse3");
-    }
-    return PyBool_FromLong(have_ssse3);
-#else
-    if (nargs == 1 && args[0] != Py_None && PyObject_IsTrue(args[0]) < 0) {
-        return NULL;
-    }
-    Py_RETURN_FALSE;
-#endif
-}
-
 static PyMethodDef methods[] = {
-    {"simd", (PyCFunction)(void (*)(void))simd, METH_FASTCALL,
-     "simd(on=None) -> bool: whether token ids are read and written with SSSE3 shuffles."},
     {"tokens_from_msgpack", (PyCFunction)(void (*)(void))tokens_from_msgpack, METH_FASTCALL,
      "tokens_from_msgpack(data, limit) -> array('i') | None: the token ids of one msgpack array "
      "of at most limit ints in [0, 2**31); None for anything else."},
@@ -1065,10 +950,6 @@ PyMODINIT_FUNC PyInit__wire(void) {
     if (native_common_init() < 0) {
         return NULL;
     }
-#ifdef WIRE_SSSE3
-    __builtin_cpu_init();
-    have_ssse3 = __builtin_cpu_supports("ssse3");
-#endif
     if ((STR_DEFAULT_ALGO = PyUnicode_InternFromString("v1_block_key")) == NULL) {
         return NULL;
     }
