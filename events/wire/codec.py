@@ -86,8 +86,8 @@ from events.wire.model import (
 from events.wire.structs import writer_types
 from kvcache.scope import U64_LIMIT
 
-# msgspec writes the payload (the library vLLM and SGLang encode these events with): maps in
-# insertion order, each int in its smallest form, floats as float64, bytes as bin.
+# msgspec writes the payload (the library vLLM and SGLang encode these events with): a Struct's
+# fields in declared order, each int in its smallest form, floats as float64, bytes as bin.
 _ENCODER: Final = msgspec.msgpack.Encoder()
 
 _DEFAULT_ALGO: Final = "v1_block_key"
