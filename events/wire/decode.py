@@ -544,8 +544,10 @@ def _strict_batch(payload: bytes | bytearray | memoryview) -> DecodedBatch | Non
     for decoder in _STRICT.batch_decoders:
         try:
             batch = decoder.decode(payload)
+        except msgspec.ValidationError:
+            continue  # not this form's types: the other form may read it
         except (msgspec.MsgspecError, RecursionError):
-            continue
+            return None  # not msgpack (or too deep) whatever the types: no form reads it
         ts, dp_rank = batch.ts, batch.dp_rank
         if not math.isfinite(ts):
             return None
