@@ -7,11 +7,6 @@ where each engine puts it. A :class:`Dialect` turns one native batch into the pa
 engine would publish, so ``router-sim run --engine vllm`` measures the router against what
 vLLM workers send, not against a router-friendly stream:
 
-Each engine's events are written as that engine's own Structs
-(``events.wire.structs.writer_types``: its fields, in its order, its header form), so a frame
-is byte for byte what the engine writes for the same values (tests/test_wire_writers.py, against
-the captures):
-
 - ``native``: this project's encoder as it is (``events.wire.codec.encode_batch``).
 - ``trtllm``: TensorRT-LLM's hashes are the V1 hashes (WIRE.md 3) and its LLM-API events carry
   ``lora_id`` and ``cache_salt_id`` as ours do; TensorRT-LLM ships no ZeroMQ publisher, so its
@@ -42,6 +37,11 @@ the captures):
   hashes to int64, with no per-process seed), ``lora_name`` with ``lora_id`` nil,
   ``cache_salt`` on each store, a partial page as its own store, medium ``CPU_PINNED`` for its
   host tier (with token ids).
+
+Each engine's events are written as that engine's own Structs
+(``events.wire.structs.writer_types``: its fields, in its order, its header form), so a frame
+is byte for byte what the engine writes for the same values (tests/test_wire_writers.py, against
+the captures).
 
 The engine hash is a pure function of the native hash (per worker), so removals and parents
 are renamed without any state. vLLM and SGLang name adapters: a router keys their blocks by
