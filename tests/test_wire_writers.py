@@ -21,7 +21,7 @@ import pytest
 
 from events.wire.codec import decode_batch, encode_batch
 from events.wire.model import KVCacheEvent, Removed, Stored, StoredBlock
-from events.wire.structs import WRITERS, writer_types
+from events.wire.structs import WRITERS, map_fields, writer_types
 from router_sim.sim.dialects import make_dialect
 from router_sim.sim.workloads import Request
 
@@ -158,3 +158,20 @@ def test_the_sglang_dialect_writes_sglangs_order() -> None:
     ]
     assert list(store) == [name for name in order if name in store]
     assert _headers(payload)[0] >> 4 == 0x8  # 10 fields: a fixmap, as SGLang's
+
+
+def test_every_writer_field_is_the_tables_but_vllms_four_it_never_sets() -> None:
+    """The writers write the table's fields (what the decoder reads); only the engines' fields
+    this project never sets are outside it (vLLM 0.33's four, SGLang's session id)."""
+    table = map_fields()
+    never_set = {
+        "native": set(),
+        "vllm": {"locality", "ownership", "session_id", "lookahead_token_ids"},
+        "sglang": {"session_id"},
+    }
+    for writer, (_, kinds) in WRITERS.items():
+        for kind, fields in kinds.items():
+            outside = {name for name, _ in fields} - table[kind]
+            assert outside <= never_set[writer], (writer, kind, outside)
+            if outside:
+                assert all(default is None for name, default in fields if name in outside)

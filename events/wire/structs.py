@@ -458,7 +458,7 @@ WRITERS: Final[dict[str, tuple[bool, dict[str, tuple[tuple[str, Any], ...]]]]] =
         },
     ),
     # SGLang 0.5.23's (sglang/srt/disaggregation/kv_events.py, as decoder_rules.json records
-    # them), omit_defaults as SGLang writes them
+    # them), omit_defaults as SGLang writes them; session_id is SGLang's, never set here
     "sglang": (
         True,
         {
