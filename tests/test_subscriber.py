@@ -73,6 +73,9 @@ def test_two_workers_same_topic_are_told_apart(ctx: Ctx, transport: str) -> None
         sub.add_worker(2, p2.endpoint, p2.replay_endpoint)
         assert sub.wait_connected(5)
         assert p1.wait_for_subscribers(1, 5) and p2.wait_for_subscribers(1, 5)
+        # each worker's join (its history asked from seq 0) answered first: what is published
+        # next arrives live, not in a join reply that crossed it
+        poll_until(sub, model, lambda: not (sub.status(1).replaying or sub.status(2).replaying))
         p1.publish([stored(1, 100, 101)])
         p2.publish([stored(1, 200)])
         p1.publish([removed(2, 101)])
