@@ -317,8 +317,7 @@ def _positional(wire: list[Any]) -> list[Any]:
         positional = _NATIVE.positional.get(kind)
         if positional is None:
             raise ValueError(f"{kind} has no positional form (extension events are map-only)")
-        names = _NATIVE.positional_fields[kind]
-        out.append(positional(*(getattr(event, name) for name in names)))
+        out.append(positional(*(getattr(event, name) for name in positional.__struct_fields__)))
     return out
 
 

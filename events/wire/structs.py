@@ -483,7 +483,7 @@ class WriterTypes:
     types (a field of the engine's the table lacks: ``Any``); msgspec does not check types
     when it writes, so these say what each field holds, for a reader."""
 
-    __slots__ = ("kind", "map", "positional", "positional_fields")
+    __slots__ = ("kind", "map", "positional")
 
     def __init__(self, writer: str) -> None:
         omit, kinds = WRITERS[writer]
@@ -504,15 +504,12 @@ class WriterTypes:
                 gc=False,
             )
         self.kind: dict[type, str] = {t: k for k, t in self.map.items()}
-        self.positional: dict[str, type] = {}
-        self.positional_fields: dict[str, tuple[str, ...]] = {}
+        self.positional: dict[str, type[msgspec.Struct]] = {}
         if writer == "native":
             for kind in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):
-                names = POSITIONAL_FIELDS[kind][:6]
-                self.positional_fields[kind] = names
                 self.positional[kind] = msgspec.defstruct(
                     f"Positional{kind}",
-                    [(name, table[kind][name]) for name in names],
+                    [(name, table[kind][name]) for name in POSITIONAL_FIELDS[kind][:6]],
                     tag=kind,
                     array_like=True,
                     gc=False,
