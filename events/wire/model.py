@@ -158,8 +158,11 @@ def wire_runs(blocks: Sequence[StoredBlock], block_size: int) -> list[int]:
     blocks = tuple(blocks)  # read as they are now, whatever their attributes do to a list
     n = len(blocks)
     if n == 1:
-        _RUN_FIELDS(blocks[0])  # a block (what is not one raises AttributeError)
-        return [1]  # a lone block is a run, short or not
+        # a lone block is a run, short or not; read as the general case reads it (what is not
+        # a block raises as there)
+        _RUN_FIELDS(blocks[0])
+        len(_TOKENS(blocks[0]))
+        return [1]
     fields = list(map(_RUN_FIELDS, blocks))
     full = list(map(block_size.__eq__, map(len, map(_TOKENS, blocks))))
     if n and fields.count(fields[0]) == n and full.count(False) <= (not full[-1]):
