@@ -170,8 +170,6 @@ MYPYC: list[Extension] = []
 
 # the V1 hash's arithmetic (kvcache._v1hash includes it; a change to it rebuilds the extension)
 V1CORE = "kvcache/_v1core.h"
-# the wire codec's token-array and record helpers, beside it
-WIRE_HELPERS = "events/wire/_native_common.h"
 
 
 def native(
@@ -197,7 +195,7 @@ setup(
         # kvcache.hashing's V1 block hashes (the router's, the event manager's, the records')
         native("kvcache._v1hash", depends=(V1CORE,)),
         # events.wire.codec / events.wire.fast's msgpack codec of the event path
-        native("events.wire._wire", depends=(WIRE_HELPERS,)),
+        native("events.wire._wire"),
         # router_sim.router.indexer's match loop over a mirror of its masks, and the simulator's
         # trace prompts and answers
         native("router_sim.router._match"),

@@ -2,7 +2,7 @@
 
 Each is written from the documented behaviour, independent of the native code (none of it calls
 an extension): the V1 block hash from WIRE.md 3 (TensorRT-LLM's ``BlockKeyHasher``, as the
-hash-drift diagnosis states it in plain Python), the token codecs from msgspec, the simulator's
+hash-drift diagnosis states it in plain Python), the simulator's
 prompt expansion from its per-token formula (``router_sim.sim.workloads.expand_hash_ids``), the
 router's index (``router_sim.router.indexer.KvIndexer`` over ``router_sim.router._match``'s
 table) as who holds which block on which tier, matched block by block.
@@ -13,16 +13,11 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Hashable, Iterable, Mapping, Sequence
-from typing import Annotated, Any, Final, NamedTuple
-
-import msgspec
-from msgspec import Meta
+from typing import Final, NamedTuple
 
 from events.tools.diagnosis import v1_variant
-from events.wire.fast import MAX_TOKENS
 from events.wire.model import AllBlocksCleared, EventData, Removed, Stored, Updated
 from kvcache.scope import ReuseScope
-from kvcache.tokens import TOKEN_LIMIT
 
 # --- the V1 block hash (WIRE.md 3) -----------------------------------------------------------
 
@@ -49,29 +44,6 @@ def v1_chain(tokens: Sequence[int], tokens_per_block: int, scope: ReuseScope) ->
         )
         hashes.append(parent)
     return hashes
-
-
-# --- token ids as msgpack (events.wire._wire's pack_tokens / tokens_from_msgpack) -------------
-
-_ENCODER: Final = msgspec.msgpack.Encoder()
-_TOKENS_DECODER: Final = msgspec.msgpack.Decoder(
-    Annotated[list[Annotated[int, Meta(ge=0, lt=TOKEN_LIMIT)]], Meta(max_length=MAX_TOKENS)]
-)
-
-
-def pack_tokens(tokens: Any) -> bytes | None:
-    """The msgpack array msgspec writes for the ints of an ``array('i')``; None for any other
-    container."""
-    return _ENCODER.encode(tokens.tolist()) if type(tokens) is array else None
-
-
-def packed_tokens(data: msgspec.Raw | bytes) -> array[int] | None:
-    """The token ids of ``data``, one msgpack array of at most ``MAX_TOKENS`` ints in
-    ``[0, 2**31)``, as an ``array('i')``; None for anything else."""
-    try:
-        return array("i", _TOKENS_DECODER.decode(data))
-    except (msgspec.MsgspecError, RecursionError):
-        return None
 
 
 # --- the simulator's prompts (router_sim.sim._prefetch's expand_array) -----------------------

@@ -1,16 +1,11 @@
-"""The native parsers of network bytes answer as their references on the same bytes.
+"""The native parser of network bytes answers as its references on the same bytes.
 
-Two C functions read bytes that come off the network: ``events.wire._wire.decode_events``
-(a whole map-form batch, behind ``events.wire.fast.decode_native``) and
-``events.wire._wire.tokens_from_msgpack`` (one store's token ids, behind
-``events.wire.fast.packed_tokens``). Each is fed the bytes its references get:
-
-- the batch reader: the typed structs (``decode_structs``, msgspec) and the general path
-  (``decode_general``, field by field); what the native reader takes must equal both, and
-  ``decode_batch`` with the native reader must give what it gives without it, the same batch
-  or the same ``DecodeError``;
-- the token reader: ``tests/_reference.packed_tokens`` (msgspec), the same array or the same
-  refusal (None).
+One C function reads bytes that come off the network: ``events.wire._wire.decode_events`` (a
+whole map-form batch, behind ``events.wire.fast.decode_native``). It is fed the bytes its
+references get: the typed structs (``decode_structs``, msgspec) and the general path
+(``decode_general``, field by field); what the native reader takes must equal both, and
+``decode_batch`` with the native reader must give what it gives without it, the same batch or
+the same ``DecodeError``.
 
 The bytes: the payloads vLLM 0.11 / 0.25 / 0.26 / 0.33 and SGLang 0.5 sent in the recorded
 captures (``tests/data/engines/*/stream.jsonl``), the golden payloads of ``tests/data/wire``, and
@@ -36,15 +31,13 @@ from typing import Any
 
 import msgpack
 import pytest
-from _reference import packed_tokens as packed_tokens_ref
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from events.wire import _wire as native_wire
 from events.wire import fast as wire_fast
 from events.wire.codec import DecodeError, decode_batch, encode_batch
 from events.wire.decode import decode_general, decode_structs
-from events.wire.fast import MAX_TOKENS, decode_native
+from events.wire.fast import decode_native
 from events.wire.model import (
     AllBlocksCleared,
     DecodedBatch,
@@ -375,62 +368,3 @@ def test_batch_reader_takes_other_values_of_what_it_takes(index: int, data: st.D
     timestamp in their ranges."""
     tree = _in_subset(_tree(TAKEN[index]), data)
     assert check_batch_parity(msgpack.packb(tree, use_bin_type=True))
-
-
-# --- the token reader ------------------------------------------------------------------------
-
-
-def _token_lists(node: Any) -> list[list[int]]:
-    if isinstance(node, dict):
-        return [x for v in node.values() for x in _token_lists(v)]
-    if isinstance(node, list):
-        if node and all(type(x) is int for x in node):
-            return [node]
-        return [x for v in node for x in _token_lists(v)]
-    return []
-
-
-TOKEN_SEEDS = [t for p in SEEDS for t in _token_lists(_tree(p))] + [[], [0], [2**31 - 1] * 17]
-
-
-def check_token_parity(data: bytes, limit: int) -> None:
-    want = packed_tokens_ref(data)
-    got = native_wire.tokens_from_msgpack(_exact(data), MAX_TOKENS)
-    assert got == want
-    if got is not None:
-        assert type(got) is array and got.typecode == "i"
-    capped = native_wire.tokens_from_msgpack(_exact(data), limit)
-    assert capped == (want if want is not None and len(want) <= limit else None)
-
-
-@FUZZ
-@given(
-    tokens=st.sampled_from(TOKEN_SEEDS).map(list).flatmap(mutated_tree),
-    rng=st.one_of(st.none(), st.randoms(use_true_random=False)),
-    data=st.data(),
-    limit=st.integers(0, 80),
-)
-def test_token_reader_answers_as_its_reference(
-    tokens: Any, rng: random.Random | None, data: st.DataObject, limit: int
-) -> None:
-    check_token_parity(data.draw(byte_edits(encode_any(tokens, rng))), limit)
-
-
-@FUZZ
-@given(data=st.binary(max_size=120), limit=st.integers(0, 80))
-def test_token_reader_on_random_bytes(data: bytes, limit: int) -> None:
-    check_token_parity(data, limit)
-
-
-@FUZZ
-@given(
-    tokens=st.lists(st.integers(0, 2**31 - 1), max_size=70),
-    rng=st.randoms(use_true_random=False),
-)
-def test_token_reader_takes_every_form_of_a_token_array(
-    tokens: list[int], rng: random.Random
-) -> None:
-    """Not won by refusing either: any msgpack form of an array of ids in range is read."""
-    data = encode_any(tokens, rng)
-    assert native_wire.tokens_from_msgpack(_exact(data), MAX_TOKENS) == array("i", tokens)
-    check_token_parity(data, len(tokens))

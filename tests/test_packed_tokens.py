@@ -1,8 +1,7 @@
 """Token ids stay packed (``array('i')``) on the event path: the wire encoder writes them as
-the bytes msgspec writes for the same ints as a list, the typed decoder reads them straight into
-an array and refuses (to the general path, with its errors) anything else, records compare by
-ids whatever the container, and the native functions hold no reference or buffer they should
-not."""
+msgpack writes the same ints as a list, the typed decoder reads them into an array and refuses
+(to the general path, with its errors) anything else, records compare by ids whatever the
+container, and the native code holds no reference or buffer it should not."""
 
 from __future__ import annotations
 
@@ -14,23 +13,21 @@ from typing import Any
 import msgpack
 import msgspec
 import pytest
-from _reference import pack_tokens as pack_tokens_ref
-from _reference import packed_tokens as packed_tokens_ref
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from events.manager import KVCacheEventManager
 from events.wire import _records, codec
-from events.wire import _wire as native_wire
-from events.wire import fast as wire_fast
 from events.wire.codec import DecodeError, decode_batch, encode_batch
-from events.wire.decode import decode_general, decode_typed
-from events.wire.fast import MAX_TOKENS
-from events.wire.model import KVCacheEvent, Removed, Stored, StoredBlock
+from events.wire.decode import decode_general, decode_structs, decode_typed
+from events.wire.fast import decode_native
+from events.wire.limits import DEFAULT_LIMITS, DecodeLimits
+from events.wire.model import DecodedBatch, KVCacheEvent, Removed, Stored, StoredBlock
 from kvcache import _v1hash as native
 from kvcache.config import KVCacheManagerConfig, TierConfig
 from kvcache.manager import KVCacheManager
 
+MAX_TOKENS = DEFAULT_LIMITS.max_tokens_per_event
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 TOKEN_EDGES = [0, 1, 127, 128, 255, 256, 65535, 65536, 2**31 - 1]
@@ -66,43 +63,18 @@ def _pack(obj: object) -> bytes:
 
 
 @SETTINGS
-@given(tokens=st.lists(wide_int, max_size=40))
-def test_native_packer_writes_what_msgspec_writes_for_the_list(tokens: list[int]) -> None:
-    assert native_wire.pack_tokens(tokens) == msgspec.msgpack.encode(tokens)
-
-
-@SETTINGS
 @given(tokens=st.lists(st.integers(-(2**31), 2**31 - 1), max_size=40))
-def test_native_packer_writes_int32_arrays_as_their_lists(tokens: list[int]) -> None:
+def test_packed_ids_are_written_as_their_list(tokens: list[int]) -> None:
     packed = array("i", tokens)
-    expected = msgspec.msgpack.encode(tokens)
-    assert native_wire.pack_tokens(packed) == expected == pack_tokens_ref(packed)
+    assert msgspec.msgpack.encode(codec.wire_tokens(packed)) == _pack(tokens)
+    assert codec.wire_tokens(tokens) is tokens  # a list is written as it is
 
 
 @settings(max_examples=14, deadline=None)
 @given(n=length, fill=token)
-def test_native_packer_writes_each_array_header_as_msgspec_does(n: int, fill: int) -> None:
+def test_packed_ids_get_each_array_header_as_msgpack_writes_it(n: int, fill: int) -> None:
     tokens = [fill] * n
-    expected = msgspec.msgpack.encode(tokens)
-    assert native_wire.pack_tokens(array("i", tokens)) == expected
-    assert native_wire.pack_tokens(tokens) == expected
-
-
-def test_native_packer_leaves_what_it_cannot_write_to_msgspec() -> None:
-    for odd in (
-        [1, True],
-        [1, 2.0],
-        [1, "2"],
-        [[1]],
-        [2**64],
-        [-(2**63) - 1],
-        (1, 2),
-        array("q", [1, 2]),
-        array("I", [1, 2]),
-        b"\x01\x00\x00\x00",
-        None,
-    ):
-        assert native_wire.pack_tokens(odd) is None, odd
+    assert msgspec.msgpack.encode(codec.wire_tokens(array("i", tokens))) == _pack(tokens)
 
 
 @SETTINGS
@@ -110,10 +82,9 @@ def test_native_packer_leaves_what_it_cannot_write_to_msgspec() -> None:
     sizes=st.lists(st.integers(1, 4), min_size=1, max_size=6),
     tokens=st.lists(token, min_size=24, max_size=24),
     form=st.sampled_from(["map", "positional"]),
-    pure=st.booleans(),
 )
 def test_packed_and_listed_stores_encode_to_the_same_bytes(
-    sizes: list[int], tokens: list[int], form: str, pure: bool
+    sizes: list[int], tokens: list[int], form: str
 ) -> None:
     # blocks of 4 (a short one ends a run), on two tiers (a tier change splits a run too)
     listed: list[StoredBlock] = []
@@ -133,13 +104,7 @@ def test_packed_and_listed_stores_encode_to_the_same_bytes(
         except ValueError as exc:  # a short block inside a run: the same error either way
             return str(exc)
 
-    mp = pytest.MonkeyPatch()
-    if pure:
-        mp.setattr(codec, "pack_tokens", pack_tokens_ref)
-    try:
-        assert payload(packed) == payload(listed)
-    finally:
-        mp.undo()
+    assert payload(packed) == payload(listed)
 
 
 def test_runs_of_packed_blocks_join_into_one_array() -> None:
@@ -157,13 +122,47 @@ def test_runs_of_packed_blocks_join_into_one_array() -> None:
 # --- decoding: straight into an array, or left to the general path -------------------------
 
 
+_HEAD = msgpack.packb(
+    [0.0, [{"type": "BlockStored", "block_hashes": [1], "token_ids": [7], "block_size": 64}]]
+)
+_AT = _HEAD.index(b"\xa9token_ids") + 10
+
+
+def _typed_ids(token_bytes: bytes, limits: DecodeLimits | None = None) -> array[int] | None:
+    """The ids the strict Structs read from ``token_bytes`` as a store's ``token_ids`` (a
+    store of one block of up to 64 tokens), or None when they refuse the batch."""
+    payload = _HEAD[:_AT] + token_bytes + _HEAD[_AT + 2 :]
+    batch = decode_structs(payload) if limits is None else decode_typed_under(payload, limits)
+    if batch is None:
+        return None
+    native = decode_native(payload)
+    assert native is None or native == batch
+    (event,) = batch.events
+    assert isinstance(event.data, Stored)
+    tokens = event.data.blocks[0].tokens
+    assert type(tokens) is array and tokens.typecode == "i"
+    return tokens
+
+
+def decode_typed_under(payload: bytes, limits: DecodeLimits) -> DecodedBatch | None:
+    """The batch when it is read under ``limits`` with no malformed event; None otherwise
+    (past a limit the whole payload is refused)."""
+    try:
+        batch = decode_batch(payload, limits)
+    except DecodeError:
+        return None
+    return batch if not batch.malformed else None
+
+
+def test_the_splice_reads_a_token_array() -> None:
+    assert _HEAD[_AT : _AT + 2] == b"\x91\x07"
+    assert _typed_ids(b"\x91\x07") == array("i", [7])
+
+
 @SETTINGS
-@given(tokens=st.lists(token, max_size=40))
-def test_parser_round_trips_token_lists(tokens: list[int]) -> None:
-    data = msgspec.msgpack.encode(tokens)
-    parsed = wire_fast.packed_tokens(data)
-    assert type(parsed) is array and parsed.typecode == "i" and parsed.tolist() == tokens
-    assert packed_tokens_ref(data) == parsed
+@given(tokens=st.lists(token, min_size=1, max_size=40))
+def test_typed_reader_round_trips_token_lists(tokens: list[int]) -> None:
+    assert _typed_ids(_pack(tokens)) == array("i", tokens)
 
 
 def _forms(value: int) -> list[bytes]:
@@ -178,13 +177,12 @@ def _forms(value: int) -> list[bytes]:
     return forms
 
 
-def test_parser_reads_every_int_form_of_a_token() -> None:
+def test_typed_reader_reads_every_int_form_of_a_token() -> None:
     for value in TOKEN_EDGES:
         for form in _forms(value):
             for header in (b"\x91", b"\xdc\x00\x01", b"\xdd\x00\x00\x00\x01"):
                 data = header + form
-                assert wire_fast.packed_tokens(data) == array("i", [value]), data
-                assert packed_tokens_ref(data) == array("i", [value]), data
+                assert _typed_ids(data) == array("i", [value]), data
 
 
 REFUSED = [
@@ -213,31 +211,28 @@ REFUSED = [
     b"\x91\x91\x01",  # nested array (SGLang's bigram pages)
     b"\x91\xa1a",  # string item
     b"\x91\xc4\x01a",  # bin item
-    b"\x91\x01\x01",  # trailing bytes
+    b"\x91\x01\x01",  # a stray byte after the ids
 ]
 
 
-def test_parser_refuses_everything_but_a_flat_array_of_tokens() -> None:
+def test_typed_reader_refuses_everything_but_a_flat_array_of_tokens() -> None:
     for data in REFUSED:
-        assert wire_fast.packed_tokens(data) is None, data
-        assert packed_tokens_ref(data) is None, data
+        assert _typed_ids(data) is None, data
 
 
-def test_parser_refuses_more_items_than_the_limit() -> None:
-    data = msgspec.msgpack.encode([1, 2, 3])
-    assert native_wire.tokens_from_msgpack(data, 3) == array("i", [1, 2, 3])
-    assert native_wire.tokens_from_msgpack(data, 2) is None
-    over = msgspec.msgpack.encode([0] * (MAX_TOKENS + 1))
-    assert wire_fast.packed_tokens(over) is None and packed_tokens_ref(over) is None
+def test_typed_reader_refuses_more_items_than_the_limit() -> None:
+    data = _pack([1, 2, 3])
+    assert _typed_ids(data, DecodeLimits(max_tokens_per_event=3)) == array("i", [1, 2, 3])
+    assert _typed_ids(data, DecodeLimits(max_tokens_per_event=2)) is None
+    over = _pack([0] * (MAX_TOKENS + 1))
+    assert _typed_ids(over) is None
 
 
 @SETTINGS
 @given(tokens=st.lists(token, min_size=1, max_size=40), cut=st.integers(0, 400))
 def test_truncated_token_arrays_are_refused(tokens: list[int], cut: int) -> None:
-    data = msgspec.msgpack.encode(tokens)
-    part = data[: cut % len(data)]
-    assert wire_fast.packed_tokens(part) is None
-    assert packed_tokens_ref(part) is None
+    data = _pack(tokens)
+    assert _typed_ids(data[: cut % len(data)]) is None
 
 
 def _store(token_ids: Any, hashes: int = 1, block_size: int = 4) -> dict[str, Any]:
@@ -345,19 +340,6 @@ def test_hostile_token_ids_cost_no_more_than_their_bytes() -> None:
             decode_batch(payload)
 
 
-def test_the_pure_parser_decodes_as_the_native_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    payloads = [
-        _pack([0.0, [_store([1, 2, 3, 4, 5], 2)]]),
-        _pack([0.0, [_store([], 2, 0)]]),  # a placeholder
-        _pack([0.0, [_store(list(range(12)), 2)]]),  # masked
-        _pack([0.0, [["BlockStored", [1], None, [65536, 2**31 - 1], 2]]]),
-    ]
-    fast = [decode_typed(p) for p in payloads]
-    monkeypatch.setattr(wire_fast, "packed_tokens", packed_tokens_ref)
-    assert [decode_typed(p) for p in payloads] == fast
-    assert all(f is not None for f in fast)
-
-
 # --- records: equal whatever holds their ids ------------------------------------------------
 
 
@@ -429,28 +411,20 @@ def test_chain_lists_reads_arrays_as_lists_and_stops_at_an_empty_one() -> None:
 # --- references, buffers and the collector ---------------------------------------------------
 
 
-def test_native_functions_release_buffers_and_references() -> None:
-    # a bytearray or array with a buffer still exported cannot be resized: each call below
-    # must have released its own
-    data = bytearray(msgspec.msgpack.encode([1, 300, 70000]))
+def test_the_native_reader_releases_its_buffer_and_references() -> None:
+    # a bytearray with a buffer still exported cannot be resized: each call below must have
+    # released its own
+    data = bytearray(_pack([0.0, [_store([1, 300, 70000, 5])]]))
     before = sys.getrefcount(data)
     for _ in range(3):
-        assert native_wire.tokens_from_msgpack(data, 10) == array("i", [1, 300, 70000])
-        assert native_wire.tokens_from_msgpack(data[:-1], 10) is None
-        assert native_wire.tokens_from_msgpack(data + b"\x00", 10) is None
+        batch = decode_native(data)
+        assert batch is not None and batch.events[0].data.blocks[0].tokens == array(  # type: ignore[union-attr]
+            "i", [1, 300, 70000, 5]
+        )
+        assert decode_native(data[:-1]) is None
+        assert decode_native(data + b"\x00") is None
     assert sys.getrefcount(data) == before
     data.append(0)  # no export left
-    packed = array("i", [1, 2, 3])
-    before = sys.getrefcount(packed)
-    for _ in range(3):
-        assert native_wire.pack_tokens(packed) == b"\x93\x01\x02\x03"
-    assert sys.getrefcount(packed) == before
-    packed.append(4)
-    big = [2**40 + i for i in range(4)]  # not cached small ints: their counts are ours
-    counts = [sys.getrefcount(t) for t in big]
-    assert native_wire.pack_tokens(big) == msgspec.msgpack.encode(big)
-    assert native_wire.pack_tokens([*big, 1.5]) is None
-    assert [sys.getrefcount(t) for t in big] == counts
 
 
 def test_records_share_arrays_and_give_them_back() -> None:

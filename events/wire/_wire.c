@@ -1,21 +1,104 @@
 /*
- * The native msgpack wire reader of the event path (WIRE.md) and its token arrays, each
- * function with its reference in msgspec:
- *
- *   tokens_from_msgpack(data, limit), pack_tokens(tokens): a block's token ids read from, and
- *     written as, a msgpack array straight into / from an array('i') (events/wire/fast.py,
- *     events/wire/codec.py; msgspec reads and writes the same ints as a list);
- *   decode_events(kit, payload): the whole common batch read in one pass (beside the event
- *     Structs of events/wire/structs.py, which read every batch).
+ * The native msgpack wire reader of the event path (WIRE.md): decode_events(kit, payload) reads
+ * the whole common batch in one pass, straight into the records the event Structs of
+ * events/wire/structs.py give. It takes a strict subset of what those Structs take (any other
+ * payload is answered None and left to them) and gives the same records (tested).
  *
  * Token ids, most of a payload's bytes, go four at a time where four in a row are uint32s
- * (portable loops; SSSE3 byte shuffles paid 1.03-1.23x on decode and nothing on encode, and
- * went).
+ * (portable loops; SSSE3 byte shuffles paid 1.03-1.23x on decode and went). The token writer
+ * and the lone token-array reader went too (1.2-1.5x on their jobs): msgspec writes and reads
+ * token ids elsewhere.
  *
  * It is its own extension, apart from the V1 hashes (kvcache/_v1hash.c) it has nothing to do
- * with; its token-array and record helpers are in _native_common.h, beside it.
+ * with.
  */
-#include "_native_common.h"
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* ---- new int32 arrays ------------------------------------------------------------------
+ *
+ * The array module has no C API: a new array('i') of n items is made by repeating
+ * array('i', [0]) (public sequence protocol), and the caller writes its storage through the
+ * buffer it exports. */
+static PyObject *INT32_ARRAY_TYPE; /* array.array */
+static PyObject *INT32_ARRAY_ZERO; /* array('i', [0]) */
+
+/* An array('i') of n zeros, its storage at *data (valid while nothing resizes it). NULL with
+ * an exception set. */
+static inline PyObject *int32_array_new(Py_ssize_t n, unsigned char **data) {
+    *data = NULL;
+    PyObject *arr = PySequence_Repeat(INT32_ARRAY_ZERO, n);
+    if (arr == NULL) {
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(arr, &view, PyBUF_WRITABLE) < 0) {
+        Py_DECREF(arr);
+        return NULL;
+    }
+    *data = (unsigned char *)view.buf;
+    PyBuffer_Release(&view); /* the array is ours alone: its storage stays where it is */
+    return arr;
+}
+
+/* Loads array.array (0, or -1 with an exception set). */
+static inline int int32_array_init(void) {
+    PyObject *array_module = PyImport_ImportModule("array");
+    if (array_module == NULL) {
+        return -1;
+    }
+    INT32_ARRAY_TYPE = PyObject_GetAttrString(array_module, "array");
+    Py_DECREF(array_module);
+    if (INT32_ARRAY_TYPE == NULL || !PyType_Check(INT32_ARRAY_TYPE)) {
+        return -1;
+    }
+    INT32_ARRAY_ZERO = PyObject_CallFunction(INT32_ARRAY_TYPE, "s(i)", "i", 0);
+    return INT32_ARRAY_ZERO == NULL ? -1 : 0;
+}
+
+/* ---- record builder --------------------------------------------------------------------- */
+
+#define RECORD_FIELDS 6 /* block_hash, tokens, lora_id, cache_level, priority, cache_salt_id */
+
+/* A new record of cls with its n fields set from values[0..n); steals nothing. Like its
+ * token list, a record none of whose fields the collector tracks (ints, strings, None, an
+ * untracked token list or array) cannot be part of a cycle, and is left out of it too. An
+ * array holds no reference but its type's, so no cycle can run through it either: the
+ * collector tracks arrays (their type is a heap type) and a token array is untracked here. */
+static inline PyObject *new_record_n(PyObject *cls, PyObject *setters, PyObject *const *values,
+                                     Py_ssize_t n) {
+    PyTypeObject *type = (PyTypeObject *)cls;
+    PyObject *obj = type->tp_alloc(type, 0);
+    if (obj == NULL) {
+        return NULL;
+    }
+    int atomic = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *d = PyTuple_GET_ITEM(setters, i);
+        if (Py_TYPE(d)->tp_descr_set(d, obj, values[i]) < 0) {
+            Py_DECREF(obj);
+            return NULL;
+        }
+        if (Py_IS_TYPE(values[i], (PyTypeObject *)INT32_ARRAY_TYPE) &&
+            PyObject_GC_IsTracked(values[i])) {
+            PyObject_GC_UnTrack(values[i]);
+        }
+        atomic = atomic && !PyObject_GC_IsTracked(values[i]);
+    }
+    if (atomic && PyType_IS_GC(type)) {
+        PyObject_GC_UnTrack(obj);
+    }
+    return obj;
+}
+
+/* A new block record (its RECORD_FIELDS fields) of cls: see new_record_n. */
+static inline PyObject *new_record(PyObject *cls, PyObject *setters, PyObject *const *values) {
+    return new_record_n(cls, setters, values, RECORD_FIELDS);
+}
 
 /* ---- packed token ids of the wire ------------------------------------------------------ */
 
@@ -86,235 +169,6 @@ static const unsigned char *read_token_ids(const unsigned char *p, const unsigne
         memcpy(out + 4 * i, &tok, 4);
     }
     return p;
-}
-
-/* tokens_from_msgpack(data, limit) -> array('i') | None: the token ids of one msgpack array of
- * at most limit ints in [0, 2**31), in any msgpack int form, that is the whole of data; None for
- * anything else (another type, a negative, too big or non-int item, a truncated array, bytes
- * left over), which the caller's general path then reads and names. Every length is checked
- * against the bytes left before anything is allocated or read (an item takes at least a byte),
- * so hostile input costs at most its own size. */
-static PyObject *tokens_from_msgpack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    Py_ssize_t limit;
-    if (limit_arg("tokens_from_msgpack", args, nargs, &limit) < 0) {
-        return NULL;
-    }
-    Py_buffer buf;
-    if (PyObject_GetBuffer(args[0], &buf, PyBUF_SIMPLE) < 0) {
-        return NULL;
-    }
-    const unsigned char *p = (const unsigned char *)buf.buf, *end = p + buf.len;
-    PyObject *arr = NULL;
-    uint64_t n;
-    if (p == end) {
-        goto refuse;
-    }
-    unsigned char head = *p++;
-    if ((head & 0xf0) == 0x90) {
-        n = head & 0x0f;
-    } else if (head == 0xdc || head == 0xdd) {
-        int width = head == 0xdc ? 2 : 4;
-        if (end - p < width) {
-            goto refuse;
-        }
-        n = load_be(p, width);
-        p += width;
-    } else {
-        goto refuse;
-    }
-    if (limit < 0 || n > (uint64_t)limit || n > (uint64_t)(end - p)) {
-        goto refuse;
-    }
-    unsigned char *out;
-    arr = int32_array_new((Py_ssize_t)n, &out);
-    if (arr == NULL) {
-        PyBuffer_Release(&buf);
-        return NULL;
-    }
-    p = read_token_ids(p, end, n, out);
-    if (p == NULL || p != end) {
-        goto refuse;
-    }
-    PyBuffer_Release(&buf);
-    return arr;
-refuse:
-    Py_XDECREF(arr);
-    PyBuffer_Release(&buf);
-    Py_RETURN_NONE;
-}
-
-/* Writes x as msgspec (and msgpack-python) do: the smallest msgpack int form. Returns the
- * bytes written (at most 9). */
-static inline Py_ssize_t put_int(unsigned char *o, int neg, uint64_t ux) {
-    unsigned char tag;
-    int width;
-    if (!neg && ux > 0xffff && ux <= 0xffffffffu) { /* uint32, the usual form of a token id */
-        o[0] = 0xce;
-        o[1] = (unsigned char)(ux >> 24);
-        o[2] = (unsigned char)(ux >> 16);
-        o[3] = (unsigned char)(ux >> 8);
-        o[4] = (unsigned char)ux;
-        return 5;
-    }
-    if (!neg) {
-        if (ux < 0x80) {
-            o[0] = (unsigned char)ux;
-            return 1;
-        }
-        if (ux <= 0xff) {
-            tag = 0xcc, width = 1;
-        } else if (ux <= 0xffff) {
-            tag = 0xcd, width = 2;
-        } else if (ux <= 0xffffffffu) {
-            tag = 0xce, width = 4;
-        } else {
-            tag = 0xcf, width = 8;
-        }
-    } else {
-        int64_t x = (int64_t)ux; /* two's complement of the negative value */
-        if (x >= -32) {
-            o[0] = (unsigned char)(x & 0xff);
-            return 1;
-        }
-        if (x >= -128) {
-            tag = 0xd0, width = 1;
-        } else if (x >= -32768) {
-            tag = 0xd1, width = 2;
-        } else if (x >= -2147483647LL - 1) {
-            tag = 0xd2, width = 4;
-        } else {
-            tag = 0xd3, width = 8;
-        }
-    }
-    o[0] = tag;
-    for (int k = 0; k < width; k++) {
-        o[1 + k] = (unsigned char)(ux >> (8 * (width - 1 - k)));
-    }
-    return 1 + width;
-}
-
-/* Writes n packed int32 token ids as msgspec writes each int (at most 5 bytes each, and up to
- * 3 bytes of scratch after the last: the caller leaves 5 * n + 3 bytes); returns the position
- * after them. */
-static unsigned char *put_token_ids(unsigned char *o, const unsigned char *p, Py_ssize_t n) {
-    Py_ssize_t k = 0;
-    while (k < n) {
-        /* four ids in [2**16, 2**31) in a row (the usual ids), written at once as uint32s */
-        while (n - k >= 4) {
-            int32_t v[4];
-            memcpy(v, p + 4 * k, 16);
-            if (v[0] <= 0xffff || v[1] <= 0xffff || v[2] <= 0xffff || v[3] <= 0xffff) {
-                break;
-            }
-            for (int j = 0; j < 4; j++) {
-#if defined(__GNUC__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-                /* one 8-byte store per id: the tag, the big-endian id, and 3 bytes that the
-                 * next id (or the caller's slack) overwrites */
-                uint64_t word = 0xce | ((uint64_t)__builtin_bswap32((uint32_t)v[j]) << 8);
-                memcpy(o + 5 * j, &word, 8);
-#else
-                uint32_t u = (uint32_t)v[j];
-                o[5 * j] = 0xce;
-                o[5 * j + 1] = (unsigned char)(u >> 24);
-                o[5 * j + 2] = (unsigned char)(u >> 16);
-                o[5 * j + 3] = (unsigned char)(u >> 8);
-                o[5 * j + 4] = (unsigned char)u;
-#endif
-            }
-            o += 20;
-            k += 4;
-        }
-        if (k == n) {
-            break;
-        }
-        int32_t tok;
-        memcpy(&tok, p + 4 * k, 4);
-        o += put_int(o, tok < 0, (uint64_t)(int64_t)tok);
-        k++;
-    }
-    return o;
-}
-
-/* pack_tokens(tokens) -> bytes | None: the msgpack array of tokens (an array('i'), or a list of
- * ints in [-2**63, 2**64)) byte for byte as msgspec writes the same ints as a list: the smallest
- * array header and the smallest form of each int. None for anything else (a list holding
- * another type, an int out of that range, another container), which the caller leaves to
- * msgspec (and its errors). */
-static PyObject *pack_tokens(PyObject *self, PyObject *obj) {
-    (void)self;
-    Py_buffer view;
-    int packed = int32_view(obj, &view);
-    if (packed < 0) {
-        return NULL;
-    }
-    if (!packed && !PyList_CheckExact(obj)) {
-        Py_RETURN_NONE;
-    }
-    Py_ssize_t n = packed ? view.len / 4 : PyList_GET_SIZE(obj);
-    if ((uint64_t)n > UINT64_C(0xffffffff)) {
-        if (packed) {
-            PyBuffer_Release(&view);
-        }
-        Py_RETURN_NONE; /* msgspec's "too long" error */
-    }
-    /* 5 bytes per int32 at most (and put_token_ids' scratch), 9 per int64 */
-    PyObject *out = PyBytes_FromStringAndSize(NULL, 8 + (packed ? 5 : 9) * n);
-    if (out == NULL) {
-        if (packed) {
-            PyBuffer_Release(&view);
-        }
-        return NULL;
-    }
-    unsigned char *o = (unsigned char *)PyBytes_AS_STRING(out), *start = o;
-    if (n < 16) {
-        *o++ = (unsigned char)(0x90 | n);
-    } else if (n <= 0xffff) {
-        *o++ = 0xdc;
-        *o++ = (unsigned char)(n >> 8);
-        *o++ = (unsigned char)n;
-    } else {
-        *o++ = 0xdd;
-        for (int k = 3; k >= 0; k--) {
-            *o++ = (unsigned char)((uint64_t)n >> (8 * k));
-        }
-    }
-    if (packed) {
-        o = put_token_ids(o, (const unsigned char *)view.buf, n);
-        PyBuffer_Release(&view);
-    } else {
-        for (Py_ssize_t i = 0; i < n; i++) {
-            PyObject *item = PyList_GET_ITEM(obj, i);
-            if (!PyLong_CheckExact(item)) {
-                Py_DECREF(out);
-                Py_RETURN_NONE;
-            }
-            int overflow = 0;
-            long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
-            if (v == -1 && PyErr_Occurred()) {
-                Py_DECREF(out);
-                return NULL;
-            }
-            uint64_t ux = (uint64_t)v;
-            if (overflow < 0) {
-                Py_DECREF(out);
-                Py_RETURN_NONE; /* below -2**63 */
-            }
-            if (overflow > 0) {
-                ux = PyLong_AsUnsignedLongLong(item);
-                if (ux == (uint64_t)-1 && PyErr_Occurred()) {
-                    PyErr_Clear();
-                    Py_DECREF(out);
-                    Py_RETURN_NONE; /* 2**64 or more */
-                }
-            }
-            o += put_int(o, overflow == 0 && v < 0, ux);
-        }
-    }
-    if (_PyBytes_Resize(&out, o - start) < 0) {
-        return NULL;
-    }
-    return out;
 }
 
 /* ---- whole-batch wire reader ------------------------------------------------------------
@@ -928,12 +782,6 @@ done:
 }
 
 static PyMethodDef methods[] = {
-    {"tokens_from_msgpack", (PyCFunction)(void (*)(void))tokens_from_msgpack, METH_FASTCALL,
-     "tokens_from_msgpack(data, limit) -> array('i') | None: the token ids of one msgpack array "
-     "of at most limit ints in [0, 2**31); None for anything else."},
-    {"pack_tokens", pack_tokens, METH_O,
-     "pack_tokens(tokens) -> bytes | None: the msgpack array of an array('i') or a list of ints, "
-     "as msgspec writes it; None for what it leaves to msgspec."},
     {"decode_events", (PyCFunction)(void (*)(void))decode_events, METH_FASTCALL,
      "decode_events(kit, payload) -> DecodedBatch | None: the common map-form batch read "
      "straight into its records; None for anything else."},
@@ -942,12 +790,12 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_wire",
-    "Native msgpack wire reader and token arrays (see events.wire.fast).", -1, methods, NULL, NULL,
+    "Native msgpack wire reader of the common batch (see events.wire.fast).", -1, methods, NULL, NULL,
     NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__wire(void) {
-    if (native_common_init() < 0) {
+    if (int32_array_init() < 0) {
         return NULL;
     }
     if ((STR_DEFAULT_ALGO = PyUnicode_InternFromString("v1_block_key")) == NULL) {

@@ -63,7 +63,6 @@ import msgspec
 from msgspec import UNSET
 
 from events.wire.decode import DEFAULT_LIMITS, DecodeLimits, decode_batch
-from events.wire.fast import pack_tokens
 from events.wire.json_codec import (
     DecodeError,
     from_json,
@@ -174,14 +173,10 @@ def _stored_runs(blocks: list[StoredBlock], block_size: int) -> list[_Run]:
     return runs
 
 
-def wire_tokens(tokens: TokenIds) -> TokenIds | msgspec.Raw:
-    """Token ids as msgspec should write them: packed ones (``array('i')``) already written as
-    their msgpack array (``msgspec.Raw``, the same bytes the ints as a list give), anything
-    else as it is."""
-    if type(tokens) is not array:
-        return tokens
-    packed: bytes | None = pack_tokens(tokens)
-    return tokens.tolist() if packed is None else msgspec.Raw(packed)
+def wire_tokens(tokens: TokenIds) -> TokenIds:
+    """Token ids as msgspec writes them: packed ones (``array('i')``) as a list of their ints
+    (msgspec would write an array's buffer as bin), anything else as it is."""
+    return tokens.tolist() if type(tokens) is array else tokens
 
 
 def _encode_stored(event: KVCacheEvent, data: Stored, dp_rank: int | None, out: list[Any]) -> None:

@@ -34,6 +34,7 @@ and ``events.wire.values``, so a payload gives the same batch whichever step rea
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Sequence
 from typing import Annotated, Any, Final
 
@@ -337,6 +338,8 @@ def _tokens(value: object, where: str, limit: int) -> list[int]:
 _RAW_LISTS: dict[int, msgspec.msgpack.Decoder[list[msgspec.Raw]]] = {}
 _RAW_MAPS: dict[int, msgspec.msgpack.Decoder[dict[Any, msgspec.Raw]]] = {}
 _INT_LISTS: dict[int, msgspec.msgpack.Decoder[list[int]]] = {}
+_TOKEN_LISTS: dict[int, msgspec.msgpack.Decoder[list[int]]] = {}
+_TokenId = Annotated[int, msgspec.Meta(ge=0, lt=TOKEN_LIMIT)]
 _PAIR_LISTS: dict[int, msgspec.msgpack.Decoder[list[list[int]]]] = {}
 _Pair = Annotated[list[int], msgspec.Meta(min_length=2, max_length=2)]
 
@@ -394,8 +397,9 @@ def _invalid(exc: msgspec.ValidationError, where: str) -> DecodeError:
 
 
 def _read_tokens(raw: msgspec.Raw, where: str, limits: DecodeLimits) -> Sequence[int]:
-    """A store's token ids that are not one packed array of ints in range: ints to check one
-    by one (for the error), or SGLang's bigram pairs."""
+    """A store's token ids as the lenient types leave them: an array of ints in range (as the
+    strict types read them), else ints to check one by one (for the error), or SGLang's
+    bigram pairs."""
     chunk = bytes(raw)
     n = _array_length(chunk)
     if n is None:
@@ -403,6 +407,10 @@ def _read_tokens(raw: msgspec.Raw, where: str, limits: DecodeLimits) -> Sequence
     if n > limits.max_tokens_per_event:
         raise _too_many_tokens(where, n, limits.max_tokens_per_event)
     cap = length_cap(limits.max_tokens_per_event, limits)  # one decoder per limit, not per n
+    try:
+        return array("i", _capped(_TOKEN_LISTS, list[_TokenId], cap).decode(chunk))
+    except msgspec.ValidationError:
+        pass
     try:
         value: Any = _untyped(chunk, limits, 4)
     except _TooCostly:

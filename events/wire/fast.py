@@ -6,23 +6,15 @@
   engines send) read in one pass over the payload straight into model records, or None for any
   other payload, which the event Structs then read (``events.wire.decode``). It takes a strict
   subset of what the strict Structs take, and its batches equal theirs (tested).
-- :func:`packed_tokens`: a store's token ids read from their msgpack bytes into an
-  ``array('i')``, no Python int per token (the Structs hand them over undecoded).
-- :func:`pack_tokens`: packed token ids written as msgpack for ``events.wire.codec``.
 """
 
 from __future__ import annotations
 
-from array import array
-from collections.abc import Callable
 from typing import Final
-
-from msgspec import Raw
 
 # the one import of the native codec
 from events.wire import _wire
 from events.wire._records import record_setters
-from events.wire.limits import DEFAULT_LIMITS
 from events.wire.model import (
     AllBlocksCleared,
     DecodedBatch,
@@ -32,21 +24,6 @@ from events.wire.model import (
     StoredBlock,
     cache_level_of,
 )
-
-#: the most token ids one event may carry under the default limits
-MAX_TOKENS: Final = DEFAULT_LIMITS.max_tokens_per_event
-
-
-def packed_tokens(data: Raw | bytes, limit: int = MAX_TOKENS) -> array[int] | None:
-    """The token ids of ``data``, one msgpack array of at most ``limit`` ints in
-    ``[0, 2**31)``, as an ``array('i')``; None for anything else."""
-    tokens: array[int] | None = _wire.tokens_from_msgpack(data, limit)
-    return tokens
-
-
-pack_tokens: Callable[[object], bytes | None] = _wire.pack_tokens
-"""The msgpack array of an ``array('i')`` or a list of ints, byte for byte what msgspec writes
-for the same ints as a list; None for anything else (``events.wire.codec.wire_tokens``)."""
 
 # what the native reader builds its records with: each record type and its slot descriptors,
 # in field order (the way events.wire._records builds StoredBlock records), and the medium rule

@@ -11,8 +11,8 @@ variants of each type come from the same table:
 - **strict**: unknown fields are refused and every value is typed, nested at most
   :data:`FAST_DEPTH` deep (``extra_keys`` items are scalars or lists of scalars), every string
   capped at a quarter of ``max_str_len`` characters (so its UTF-8 bytes fit it): what these
-  accept is within the limits without any other check. Token ids stay undecoded
-  (``msgspec.Raw``) and are read natively into an ``array('i')`` (:func:`packed_tokens`);
+  accept is within the limits without any other check. Token ids are ints in ``[0, 2**31)``,
+  at most ``max_tokens_per_event`` of them, made an ``array('i')`` once read;
 - **lenient**: unknown fields are skipped, bin and string lengths are capped by the limits
   themselves, and the two fields whose values vary most (``token_ids``: ints or SGLang's bigram
   pairs; ``extra_keys``: strings, tuples, bytes) stay undecoded for the decoder's own readers.
@@ -26,14 +26,13 @@ blocks), so whichever variant read an event, its model event is the same.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Final, Union
 
 import msgspec
 from msgspec import NODEFAULT, UNSET, Meta, Raw, UnsetType
 
-from events.wire.fast import packed_tokens
-from events.wire.json_codec import DecodeError
 from events.wire.limits import DEFAULT_LIMITS, DecodeLimits
 from events.wire.model import (
     AllBlocksCleared,
@@ -106,6 +105,9 @@ def _table(limits: DecodeLimits, strict: bool) -> dict[str, list[_Field]]:
         binary = Annotated[bytes, Meta(max_length=length_cap(limits.max_bin_len, limits))]
     block_hash = Union[int, binary]  # noqa: UP007
     most_blocks = length_cap(limits.max_blocks_per_event, limits)
+    most_tokens = length_cap(limits.max_tokens_per_event, limits)
+    # the lenient types leave token ids to the decoder's reader (ints, or SGLang's pairs)
+    tokens: Any = Annotated[list[small], Meta(max_length=most_tokens)] if strict else Raw
     hashes = Annotated[list[block_hash], Meta(max_length=most_blocks)]
     diff = Union[tuple[u64, u64], None]  # noqa: UP007
     most = max(limits.max_events, limits.max_tokens_per_event)
@@ -133,7 +135,7 @@ def _table(limits: DecodeLimits, strict: bool) -> dict[str, list[_Field]]:
             *common,
             ("block_hashes", hashes, NODEFAULT),
             ("parent_block_hash", Union[block_hash, None], None),  # noqa: UP007
-            ("token_ids", Raw, NODEFAULT),  # read by packed_tokens or the decoder
+            ("token_ids", tokens, NODEFAULT),
             ("block_size", small, NODEFAULT),
             ("lora_id", optional_u64, None),
             ("medium", optional_text, None),
@@ -255,8 +257,8 @@ def event_types(limits: DecodeLimits, strict: bool) -> EventTypes:
 
 
 class Readers:
-    """What reads the values the lenient types leave undecoded: a store's token ids that are
-    not an array of ints in range, and ``extra_keys``. Each raises DecodeError (or the
+    """What reads the values the lenient types leave undecoded: a store's token ids (ints, or
+    SGLang's bigram pairs) and ``extra_keys``. Each raises DecodeError (or the
     decoder's refusal of the payload) for what it does not take."""
 
     __slots__ = ("extra_keys", "token_ids")
@@ -268,11 +270,6 @@ class Readers:
     ) -> None:
         self.token_ids = token_ids
         self.extra_keys = extra_keys
-
-
-class NotStrict(DecodeError):
-    """A value the strict types accept but do not settle (token ids that are not a packed
-    array): the lenient types read the event again."""
 
 
 def with_group_spec(
@@ -313,12 +310,10 @@ def _stored(
                 extra = readers.extra_keys(extra, f"{where}.extra_keys")
             salt = salt_from_extra_keys(extra, e.lora_name, f"{where}.extra_keys")
     level = 0 if e.medium is None else cache_level_of(e.medium)
-    tokens: Sequence[int] | None = packed_tokens(
-        e.token_ids, length_cap(limits.max_tokens_per_event, limits)
-    )
-    if tokens is None:
-        if readers is None:
-            raise NotStrict(f"{where}.token_ids: not a packed token array")
+    tokens: Sequence[int]
+    if readers is None:  # the strict types read them as ints in range
+        tokens = array("i", e.token_ids)
+    else:
         tokens = readers.token_ids(e.token_ids, f"{where}.token_ids")
     stored = build_stored(
         wire_hashes(e.block_hashes, f"{where}.block_hashes", limits.max_blocks_per_event),
@@ -363,8 +358,8 @@ def event_of(
     readers: Readers | None,
 ) -> KVCacheEvent | None:
     """The model event of ``e``, an event Struct of ``types``; None for one that changes
-    nothing (an empty store). ``readers``: None for the strict types (a value they leave
-    unsettled raises :class:`NotStrict`). Raises DecodeError for a value the types accept
+    nothing (an empty store). ``readers``: None for the strict types (which leave no value
+    undecoded). Raises DecodeError for a value the types accept
     but the format does not (token ids that do not fit their blocks, say)."""
     kind = types.kind[type(e)]
     positional = type(e) is types.pos_types[kind]

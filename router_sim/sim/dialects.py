@@ -357,8 +357,8 @@ class _EngineDialect(Dialect):
 
     def _tokens(self, run: list[StoredBlock]) -> Any:
         """The run's token ids as msgspec writes them: blocks holding packed ids (the event
-        manager's ``array('i')``) are joined and written as one msgpack array at once
-        (``events.wire.codec.wire_tokens``), the same bytes as the ints as a list."""
+        manager's ``array('i')``) are joined, then made one list at once
+        (``events.wire.codec.wire_tokens``)."""
         if all(type(b.tokens) is array and b.tokens.typecode == "i" for b in run):
             joined = array("i")
             for b in run:
