@@ -38,10 +38,8 @@ unknown fields and every field they require is present (``lora_id``, ``lora_name
 Each wire event is a Struct of the writer's (``events.wire.structs.writer_types("native")``,
 declared from the table the decoder's Structs come from), and :func:`encode_payload`, the one
 writer of payloads (the simulator's engine dialects use it with their engines' Structs), has
-msgspec write them. The native extension ``events.wire._wire`` writes token ids
-that come packed (``array('i')``, as the event manager's records hold them) as a msgpack array
-straight from the int32s, byte for byte what msgspec writes for the same ints as a list, handed
-to msgspec as ``msgspec.Raw``: no Python int per token.
+msgspec write them. Token ids that come packed (``array('i')``, as the event manager's records
+hold them) are handed to msgspec as their list (``array.tolist()``).
 
 Hashes travel as uint64. A ``v2_sha256`` hash (64 hex characters) travels as a 32-byte msgpack
 ``bin`` and decodes back to its hex string: an extension, since 64-bit integers cannot hold it.
