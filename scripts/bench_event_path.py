@@ -22,7 +22,12 @@ With ``--reference DIR`` (a checkout of another commit, its extension built), th
 is also timed (CPU time) with that checkout's ``decode_batch`` in a child process, alternating
 with this tree's on the same payloads (see ``bench_decoder.py``), and printed beside it.
 
-    python scripts/bench_event_path.py [--prompts N] [--reference DIR]
+With ``--against-structs N``, the three set-ups instead run N times each way, alternating in
+this process: with the native batch reader (``events.wire.fast.decode_native``) and without it
+(every batch read by the strict event Structs, as a payload the native reader leaves is), and
+the medians are printed with their ratio: what ``events/wire/_wire.c`` pays on this job.
+
+    python scripts/bench_event_path.py [--prompts N] [--reference DIR] [--against-structs N]
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from __future__ import annotations
 import argparse
 import gc
 import multiprocessing as mp
+import statistics
 import threading
 import time
 from dataclasses import dataclass
@@ -39,6 +45,7 @@ import zmq
 from bench_decoder import ReferenceDecoder  # scripts/ is on sys.path when run as a script
 from bench_event_manager import KeepBlocks
 
+import events.wire.fast as wire_fast
 from events.manager import KVCacheEventManager
 from events.stream.publisher import ZmqEventPublisher
 from events.stream.subscriber import BatchDelivery, ResyncRequired, ZmqEventSubscriber
@@ -271,14 +278,55 @@ def transport_costs(calls: list[list[BlockView]]) -> dict[str, float]:
     }
 
 
+def against_structs(calls: list[list[BlockView]], repeats: int) -> None:
+    """The three set-ups with and without the native batch reader, alternating, medians."""
+    native = wire_fast.decode_native
+    runs: dict[tuple[str, bool], list[Result]] = {}
+    try:
+        for _ in range(repeats):
+            for on in (True, False):
+                wire_fast.decode_native = native if on else (lambda payload: None)
+                for name, run in (
+                    ("inproc, 1 process", lambda: run_in_process("inproc", calls)),
+                    ("tcp loopback, 1 process", lambda: run_in_process("tcp", calls)),
+                    ("tcp loopback, subscriber process", lambda: run_subscriber_process(calls)),
+                ):
+                    runs.setdefault((name, on), []).append(run())
+    finally:
+        wire_fast.decode_native = native
+    print(f"medians of {repeats}, native batch reader on / off (the strict Structs read all)")
+    head = ("blocks/s on", "off", "ratio", "cpu on", "off")
+    print(f"{'set-up':<34}" + "".join(f"{h:>12}" for h in head))
+    for name in dict.fromkeys(k for k, _ in runs):
+        rate = [statistics.median(r.blocks_per_s for r in runs[(name, on)]) for on in (True, False)]
+        cpus = [
+            [r.process_cpu_s / r.blocks * 1e6 for r in runs[(name, on)] if r.process_cpu_s]
+            for on in (True, False)
+        ]
+        cpu = "".join(f"{statistics.median(c):>12.2f}" if c else f"{'-':>12}" for c in cpus)
+        print(f"{name:<34}{rate[0]:>12,.0f}{rate[1]:>12,.0f}{rate[0] / rate[1]:>12.2f}{cpu}")
+    print("cpu: CPU us per block of all the process's threads (one-process set-ups)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=400)
     parser.add_argument(
         "--reference", type=Path, help="a checkout whose decode_batch is timed beside this one"
     )
+    parser.add_argument(
+        "--against-structs",
+        type=int,
+        metavar="N",
+        help="N alternating runs with and without the native batch reader",
+    )
     args = parser.parse_args()
     cache, calls = tree_blocks(args.prompts)
+    if args.against_structs:
+        gc.freeze()
+        against_structs(calls, args.against_structs)
+        del cache
+        return
     total = sum(len(c) for c in calls)
     print(f"{total} blocks of {TOKENS_PER_BLOCK} tokens in {len(calls)} batches "
           f"({len(calls[0])} blocks per batch)")  # fmt: skip

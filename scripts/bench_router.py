@@ -186,6 +186,46 @@ def bench_lookups(rng: random.Random, n: int, rows: list[tuple[str, str, str]]) 
     rows.append(("  of which chain_hashes", f"p50 {p50:.1f} us", "-"))
 
 
+def bench_tiered_route(rng: random.Random, rows: list[tuple[str, str, str]]) -> None:
+    """A fleet that offloads: 16 workers each holding a 64-256-block prefix of one 4,096-token
+    prompt, the later half of it on the host tier. The match then counts tiers per worker:
+    ``_match.c``'s ``detailed`` loop, beside the index's Python form of the same match (what
+    serves keys that are not ints), on the same index."""
+    ix = KvIndexer(TPB)
+    tokens = array("i", [rng.randrange(32000) for _ in range(4096)])
+    hashes = chain_hashes(tokens, TPB, DEFAULT_SCOPE)
+    for w in range(WORKERS):
+        n = rng.randrange(64, len(hashes) + 1)
+        blocks = [
+            StoredBlock(h, tokens[i * TPB : (i + 1) * TPB], None, 0 if i < n // 2 else 1)
+            for i, h in enumerate(hashes[:n])
+        ]
+        ix.apply_batch(w, DecodedBatch(0.0, [KVCacheEvent(0, Stored(None, blocks, TPB))]))
+    assert ix.find_matches_detailed(hashes) == ix._find_matches_detailed_general(hashes)
+    native, _ = percentile_us(lambda: ix.find_matches_detailed(hashes), 2000)
+    general, _ = percentile_us(lambda: ix._find_matches_detailed_general(hashes), 2000)
+    rows.append(
+        (
+            "find_matches_detailed, 256 blocks on two tiers, 16 workers: C / Python",
+            f"p50 {native:.1f} / {general:.1f} us ({general / native:.2f}x)",
+            "-",
+        )
+    )
+    source = StaticLoadSource({w: WorkerLoad(active_requests=w % 3) for w in range(WORKERS)})
+    router = Router(TPB, "kv_overlap", source, indexer=ix)
+    c_route, _ = percentile_us(partial(router.route, tokens), 2000)
+    ix.find_matches_detailed = ix._find_matches_detailed_general  # type: ignore[method-assign]
+    py_route, _ = percentile_us(partial(router.route, tokens), 2000)
+    del ix.find_matches_detailed
+    rows.append(
+        (
+            "  route() of that prompt, C / Python match",
+            f"p50 {c_route:.1f} / {py_route:.1f} us ({py_route / c_route:.2f}x)",
+            "-",
+        )
+    )
+
+
 def bench_wide_lookups(
     rng: random.Random, n: int, workers: int, rows: list[tuple[str, str, str]]
 ) -> None:
@@ -345,6 +385,7 @@ def main() -> None:
     )
 
     bench_lookups(rng, n, rows)
+    bench_tiered_route(rng, rows)
     gc.collect()
 
     rows.append(
