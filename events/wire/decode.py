@@ -339,7 +339,6 @@ _RAW_LISTS: dict[int, msgspec.msgpack.Decoder[list[msgspec.Raw]]] = {}
 _RAW_MAPS: dict[int, msgspec.msgpack.Decoder[dict[Any, msgspec.Raw]]] = {}
 _INT_LISTS: dict[int, msgspec.msgpack.Decoder[list[int]]] = {}
 _TOKEN_LISTS: dict[int, msgspec.msgpack.Decoder[list[int]]] = {}
-_TokenId = Annotated[int, msgspec.Meta(ge=0, lt=TOKEN_LIMIT)]
 _PAIR_LISTS: dict[int, msgspec.msgpack.Decoder[list[list[int]]]] = {}
 _Pair = Annotated[list[int], msgspec.Meta(min_length=2, max_length=2)]
 
@@ -408,7 +407,7 @@ def _read_tokens(raw: msgspec.Raw, where: str, limits: DecodeLimits) -> Sequence
         raise _too_many_tokens(where, n, limits.max_tokens_per_event)
     cap = length_cap(limits.max_tokens_per_event, limits)  # one decoder per limit, not per n
     try:
-        return array("i", _capped(_TOKEN_LISTS, list[_TokenId], cap).decode(chunk))
+        return array("i", _capped(_TOKEN_LISTS, _TOKEN_LIST, cap).decode(chunk))
     except msgspec.ValidationError:
         pass
     try:
