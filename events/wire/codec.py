@@ -141,9 +141,10 @@ _BLOCK_HASH: Final = attrgetter("block_hash")
 _TYPECODE: Final = attrgetter("typecode")
 
 
-def _joined(parts: list[TokenIds]) -> TokenIds:
-    """A run's token ids in one container: an ``array('i')`` when every part is one, else a
-    list (a lone part as it is: the writer only reads it)."""
+def join_tokens(parts: list[TokenIds]) -> TokenIds:
+    """A run's token ids, from its blocks' ids, in one container: an ``array('i')`` when every
+    part is one, else a list (a lone part as it is: the writers only read it). This writer's
+    and the engine dialects' (``router_sim.sim.dialects``) runs are joined here."""
     if len(parts) == 1:
         return parts[0]
     if set(map(type, parts)) == {array} and set(map(_TYPECODE, parts)) == {"i"}:
@@ -166,7 +167,7 @@ def _stored_runs(blocks: list[StoredBlock], block_size: int) -> list[_Run]:
     runs: list[_Run] = []
     start = 0
     for end in wire_runs(blocks, block_size):
-        runs.append((end, _joined(tokens[start:end]), hashes[start:end]))
+        runs.append((end, join_tokens(tokens[start:end]), hashes[start:end]))
         start = end
     return runs
 

@@ -66,14 +66,13 @@ vLLM calls ``CPU``.
 from __future__ import annotations
 
 import hashlib
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
 import msgspec
 
-from events.wire.codec import encode_batch, encode_payload, wire_tokens
+from events.wire.codec import encode_batch, encode_payload, join_tokens, wire_tokens
 from events.wire.model import (
     AllBlocksCleared,
     BlockHash,
@@ -356,15 +355,9 @@ class _EngineDialect(Dialect):
         raise NotImplementedError
 
     def _tokens(self, run: list[StoredBlock]) -> Any:
-        """The run's token ids as msgspec writes them: blocks holding packed ids (the event
-        manager's ``array('i')``) are joined, then made one list at once
-        (``events.wire.codec.wire_tokens``)."""
-        if all(type(b.tokens) is array and b.tokens.typecode == "i" for b in run):
-            joined = array("i")
-            for b in run:
-                joined += b.tokens  # type: ignore[arg-type]
-            return wire_tokens(joined)
-        return [t for b in run for t in b.tokens]
+        """The run's token ids as msgspec writes them, joined as this project's writer joins a
+        run's (``events.wire.codec.join_tokens``, ``wire_tokens``)."""
+        return wire_tokens(join_tokens([b.tokens for b in run]))
 
 
 class VllmDialect(_EngineDialect):
